@@ -1,0 +1,25 @@
+"""opsched: inter-operator scheduling for PyTorch inference.
+
+The names that need PyTorch (``capture``, ``run_graph``) are imported on first use, so that working
+with DAG JSON graphs (and ``opsched schedule``) does not pay for importing torch.
+"""
+
+from typing import Any
+
+from opsched.errors import CaptureError, DagJsonError, GraphError, ModelSpecError, OpschedError
+from opsched.graph.ir import Graph, Node
+
+__version__ = "0.1.0"
+
+_LAZY = {"capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret"}
+
+__all__ = ["CaptureError", "DagJsonError", "Graph", "GraphError", "ModelSpecError", "Node", "OpschedError",
+           "capture", "run_graph", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'opsched' has no attribute {name!r}")

@@ -1,0 +1,145 @@
+"""The ``opsched`` command.
+
+Every subcommand prints a readable summary, or exactly one JSON object on stdout with ``--json``.
+Bad input is reported as one line on stderr with exit status 2; a failure while running, exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from opsched import __version__
+from opsched.errors import OpschedError
+
+
+def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.graph.blocks import split_blocks
+
+    start = time.perf_counter()
+    graph = _load_graph(args)
+    seconds = time.perf_counter() - start
+    blocks = split_blocks(graph, args.max_block_size, at_cuts=not args.no_split)
+    widths = [graph.width_of(b.mask) for b in blocks]
+    summary = {
+        "model": args.model, "units": len(graph), "edges": len(graph.edges), "blocks": len(blocks),
+        "max_block_width": max(widths, default=0), "flops": graph.flops, "width": graph.width,
+        "batch": args.batch, "capture_seconds": round(seconds, 3),
+        "block_table": [{"units": len(b), "width": w, "part": f"{b.part + 1}/{b.parts}",
+                         "first": graph.nodes[b.units[0]].name,
+                         "exit": graph.nodes[b.exit].name if b.exit is not None else None}
+                        for b, w in zip(blocks, widths)],
+    }
+    if not args.json:
+        _print_graph_summary(summary)
+    return summary
+
+
+def _print_graph_summary(s: dict[str, Any]) -> None:
+    gflops = s["flops"] / 1e9
+    print(f"model            {s['model']}" + (f" (batch {s['batch']})" if s["batch"] else ""))
+    print(f"units            {s['units']}")
+    print(f"edges            {s['edges']}")
+    print(f"width            {s['width']}")
+    print(f"blocks           {s['blocks']}  (widest block: {s['max_block_width']} units side by side)")
+    print(f"FLOPs            {gflops:.3f} G")
+    print(f"load + capture   {s['capture_seconds']:.2f} s")
+    print()
+    rows = [("block", "units", "width", "part", "first unit", "exit unit")]
+    rows += [(str(k), str(b["units"]), str(b["width"]), b["part"], b["first"], b["exit"] or "-")
+             for k, b in enumerate(s["block_table"])]
+    sizes = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(size) if c >= 3 else cell.rjust(size)
+                        for c, (cell, size) in enumerate(zip(r, sizes))).rstrip())
+
+
+def _load_graph(args: argparse.Namespace):
+    """The unit graph of a model specifier, or of a DAG JSON file."""
+    if args.model.endswith(".json"):
+        from opsched.graph import dagjson
+
+        return dagjson.read(args.model)
+    from opsched.graph.capture import capture
+    from opsched.models.spec import load_model, parse_shape
+
+    shapes = [parse_shape(s) for s in args.input_shape or []]
+    loaded = load_model(args.model, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
+    return capture(loaded.model, loaded.inputs, name=loaded.name)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire), torchvision:NAME, timm:NAME, "
+              "path/to/file.py:factory, or a DAG JSON file (*.json)")
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=_positive, metavar="B", help="batch size (rescales the example inputs)")
+    p.add_argument("--input-shape", action="append", metavar="SHAPE",
+                   help="example input shape such as 1x3x224x224, for a factory that returns a model alone "
+                        "(repeat for several inputs)")
+    p.add_argument("--image-size", type=_positive, metavar="N",
+                   help="image height and width for the zoo, torchvision and timm models")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opsched", description="Inter-operator scheduling for PyTorch inference.")
+    parser.add_argument("--version", action="version", version=f"opsched {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("graph", help="capture a model and summarise its graph of schedule units",
+                       description="Capture a model (or read a DAG JSON file) and summarise its schedule "
+                                   "units, edges, blocks and FLOPs.")
+    p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    _add_model_options(p)
+    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
+                   help="cut blocks larger than N units into consecutive parts (0: no limit; default 50)")
+    p.add_argument("--no-split", action="store_true", help="treat the whole graph as one block")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    p.set_defaults(handler=_graph_command)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = args.handler(args)
+    except OpschedError as e:
+        print(f"opsched: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("opsched: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        json.dump(result, sys.stdout)
+        sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

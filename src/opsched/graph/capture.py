@@ -1,0 +1,314 @@
+"""Capture a PyTorch model as a :class:`~opsched.graph.ir.Graph` of schedule units.
+
+torch.export.export is tried first (it traces models with Python control flow, such as timm's NASNet, that
+torch.fx.symbolic_trace cannot), then torch.fx.symbolic_trace. The FX graph is then grouped into units:
+
+1. every heavy operator (convolution, matmul, pooling, concatenation) starts a unit;
+2. a light operator with one data input *follows* its producer's unit when it is that producer's only
+   user (batch norm and ReLU after a convolution); a 1x1 convolution follows the depthwise convolution
+   it reads the same way, giving one separable-convolution unit as in IOS ("Relu-SepConv");
+3. a unit made only of light operators whose output feeds exactly one unit *precedes* that unit (the
+   ReLU before a separable convolution, the sum that aggregates a RandWire node's inputs).
+
+Only a unit's last operator is read by other units, so every unit has one output, and grouping keeps the
+unit graph acyclic. Values that depend on no input (a weight passed through sigmoid) are recomputed
+inside each unit that reads them. Each unit runs as its own small FX GraphModule over the operators it
+holds, sharing the model's parameters, so running the units in order reproduces the captured program.
+
+Example:
+
+>>> import torch
+>>> class Two(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.a, self.b = torch.nn.Conv2d(3, 4, 1), torch.nn.Conv2d(3, 4, 3, padding=1)
+...     def forward(self, x):
+...         return torch.cat([self.a(x).relu(), self.b(x)], 1)
+>>> g = capture(Two(), (torch.randn(1, 3, 8, 8),))
+>>> [(n.name, n.kind, n.args) for n in g.nodes]
+[('a', 'conv', ('x',)), ('b', 'conv', ('x',)), ('cat', 'cat', ('a', 'b'))]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch.fx.passes.shape_prop import ShapeProp
+
+from opsched.errors import CaptureError
+from opsched.graph import ops
+from opsched.graph.ir import Graph, Node
+
+_COMPUTE = ("call_function", "call_method", "call_module")
+
+
+def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = None) -> Graph:
+    """Capture ``model`` run on ``example_inputs`` (a tensor or a tuple of arguments) as a unit graph.
+
+    The model is put in eval mode. Raises :class:`~opsched.errors.CaptureError` naming the model and
+    the reason when neither torch.export nor torch.fx can capture it.
+    """
+    label = name or type(model).__name__
+    if not isinstance(model, torch.nn.Module):
+        raise CaptureError(f"cannot capture {label}: expected a torch.nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    model.eval()
+    gm = _trace(model, args, label)
+    return _group_units(gm, label)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+
+
+def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(model, args)
+        gm = exported.module()
+        if not _make_inplace_functional(gm):
+            # Some in-place op is seen through an alias: let torch functionalize the whole program.
+            gm = exported.run_decompositions({}).module()
+            _make_inplace_functional(gm)
+        return gm
+    except Exception as export_error:  # noqa: BLE001 - any failure moves on to torch.fx
+        try:
+            gm = fx.symbolic_trace(model)
+            with torch.no_grad():
+                ShapeProp(gm).propagate(*args)
+            return gm
+        except Exception as fx_error:  # noqa: BLE001 - reported as one line naming both reasons
+            raise CaptureError(f"cannot capture {label}: torch.export failed ({_first_line(export_error)}); "
+                               f"torch.fx failed ({_first_line(fx_error)})") from fx_error
+
+
+def _make_inplace_functional(gm: fx.GraphModule) -> bool:
+    """Replace in-place ATen ops by their functional forms where nothing else sees the mutated tensor.
+
+    Units run concurrently, so a unit must never write into a tensor another unit reads. Returns False,
+    changing nothing, if some mutated tensor has other readers or aliases another tensor.
+    """
+    replacements = []
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if not target._schema.is_mutable:
+            continue
+        name = target._overloadpacket.__name__
+        mutated = node.args[0] if node.args else None
+        functional = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+        overload = getattr(functional, target._overloadname, None) if functional is not None else None
+        if (overload is None or not isinstance(mutated, fx.Node) or mutated.op != "call_function"
+                or len(mutated.users) != 1 or _is_view(mutated)):
+            return False
+        replacements.append((node, overload))
+    for node, overload in replacements:
+        node.target = overload
+    gm.recompile()
+    return True
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    return True
+
+
+def _group_units(gm: fx.GraphModule, label: str) -> Graph:
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    output = next(n for n in nodes if n.op == "output")
+    flat_out, out_spec = pytree.tree_flatten(output.args[0])
+    pytree_info = getattr(gm.graph._codegen, "pytree_info", None)
+    if pytree_info is not None and pytree_info.out_spec is not None:
+        out_spec = pytree_info.out_spec
+
+    live: set[fx.Node] = set()
+    stack = [a for a in flat_out if isinstance(a, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in live:
+            live.add(n)
+            stack.extend(n.all_input_nodes)
+    const: set[fx.Node] = set()
+    for n in nodes:
+        if n.op == "get_attr" or (n.op in _COMPUTE and all(a in const for a in n.all_input_nodes)):
+            const.add(n)
+    compute = [n for n in nodes if n in live and n.op in _COMPUTE and n not in const]
+    op_names = {n: ops.op_name(n, gm) for n in compute}
+    outputs = {a for a in flat_out if isinstance(a, fx.Node)}
+
+    def data_inputs(n: fx.Node) -> list[fx.Node]:
+        return [a for a in dict.fromkeys(n.all_input_nodes) if a not in const]
+
+    def readers(n: fx.Node) -> list[fx.Node]:
+        return [u for u in n.users if u in live and u.op != "output"]
+
+    members: dict[int, list[fx.Node]] = {}
+    heavy: dict[int, fx.Node | None] = {}
+    unit_of: dict[fx.Node, int] = {}
+    last: dict[int, fx.Node] = {}
+    sepconv: set[int] = set()
+
+    for n in compute:
+        name = op_names[n]
+        data = data_inputs(n)
+        producer = data[0] if len(data) == 1 else None
+        uid = unit_of.get(producer) if producer is not None else None
+        follows = (uid is not None and last[uid] is producer and len(readers(producer)) == 1
+                   and producer not in outputs)
+        if follows and not ops.is_heavy(name):
+            members[uid].append(n)
+        elif follows and heavy[uid] is producer and _is_pointwise_after_depthwise(n, producer, op_names, gm):
+            members[uid].append(n)
+            sepconv.add(uid)
+        else:
+            uid = len(members)
+            members[uid] = [n]
+            heavy[uid] = n if ops.is_heavy(name) else None
+        unit_of[n] = uid
+        last[uid] = n
+
+    for uid in sorted(members, reverse=True):
+        if heavy[uid] is not None or last[uid] in outputs:
+            continue
+        consumers = {unit_of[u] for u in readers(last[uid])}
+        if len(consumers) == 1:
+            (target,) = consumers
+            members[target].extend(members[uid])
+            members[target].sort(key=position.__getitem__)
+            for m in members.pop(uid):
+                unit_of[m] = target
+
+    inputs = [n for n in nodes if n.op == "placeholder"]
+    unit_names = _unit_names(members, heavy, op_names, gm)
+    source_name = {n: n.name for n in inputs}
+    for uid, unit in members.items():
+        source_name[last[uid]] = unit_names[uid]
+
+    graph_nodes = []
+    for uid, unit in members.items():
+        external = [a for m in unit for a in data_inputs(m) if unit_of.get(a) != uid]
+        external = list(dict.fromkeys(external))
+        for a in external:
+            if a not in source_name:
+                raise CaptureError(f"cannot capture {label}: operator {a.name} is read outside its unit")
+        graph_nodes.append(_make_node(uid, unit, heavy[uid], uid in sepconv, external, unit_names[uid],
+                                      [source_name[a] for a in external], op_names, const, gm))
+    out_names = []
+    for a in flat_out:
+        if not isinstance(a, fx.Node) or a not in source_name:
+            raise CaptureError(f"cannot capture {label}: an output does not depend on the inputs")
+        out_names.append(source_name[a])
+    return Graph(graph_nodes, inputs=[n.name for n in inputs], outputs=out_names, name=label, out_spec=out_spec)
+
+
+def _is_pointwise_after_depthwise(n: fx.Node, producer: fx.Node, op_names: dict, gm: fx.GraphModule) -> bool:
+    if op_names[n] not in ops.CONV or op_names[producer] not in ops.CONV:
+        return False
+    dw = ops.conv_attrs(producer, op_names[producer], gm)
+    pw = ops.conv_attrs(n, op_names[n], gm)
+    return (bool(dw) and bool(pw) and dw["groups"] > 1 and dw["groups"] == dw["in_channels"]
+            and pw["groups"] == 1 and all(k == 1 for k in pw["kernel"]))
+
+
+def _module_path(n: fx.Node) -> tuple[str, bool]:
+    """The innermost module a node ran in, and whether that module is a torch.nn built-in (a leaf)."""
+    if n.op == "call_module":
+        return str(n.target), True
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return "", False
+    path, cls = list(stack.values())[-1]
+    cls_name = cls if isinstance(cls, str) else f"{cls.__module__}.{cls.__qualname__}"
+    return path, cls_name.startswith("torch.nn.modules.")
+
+
+def _unit_names(members: dict, heavy: dict, op_names: dict, gm: fx.GraphModule) -> dict[int, str]:
+    """Readable unique names: the module path of the unit's main operator (``Mixed_5b.branch1x1.conv``),
+    with the operator's name added when the module runs several operators (``Mixed_5b.cat``)."""
+    names: dict[int, str] = {}
+    used: set[str] = set()
+    for uid, unit in members.items():
+        main = heavy[uid] or unit[-1]
+        path, leaf = _module_path(main)
+        base = path if leaf and path else (f"{path}.{op_names[main]}" if path else op_names[main])
+        candidate, k = base, 2
+        while candidate in used:
+            candidate, k = f"{base}_{k}", k + 1
+        used.add(candidate)
+        names[uid] = candidate
+    return names
+
+
+def _make_node(uid: int, unit: list[fx.Node], heavy: fx.Node | None, is_sepconv: bool, external: list[fx.Node],
+               name: str, args: list[str], op_names: dict, const: set, gm: fx.GraphModule) -> Node:
+    last = unit[-1]
+    meta = ops.tensor_meta(last)
+    params: dict[str, int] = {}
+    seen: set[fx.Node] = set()
+    stack = [a for m in unit for a in m.all_input_nodes if a in const]
+    while stack:
+        c = stack.pop()
+        if c in seen:
+            continue
+        seen.add(c)
+        if c.op == "get_attr":
+            value = ops._get_attr_value(c, gm)
+            if isinstance(value, torch.Tensor):
+                params[str(c.target)] = value.numel() * value.element_size()
+        stack.extend(c.all_input_nodes)
+    for m in unit:
+        if m.op == "call_module":
+            for pname, p in gm.get_submodule(m.target).named_parameters():
+                params[f"{m.target}.{pname}"] = p.numel() * p.element_size()
+    param_bytes = sum(params.values())
+    attrs: dict[str, Any] = {}
+    if heavy is not None:
+        hname = op_names[heavy]
+        kind = ("sepconv" if is_sepconv else "conv") if hname in ops.CONV else (
+            "linear" if hname in ops.MATMUL else "pool" if hname in ops.POOL else "cat")
+        attrs["op"] = hname
+        if hname in ops.CONV:
+            attrs.update(ops.conv_attrs(heavy, hname, gm))
+        hpos = unit.index(heavy)
+        attrs["pre"] = tuple(op_names[m] for m in unit[:hpos])
+        attrs["post"] = tuple(op_names[m] for m in unit[hpos + 1:] if not (is_sepconv and op_names[m] in ops.CONV))
+    else:
+        kind = "elementwise"
+        attrs["post"] = tuple(op_names[m] for m in unit)
+    return Node(
+        name=name, kind=kind, args=tuple(args),
+        shape=meta[0] if meta else None, dtype=str(meta[1]).removeprefix("torch.") if meta else None,
+        flops=sum(ops.flops(m, op_names[m], gm) for m in unit),
+        bytes_read=sum(ops.nbytes(a) for a in external) + param_bytes, bytes_written=ops.nbytes(last),
+        param_bytes=param_bytes, attrs=attrs, ops=tuple(op_names[m] for m in unit),
+        run=_unit_module(unit, external, const, gm, name),
+    )
+
+
+def _unit_module(unit: Sequence[fx.Node], external: Sequence[fx.Node], const: set, gm: fx.GraphModule,
+                 name: str) -> fx.GraphModule:
+    """A GraphModule that runs exactly the unit's operators, reading its inputs as arguments."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for k, a in enumerate(external):
+        env[a] = g.placeholder(f"in{k}")
+
+    def lookup(a: fx.Node) -> fx.Node:
+        if a not in env:
+            if a not in const:
+                raise CaptureError(f"operator {a.name} is read by unit {name} but produced elsewhere")
+            env[a] = g.node_copy(a, lookup)
+        return env[a]
+
+    for m in unit:
+        env[m] = g.node_copy(m, lookup)
+    g.output(env[unit[-1]])
+    return fx.GraphModule(gm, g, class_name="Unit")

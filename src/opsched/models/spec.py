@@ -1,0 +1,141 @@
+"""Turn a model specifier into a model and its example inputs.
+
+Specifiers: a zoo name (``inception_v3``, ``squeezenet``, ``nasnet``, ``randwire``), ``torchvision:NAME``,
+``timm:NAME``, or ``path/to/file.py:factory``. A factory returns ``(model, example_inputs)`` or a model
+alone, which then needs ``input_shapes``. ``batch`` rescales the first dimension of every example input.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from opsched.errors import ModelSpecError
+from opsched.models.randwire import randwire
+from opsched.models.squeezenet import squeezenet
+from opsched.models.wrapped import inception_v3, nasnet
+
+ZOO: dict[str, Callable[..., tuple[torch.nn.Module, tuple]]] = {
+    "inception_v3": inception_v3, "squeezenet": squeezenet, "nasnet": nasnet, "randwire": randwire,
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    inputs: tuple
+
+
+def load_model(spec: str, *, batch: int | None = None, input_shapes: Sequence[Sequence[int]] | None = None,
+               image_size: int | None = None) -> LoadedModel:
+    """Load the model ``spec`` names, with example inputs of batch ``batch`` (default: as the model gives).
+
+    >>> m = load_model("squeezenet", batch=2, image_size=64)
+    >>> m.name, tuple(m.inputs[0].shape)
+    ('squeezenet', (2, 3, 64, 64))
+    """
+    if batch is not None and batch < 1:
+        raise ModelSpecError(f"batch must be at least 1, got {batch}")
+    if spec in ZOO:
+        model, inputs = ZOO[spec](batch=batch or 1, image_size=image_size)
+        return LoadedModel(spec, model, inputs)
+    prefix, sep, rest = spec.partition(":")
+    if sep and prefix == "torchvision":
+        model, inputs = _torchvision(rest, image_size)
+    elif sep and prefix == "timm":
+        model, inputs = _timm(rest, image_size)
+    elif sep and rest and prefix.endswith(".py"):
+        model, inputs = _from_file(Path(prefix), rest)
+    else:
+        raise ModelSpecError(f"unknown model {spec!r}: use a zoo name ({', '.join(ZOO)}), torchvision:NAME, "
+                             "timm:NAME or path/to/file.py:factory")
+    if inputs is None:
+        if not input_shapes:
+            raise ModelSpecError(f"{spec} returns a model without example inputs: give --input-shape, "
+                                 "e.g. --input-shape 1x3x224x224")
+        inputs = tuple(torch.randn(*shape) for shape in input_shapes)
+    elif input_shapes:
+        inputs = tuple(torch.randn(*shape) for shape in input_shapes)
+    inputs = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
+    if batch is not None:
+        inputs = tuple(_rebatch(t, batch) for t in inputs)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelSpecError(f"{spec} gave a {type(model).__name__}, not a torch.nn.Module")
+    return LoadedModel(spec, model.eval(), inputs)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"1x3x224x224"`` -> ``(1, 3, 224, 224)``."""
+    try:
+        shape = tuple(int(p) for p in text.lower().split("x"))
+    except ValueError:
+        raise ModelSpecError(f"bad input shape {text!r}: expected sizes joined by x, e.g. 1x3x224x224") from None
+    if not shape or any(s < 1 for s in shape):
+        raise ModelSpecError(f"bad input shape {text!r}: every size must be a positive integer")
+    return shape
+
+
+def _rebatch(value: Any, batch: int) -> Any:
+    """Repeat (or cut) a tensor along its first dimension to ``batch`` rows."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    reps = math.ceil(batch / value.shape[0])
+    return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch].contiguous()
+
+
+def _torchvision(name: str, image_size: int | None):
+    import torchvision
+
+    try:
+        builder = torchvision.models.get_model_builder(name)
+    except ValueError:
+        raise ModelSpecError(f"torchvision has no model {name!r}") from None
+    torch.manual_seed(0)
+    kwargs: dict[str, Any] = {"weights": None}
+    if name in {"googlenet", "inception_v3"}:
+        kwargs.update(aux_logits=False, init_weights=False)
+    model = builder(**kwargs)
+    size = image_size or (299 if name == "inception_v3" else 224)
+    return model, (torch.randn(1, 3, size, size),)
+
+
+def _timm(name: str, image_size: int | None):
+    try:
+        import timm
+    except ImportError:
+        raise ModelSpecError("timm:NAME needs the timm package (pip install timm)") from None
+    if not timm.is_model(name):
+        raise ModelSpecError(f"timm has no model {name!r}")
+    torch.manual_seed(0)
+    model = timm.create_model(name, pretrained=False)
+    c, h, w = model.pretrained_cfg.get("input_size", (3, 224, 224))
+    if image_size:
+        h = w = image_size
+    return model, (torch.randn(1, c, h, w),)
+
+
+def _from_file(path: Path, factory_name: str):
+    if not path.is_file():
+        raise ModelSpecError(f"no such model file: {path}")
+    module_spec = importlib.util.spec_from_file_location(f"opsched_user_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - the user's file; report its error in one line
+        raise ModelSpecError(f"cannot import {path}: {type(e).__name__}: {e}") from e
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise ModelSpecError(f"{path} has no callable {factory_name!r}")
+    try:
+        result = factory()
+    except Exception as e:  # noqa: BLE001
+        raise ModelSpecError(f"{path}:{factory_name}() failed: {type(e).__name__}: {e}") from e
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
+        return result
+    return result, None

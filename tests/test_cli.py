@@ -1,0 +1,102 @@
+import json
+import textwrap
+
+import pytest
+import torch
+
+from opsched.cli import main
+from opsched.models import load_model
+from opsched.errors import ModelSpecError
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_graph_json_has_the_contract_fields(capsys):
+    code, out, err = run(capsys, "graph", "squeezenet", "--image-size", "64", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    for key in ("model", "units", "edges", "blocks", "max_block_width", "flops"):
+        assert key in doc
+    assert doc["model"] == "squeezenet" and 40 <= doc["units"] <= 60 and doc["blocks"] == len(doc["block_table"])
+
+
+def test_graph_text_summary_has_a_block_table(capsys):
+    code, out, _ = run(capsys, "graph", "squeezenet", "--image-size", "64", "--batch", "2")
+    assert code == 0
+    assert "units" in out and "widest block" in out and "first unit" in out and "(batch 2)" in out
+
+
+def test_graph_reads_dag_json(capsys, tmp_path):
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"nodes": [{"name": "a", "latency": 1}, {"name": "b", "latency": 1}],
+                                "edges": [["a", "b"]]}))
+    code, out, _ = run(capsys, "graph", str(path), "--json")
+    assert code == 0 and json.loads(out)["units"] == 2
+
+
+@pytest.mark.parametrize("argv", [[], ["graph"]])
+def test_help_on_every_command(capsys, argv):
+    with pytest.raises(SystemExit) as info:
+        main(argv + ["--help"])
+    assert info.value.code == 0
+    assert "usage: opsched" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["graph", "resnet9000"], "unknown model 'resnet9000'"),
+    (["graph", "torchvision:nosuchnet"], "torchvision has no model 'nosuchnet'"),
+    (["graph", "timm:nosuchnet"], "timm has no model 'nosuchnet'"),
+    (["graph", "missing.py:f"], "no such model file"),
+    (["graph", "squeezenet", "--input-shape", "1xthree"], "bad input shape"),
+])
+def test_bad_model_specs_give_one_line_and_status_2(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_bad_flag_values_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["graph", "squeezenet", "--batch", "0"])
+    assert info.value.code == 2
+
+
+FACTORY = textwrap.dedent("""
+    import torch
+    def bare():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    def with_inputs():
+        return torch.nn.Linear(6, 2), (torch.randn(2, 6),)
+    def broken():
+        raise RuntimeError("no weights here")
+""")
+
+
+def test_file_factory_specs(capsys, tmp_path):
+    path = tmp_path / "mine.py"
+    path.write_text(FACTORY)
+    code, _, err = run(capsys, "graph", f"{path}:bare")
+    assert code == 2 and "--input-shape" in err
+    code, out, _ = run(capsys, "graph", f"{path}:bare", "--input-shape", "1x3x8x8", "--json")
+    assert code == 0 and json.loads(out)["units"] == 1
+    code, _, err = run(capsys, "graph", f"{path}:broken")
+    assert code == 2 and "no weights here" in err
+    code, _, err = run(capsys, "graph", f"{path}:nothing")
+    assert code == 2 and "no callable 'nothing'" in err
+    loaded = load_model(f"{path}:with_inputs", batch=5)
+    assert loaded.inputs[0].shape == (5, 6)
+    loaded = load_model(f"{path}:bare", input_shapes=[(2, 3, 8, 8)], batch=3)
+    assert loaded.inputs[0].shape == (3, 3, 8, 8)
+
+
+def test_timm_and_torchvision_specs():
+    m = load_model("timm:resnet18", image_size=32)
+    assert m.inputs[0].shape == (1, 3, 32, 32)
+    m = load_model("torchvision:inception_v3", batch=2, image_size=80)
+    assert m.inputs[0].shape == (2, 3, 80, 80)
+    with pytest.raises(ModelSpecError, match="batch must be at least 1"):
+        load_model("squeezenet", batch=0)
