@@ -100,3 +100,52 @@ def test_timm_and_torchvision_specs():
     assert m.inputs[0].shape == (2, 3, 80, 80)
     with pytest.raises(ModelSpecError, match="batch must be at least 1"):
         load_model("squeezenet", batch=0)
+
+
+def write_dag(tmp_path):
+    from opsched.graph import dagjson
+    from opsched.models.synthetic import randwire_stage
+
+    path = tmp_path / "stage.json"
+    dagjson.write(randwire_stage(16, "ws", seed=2), path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["sequential", "greedy", "lios", "nimble", "ios", "exact"])
+def test_schedule_json_contract(capsys, tmp_path, method):
+    path = write_dag(tmp_path)
+    code, out, err = run(capsys, "schedule", str(path), "--method", method, "--json", "--streams", "3")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["method"] == method and doc["predicted_latency"] > 0
+    assert set(doc["stats"]) >= {"states", "transitions", "search_seconds"}
+    assert len(doc["ops"]) == 17 and set(doc["ops"][0]) == {"name", "stream", "start", "finish"}
+    assert ("stages" in doc) == (method in ("sequential", "greedy", "ios"))
+    assert doc["bounds"]["lower_bound"] <= doc["predicted_latency"] + 1e-9
+
+
+def test_schedule_text_and_plan_file(capsys, tmp_path):
+    path = write_dag(tmp_path)
+    plan = tmp_path / "plan.json"
+    code, out, _ = run(capsys, "schedule", str(path), "--method", "ios", "-r", "2", "-s", "4",
+                       "--capacity", "3", "--sync-overhead", "0.5", "--out", str(plan))
+    assert code == 0 and "predicted latency" in out and "lower bound" in out and "transitions" in out
+    assert json.loads(plan.read_text())["options"]["max_group_size"] == 2
+    code, _, err = run(capsys, "schedule", str(path), "--method", "ios", "--out", str(plan))
+    assert code == 2 and "--force" in err
+    assert run(capsys, "schedule", str(path), "--method", "ios", "--out", str(plan), "--force")[0] == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["schedule", "inception_v3", "--method", "ios"], "takes a DAG JSON file"),
+    (["schedule", "nothere.json", "--method", "ios"], "cannot read"),
+])
+def test_schedule_bad_input(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_schedule_bad_capacity(capsys, tmp_path):
+    path = write_dag(tmp_path)
+    code, _, err = run(capsys, "schedule", str(path), "--method", "ios", "--capacity", "0.5")
+    assert code == 2 and "capacity" in err

@@ -39,6 +39,66 @@ def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
     return summary
 
 
+def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.cost.table import TableCost
+    from opsched.graph import dagjson
+    from opsched.schedulers import make_schedule
+
+    if not args.graph.endswith(".json"):
+        raise OpschedError(f"{args.graph}: opsched schedule takes a DAG JSON file (*.json); "
+                           "models are scheduled with opsched optimize")
+    if args.out and Path(args.out).exists() and not args.force:
+        raise OpschedError(f"{args.out} exists; pass --force to overwrite it")
+    graph = dagjson.read(args.graph)
+    cost = TableCost(graph, capacity=args.capacity, sync_overhead=args.sync_overhead)
+    options = {"sequential": {}, "greedy": {"max_streams": args.streams or 0},
+               "lios": {"streams": args.streams or 8}, "nimble": {"streams": args.streams or 0},
+               "ios": {"max_group_size": args.max_group_size, "max_groups": args.max_groups,
+                       "split": not args.no_split, "max_block_size": args.max_block_size},
+               "exact": {"streams": args.streams or 8, "time_limit": args.time_limit}}[args.method]
+    schedule = make_schedule(args.method, graph, cost, **options)
+    baseline = make_schedule("sequential", graph, cost)
+    if args.out:
+        schedule.save(args.out)
+    result: dict[str, Any] = {"method": schedule.method, "predicted_latency": schedule.predicted_latency}
+    if schedule.stages is not None:
+        result["stages"] = [{"strategy": st.strategy, "groups": st.groups} for st in schedule.stages]
+    result["ops"] = [{"name": o.name, "stream": o.stream, "start": o.start, "finish": o.finish} for o in schedule.ops]
+    result["stats"] = schedule.stats
+    result["bounds"] = schedule.bounds
+    result["sequential_latency"] = baseline.predicted_latency
+    result["cost"] = cost.describe()
+    if not args.json:
+        _print_schedule(schedule, baseline.predicted_latency, args.out)
+    return result
+
+
+def _print_schedule(schedule, sequential_latency: float, out: str | None) -> None:
+    if schedule.stages is not None:
+        rows = [("stage", "strategy", "groups")]
+        rows += [(str(k), st.strategy, "  |  ".join(" -> ".join(g) for g in st.groups))
+                 for k, st in enumerate(schedule.stages)]
+    else:
+        rows = [("stream", "units in order", "")]
+        rows += [(str(k), " -> ".join(units), "") for k, units in enumerate(schedule.streams()) if units]
+    width = [max(len(r[c]) for r in rows) for c in range(2)]
+    for r in rows:
+        print(f"{r[0].rjust(width[0])}  {r[1].ljust(width[1])}  {r[2]}".rstrip())
+    latency, bound = schedule.predicted_latency, schedule.bounds["lower_bound"]
+    speedup = sequential_latency / latency if latency else float("inf")
+    print()
+    print(f"predicted latency  {latency:.6g}  (sequential {sequential_latency:.6g}: {speedup:.2f}x; "
+          f"lower bound {bound:.6g})")
+    st = schedule.stats
+    if st.get("states") is not None:
+        print(f"search             {st['states']} states, {st['transitions']} transitions, "
+              f"{st['search_seconds']:.3f} s")
+    else:
+        print(f"search             {st['search_seconds']:.3f} s")
+    if out:
+        print(f"plan written to    {out}")
+
+
 def _print_graph_summary(s: dict[str, Any]) -> None:
     gflops = s["flops"] / 1e9
     print(f"model            {s['model']}" + (f" (batch {s['batch']})" if s["batch"] else ""))
@@ -121,6 +181,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-split", action="store_true", help="treat the whole graph as one block")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.set_defaults(handler=_graph_command)
+
+    p = sub.add_parser("schedule", help="schedule a DAG JSON graph with the table cost model",
+                       description="Schedule a DAG JSON graph with one method and print the stages or streams, "
+                                   "the predicted latency against sequential and the lower bound.")
+    p.add_argument("graph", metavar="DAG.json", help="the graph: nodes with latencies and edges")
+    p.add_argument("--method", required=True, choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"])
+    p.add_argument("--streams", type=_non_negative, metavar="K",
+                   help="streams for lios and exact (default 8); a cap for greedy and nimble (default none)")
+    p.add_argument("-r", "--max-group-size", type=_non_negative, default=3, metavar="R",
+                   help="ios: at most R units in a group of a stage (0: no limit; default 3)")
+    p.add_argument("-s", "--max-groups", type=_non_negative, default=8, metavar="S",
+                   help="ios: at most S groups in a stage (0: no limit; default 8)")
+    p.add_argument("--capacity", type=float, default=0.0, metavar="C",
+                   help="work the device does at once, in units' latencies (0: unlimited, the default)")
+    p.add_argument("--sync-overhead", type=float, default=0.0, metavar="X",
+                   help="latency added for each extra group of a stage, or each cross-stream wait (default 0)")
+    p.add_argument("--no-split", action="store_true", help="ios: schedule the whole graph as one block")
+    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
+                   help="ios: cut blocks larger than N units into parts (0: no limit; default 50)")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS", help="exact: CP-SAT time limit")
+    p.add_argument("--out", metavar="PLAN.json", help="write the schedule (opsched.schedule/1) to this file")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(handler=_schedule_command)
     return parser
 
 
@@ -132,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OpschedError as e:
         print(f"opsched: error: {e}", file=sys.stderr)
         return 2
+    except (ValueError, RuntimeError) as e:
+        print(f"opsched: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("opsched: interrupted", file=sys.stderr)
         return 130

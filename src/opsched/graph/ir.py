@@ -297,3 +297,27 @@ def can_merge(nodes: Sequence[Node]) -> bool:
         if len({k - 2 * p for k, p in zip(ks, ps)}) != 1 or len({k % 2 for k in ks}) != 1:
             return False
     return True
+
+
+def components(graph: Graph, mask: int) -> list[list[int]]:
+    """Connected components (edges taken both ways) of the subgraph ``mask`` induces, each as unit indices
+    in topological order, ordered by their first unit: the *groups* of an IOS stage.
+
+    >>> g = Graph([Node("a"), Node("b", args=("a",)), Node("c")])
+    >>> components(g, g.all_mask)
+    [[0, 1], [2]]
+    """
+    groups = []
+    left = mask
+    while left:
+        low = left & -left
+        comp = frontier = low
+        while frontier:
+            reach = 0
+            for u in indices(frontier):
+                reach |= graph.preds[u] | graph.succs[u]
+            frontier = reach & left & ~comp
+            comp |= frontier
+        groups.append(list(indices(comp)))
+        left &= ~comp
+    return groups

@@ -1,0 +1,28 @@
+"""The interface every cost model implements. Schedulers only ever call these methods: a scheduler never
+measures, and a cost model never schedules.
+
+A *stage* is a list of groups, each a list of unit indices in topological order; the groups run at the
+same time, the units of one group one after another.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+
+class CostModel(Protocol):
+    name: str
+    """What the figures are: ``table`` (from the graph file), ``measured``, or ``sim:DEVICE`` (simulated)."""
+
+    def op_latency(self, unit: int) -> float:
+        """Latency of one unit run alone."""
+
+    def stage_latency(self, groups: Sequence[Sequence[int]]) -> float:
+        """Latency of a concurrent stage: ``groups`` run side by side."""
+
+    def merge_latency(self, units: Sequence[int]) -> float | None:
+        """Latency of the units merged into one operator, or None if this model cannot cost a merge."""
+
+    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
+        """Latency of a stream schedule whose timeline (cross-stream synchronisation included) ends at
+        ``makespan``, for models that add effects the timeline does not show."""

@@ -1,0 +1,280 @@
+"""Schedules: what runs when, in two forms, one JSON format (``opsched.schedule/1``).
+
+- *staged* (IOS, greedy, sequential): stages one after another; a ``concurrent`` stage runs its groups at
+  the same time (the units of a group in order), a ``merge`` stage runs its units fused into one operator.
+- *stream* (LIOS, Nimble, exact): each unit gets a stream; a stream runs its units in order and waits on
+  an event only where a unit reads a unit of another stream.
+
+Both carry the per-unit timeline (stream, start, finish) their cost model predicts, the fingerprint of
+the graph they were made for, the device, batch and cost model, search statistics and lower bounds.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> from opsched.cost.table import TableCost
+>>> g = Graph([Node("a", latency=1.0), Node("b", args=("a",), latency=2.0), Node("c", args=("a",), latency=3.0)])
+>>> s = from_stages(g, TableCost(g), "example", [("concurrent", [[0]]), ("concurrent", [[1], [2]])])
+>>> s.predicted_latency, [(o.name, o.stream, o.start, o.finish) for o in s.ops]
+(4.0, [('a', 0, 0.0, 1.0), ('b', 0, 1.0, 3.0), ('c', 1, 1.0, 4.0)])
+>>> validate(s, g)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from opsched.cost.base import CostModel
+from opsched.errors import OpschedError
+from opsched.graph.ir import Graph, can_merge, indices
+
+FORMAT = "opsched.schedule/1"
+STRATEGIES = ("concurrent", "merge")
+_EPS = 1e-9
+
+
+class ScheduleError(OpschedError, ValueError):
+    """A schedule that is malformed, invalid for its graph, or made for another graph."""
+
+
+@dataclass
+class Stage:
+    strategy: str
+    groups: list[list[str]]
+
+
+@dataclass
+class OpTiming:
+    name: str
+    stream: int
+    start: float
+    finish: float
+
+
+@dataclass
+class Schedule:
+    method: str
+    graph_name: str
+    fingerprint: str
+    ops: list[OpTiming]
+    predicted_latency: float
+    stages: list[Stage] | None = None
+    cost: str = "table"
+    device: str = "table"
+    batch: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    bounds: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def form(self) -> str:
+        return "staged" if self.stages is not None else "stream"
+
+    def streams(self) -> list[list[str]]:
+        """Units of each stream in the order they run (by predicted start)."""
+        count = 1 + max((o.stream for o in self.ops), default=-1)
+        by_stream: list[list[OpTiming]] = [[] for _ in range(count)]
+        for o in self.ops:
+            by_stream[o.stream].append(o)
+        return [[o.name for o in sorted(ops, key=lambda o: (o.start, o.finish))] for ops in by_stream]
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "format": FORMAT, "method": self.method, "form": self.form,
+            "graph": {"name": self.graph_name, "fingerprint": self.fingerprint, "units": len(self.ops)},
+            "device": self.device, "batch": self.batch, "cost": self.cost,
+            "predicted_latency": self.predicted_latency,
+        }
+        if self.stages is not None:
+            doc["stages"] = [asdict(s) for s in self.stages]
+        doc["ops"] = [asdict(o) for o in self.ops]
+        doc["stats"] = self.stats
+        doc["bounds"] = self.bounds
+        doc["options"] = self.options
+        return doc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
+    """Read a schedule from its JSON form, reporting the first problem in one line."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ScheduleError(f"{source}: not an opsched schedule (expected \"format\": \"{FORMAT}\")")
+    try:
+        stages = None
+        if doc.get("stages") is not None:
+            stages = [Stage(str(s["strategy"]), [[str(u) for u in g] for g in s["groups"]]) for s in doc["stages"]]
+        ops = [OpTiming(str(o["name"]), int(o["stream"]), float(o["start"]), float(o["finish"])) for o in doc["ops"]]
+        graph = doc["graph"]
+        return Schedule(method=str(doc["method"]), graph_name=str(graph["name"]), fingerprint=str(graph["fingerprint"]),
+                        ops=ops, predicted_latency=float(doc["predicted_latency"]), stages=stages,
+                        cost=str(doc.get("cost", "table")), device=str(doc.get("device", "table")),
+                        batch=doc.get("batch"), stats=dict(doc.get("stats", {})), bounds=dict(doc.get("bounds", {})),
+                        options=dict(doc.get("options", {})))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None
+
+
+def load(path: str | Path, graph: Graph | None = None) -> Schedule:
+    """Load a schedule file; with ``graph``, also check that it was made for that graph and is valid."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except OSError as e:
+        raise ScheduleError(f"cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ScheduleError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    schedule = from_dict(doc, str(path))
+    if graph is not None:
+        validate(schedule, graph)
+    return schedule
+
+
+def validate(schedule: Schedule, graph: Graph) -> None:
+    """Raise :class:`ScheduleError` unless the schedule fits ``graph``: made for it, every unit exactly
+    once, every dependency respected, merge stages mergeable, and a consistent timeline."""
+    if schedule.fingerprint != graph.fingerprint:
+        raise ScheduleError(f"this plan was made for another graph ({schedule.graph_name}, fingerprint "
+                            f"{schedule.fingerprint}); {graph.name} has fingerprint {graph.fingerprint}")
+    names = [o.name for o in schedule.ops]
+    _check_each_unit_once(names, graph, "the timeline")
+    timing = {o.name: o for o in schedule.ops}
+    for o in schedule.ops:
+        if o.stream < 0 or o.finish < o.start - _EPS:
+            raise ScheduleError(f"unit {o.name!r} has a bad timeline entry (stream {o.stream}, {o.start}..{o.finish})")
+    for i, node in enumerate(graph.nodes):
+        for j in indices(graph.preds[i]):
+            pred = graph.nodes[j].name
+            if timing[node.name].start < timing[pred].finish - _EPS and not _same_merge(schedule, pred, node.name):
+                raise ScheduleError(f"unit {node.name!r} starts before its input {pred!r} finishes")
+    for stream, units in enumerate(schedule.streams()):
+        for a, b in zip(units, units[1:]):
+            if timing[b].start < timing[a].finish - _EPS and not _same_merge(schedule, a, b):
+                raise ScheduleError(f"units {a!r} and {b!r} overlap on stream {stream}")
+    if schedule.stages is not None:
+        _validate_stages(schedule.stages, graph)
+
+
+def _same_merge(schedule: Schedule, a: str, b: str) -> bool:
+    return schedule.stages is not None and any(
+        s.strategy == "merge" and {a, b} <= {u for g in s.groups for u in g} for s in schedule.stages)
+
+
+def _check_each_unit_once(names: Sequence[str], graph: Graph, where: str) -> None:
+    seen: set[str] = set()
+    for n in names:
+        if n not in graph.index:
+            raise ScheduleError(f"{where} names unit {n!r}, which the graph does not have")
+        if n in seen:
+            raise ScheduleError(f"{where} places unit {n!r} more than once")
+        seen.add(n)
+    missing = [n.name for n in graph.nodes if n.name not in seen]
+    if missing:
+        raise ScheduleError(f"{where} leaves out {len(missing)} unit(s), first {missing[0]!r}")
+
+
+def _validate_stages(stages: Sequence[Stage], graph: Graph) -> None:
+    _check_each_unit_once([u for s in stages for g in s.groups for u in g], graph, "the stages")
+    done: set[str] = set()
+    for k, stage in enumerate(stages):
+        if stage.strategy not in STRATEGIES:
+            raise ScheduleError(f"stage {k} has unknown strategy {stage.strategy!r}")
+        if not stage.groups or any(not g for g in stage.groups):
+            raise ScheduleError(f"stage {k} has an empty group")
+        group_of = {u: gi for gi, g in enumerate(stage.groups) for u in g}
+        for gi, group in enumerate(stage.groups):
+            before: set[str] = set()
+            for u in group:
+                for a in graph.nodes[graph.index[u]].args:
+                    if a not in graph.index or a in done:
+                        continue
+                    if a not in group_of:
+                        raise ScheduleError(f"stage {k}: unit {u!r} reads {a!r}, which runs in a later stage")
+                    if stage.strategy == "merge" or group_of[a] != gi:
+                        raise ScheduleError(f"stage {k}: unit {u!r} reads {a!r}, which runs at the same time")
+                    if a not in before:
+                        raise ScheduleError(f"stage {k}: unit {u!r} runs before its input {a!r} in its group")
+                before.add(u)
+        if stage.strategy == "merge":
+            units = [graph.nodes[graph.index[u]] for g in stage.groups for u in g]
+            if not can_merge(units):
+                raise ScheduleError(f"stage {k} merges units that cannot be merged: {', '.join(n.name for n in units)}")
+        done.update(group_of)
+
+
+def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tuple[str, Sequence[Sequence[int]]]],
+                **extra: Any) -> Schedule:
+    """A staged schedule from ``(strategy, groups of unit indices)`` pairs, with its predicted timeline.
+
+    Stages run back to back. Group ``i`` of a concurrent stage runs on stream ``i``, its units one after
+    another, their latencies stretched to the stage's latency when the cost model says running the groups
+    together slows them (contention, capacity). A merge stage runs on stream 0.
+    """
+    ops: list[OpTiming] = []
+    out_stages: list[Stage] = []
+    clock = 0.0
+    for strategy, groups in stages:
+        groups = [list(g) for g in groups]
+        if strategy == "merge":
+            latency = cost.merge_latency([u for g in groups for u in g])
+            if latency is None:
+                raise ScheduleError(f"cost model {cost.name} cannot cost merging {groups}")
+            ops.extend(OpTiming(graph.nodes[u].name, 0, clock, clock + latency) for g in groups for u in g)
+        else:
+            latency = cost.stage_latency(groups)
+            sums = [sum(cost.op_latency(u) for u in g) for g in groups]
+            stretch = latency / max(sums) if max(sums) > 0 else 1.0
+            for stream, group in enumerate(groups):
+                t = clock
+                for u in group:
+                    d = cost.op_latency(u) * stretch
+                    ops.append(OpTiming(graph.nodes[u].name, stream, t, t + d))
+                    t += d
+        out_stages.append(Stage(strategy, [[graph.nodes[u].name for u in g] for g in groups]))
+        clock += latency
+    ops.sort(key=lambda o: graph.index[o.name])
+    return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
+                    predicted_latency=clock, stages=out_stages, cost=cost.name, **extra)
+
+
+def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[Sequence[int]],
+                 sync_overhead: float = 0.0, **extra: Any) -> Schedule:
+    """A stream schedule from the units of each stream in order, timed as soon as possible: a unit
+    starts when its stream is free and its inputs are done, ``sync_overhead`` later for an input made
+    on another stream (the event wait)."""
+    stream_of = {}
+    for k, units in enumerate(streams):
+        for u in units:
+            if u in stream_of:
+                raise ScheduleError(f"unit {graph.nodes[u].name!r} is on two streams")
+            stream_of[u] = k
+    if len(stream_of) != len(graph):
+        raise ScheduleError("a stream schedule must place every unit")
+    finish: dict[int, float] = {}
+    free = [0.0] * len(streams)
+    position = [0] * len(streams)
+    ops: list[OpTiming] = []
+    remaining = len(graph)
+    while remaining:
+        progressed = False
+        for k, units in enumerate(streams):
+            while position[k] < len(units):
+                u = units[position[k]]
+                preds = list(indices(graph.preds[u]))
+                if any(j not in finish for j in preds):
+                    break
+                ready = max((finish[j] + (sync_overhead if stream_of[j] != k else 0.0) for j in preds), default=0.0)
+                start = max(free[k], ready)
+                finish[u] = free[k] = start + cost.op_latency(u)
+                ops.append(OpTiming(graph.nodes[u].name, k, start, finish[u]))
+                position[k] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("the stream order deadlocks: some stream waits on a unit placed later on another")
+    ops.sort(key=lambda o: graph.index[o.name])
+    makespan = max(finish.values(), default=0.0)
+    latency = cost.stream_latency(makespan, list(range(len(graph))))
+    return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
+                    predicted_latency=latency, stages=None, cost=cost.name, **extra)

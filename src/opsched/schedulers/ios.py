@@ -1,0 +1,211 @@
+"""IOS: the dynamic program over stages (Ding et al., MLSys 2021, Algorithm 1), over *all* endings.
+
+A state S is the set of units still to schedule (a bitmask). An *ending* S' of S is a non-empty subset
+with no edge from S' to S - S': it can run last. Then
+
+    cost[S] = min over endings S' of S of  cost[S - S'] + stage_latency(S'),   cost[{}] = 0,
+
+where a stage's latency is the better of running its groups (connected components) concurrently and
+merging its units into one operator, when the graph says they can be merged. Pruning: an ending is tried
+only if it has at most ``max_groups`` groups of at most ``max_group_size`` units each (0: no limit).
+
+Endings are enumerated without repeats and without testing every subset: starting from nothing, a unit
+may be added once all its successors inside S are in the ending; each step goes on only with the
+candidates of higher index than the unit it added plus the units that unit newly enabled, so every ending
+is reached along exactly one path. Group sizes only grow as units are added, so a unit that makes a group
+too large cuts off every ending that would contain it. Groups are tracked in an array giving each taken
+unit the mask of its group, undone on the way back; stage latencies are memoised by mask.
+
+Example: two independent chains of two units; the best schedule runs them side by side.
+
+>>> from opsched.models.synthetic import independent_chains
+>>> from opsched.cost.table import TableCost
+>>> g = independent_chains(2, 2)
+>>> s = ios(g, TableCost(g), max_group_size=0, max_groups=0)
+>>> s.predicted_latency, s.stats["states"], s.stats["transitions"]
+(2.0, 8, 27)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from typing import Callable
+
+from opsched.cost.base import CostModel
+from opsched.graph.blocks import DEFAULT_MAX_SIZE, split_blocks
+from opsched.graph.ir import Graph, can_merge, components, indices
+from opsched.schedule import Schedule, from_stages
+
+
+def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int = 8, split: bool = True,
+        max_block_size: int = DEFAULT_MAX_SIZE, merge: bool = True, concurrent: bool = True,
+        progress: Callable[[int, int], None] | None = None) -> Schedule:
+    """Schedule ``graph`` block by block (the whole graph as one block when ``split`` is False).
+
+    ``merge``/``concurrent`` switch the two stage strategies (IOS-parallel is ``merge=False``, IOS-merge
+    ``concurrent=False``, where a stage that cannot merge holds one unit). ``progress(done, total)`` is
+    called after each block.
+    """
+    if max_group_size < 0 or max_groups < 0:
+        raise ValueError("max_group_size and max_groups must be 0 (no limit) or positive")
+    if not (merge or concurrent):
+        raise ValueError("at least one of merge and concurrent must be allowed")
+    n = len(graph)
+    r = max_group_size or n
+    s = max_groups or n
+    started = time.perf_counter()
+    stage_cost = _StageCost(graph, cost, merge, concurrent)
+    blocks = split_blocks(graph, max_block_size if split else 0, at_cuts=split)
+    stages: list[tuple[str, list[list[int]]]] = []
+    states = transitions = 0
+    old_limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old_limit, 50 * n + 1000))
+    try:
+        for done, block in enumerate(blocks, 1):
+            best, choice, block_transitions = _search(graph, block.mask, r, s, stage_cost)
+            states += len(best) - 1
+            transitions += block_transitions
+            block_stages = []
+            rest = block.mask
+            while rest:
+                ending = choice[rest]
+                block_stages.append(stage_cost.plan(ending))
+                rest ^= ending
+            stages.extend(reversed(block_stages))
+            if progress:
+                progress(done, len(blocks))
+    finally:
+        sys.setrecursionlimit(old_limit)
+    seconds = time.perf_counter() - started
+    return from_stages(graph, cost, "ios", stages,
+                       stats={"states": states, "transitions": transitions, "search_seconds": seconds,
+                              "blocks": len(blocks), "stage_latencies_computed": len(stage_cost.memo)},
+                       options={"max_group_size": max_group_size, "max_groups": max_groups, "split": split,
+                                "max_block_size": max_block_size, "merge": merge, "concurrent": concurrent})
+
+
+class _StageCost:
+    """Stage latency by mask, memoised: the better of concurrent and merged execution."""
+
+    def __init__(self, graph: Graph, cost: CostModel, merge: bool, concurrent: bool):
+        self.graph = graph
+        self.cost = cost
+        self.memo: dict[int, float] = {}
+        self.merge = merge
+        self.concurrent = concurrent
+        self.conv_mask = sum(1 << i for i, nd in enumerate(graph.nodes) if nd.kind == "conv") if merge else 0
+
+    def __call__(self, mask: int) -> float:
+        latency, _ = self._evaluate(mask)
+        self.memo[mask] = latency
+        return latency
+
+    def _evaluate(self, mask: int) -> tuple[float, str]:
+        groups = components(self.graph, mask)
+        concurrent = math.inf
+        if self.concurrent or (len(groups) == 1 and len(groups[0]) == 1):
+            concurrent = self.cost.stage_latency(groups)
+        merged = math.inf
+        if (self.merge and mask.bit_count() > 1 and mask & self.conv_mask == mask
+                and can_merge([self.graph.nodes[u] for u in indices(mask)])):
+            m = self.cost.merge_latency(list(indices(mask)))
+            merged = math.inf if m is None else m
+        return (merged, "merge") if merged < concurrent else (concurrent, "concurrent")
+
+    def plan(self, mask: int) -> tuple[str, list[list[int]]]:
+        _, strategy = self._evaluate(mask)
+        if strategy == "merge":
+            return strategy, [[u] for u in indices(mask)]
+        return strategy, components(self.graph, mask)
+
+
+def _search(graph: Graph, block: int, r: int, s: int, stage_cost: _StageCost) -> tuple[dict, dict, int]:
+    """The DP over the states of one block. Returns cost[S], choice[S] (the best last stage) and the
+    number of transitions evaluated."""
+    succs = [m & block for m in graph.succs]
+    preds = [m & block for m in graph.preds]
+    adj = [p | q for p, q in zip(preds, succs)]
+    group_of = [0] * len(graph)  # for each unit in the ending being built, the mask of its group
+    best: dict[int, float] = {0: 0.0}
+    choice: dict[int, int] = {}
+    memo = stage_cost.memo
+    inf = math.inf
+    transitions = 0
+
+    def extend(state: int, taken: int, allowed: int, groups: int, acc: list) -> None:
+        nonlocal transitions
+        while allowed:
+            low = allowed & -allowed
+            allowed ^= low
+            u = low.bit_length() - 1
+            near = adj[u] & taken
+            group = low
+            joined = None
+            if near:
+                joined = []
+                rest = near
+                while rest:
+                    g = group_of[(rest & -rest).bit_length() - 1]
+                    joined.append(g)
+                    group |= g
+                    rest &= ~g
+                if group.bit_count() > r:
+                    continue  # every ending holding u and what is taken has a group too large
+                members = group
+                while members:
+                    m = members & -members
+                    group_of[m.bit_length() - 1] = group
+                    members ^= m
+            else:
+                group_of[u] = low
+            count = groups + 1 - (len(joined) if joined else 0)
+            ending = taken | low
+            remaining = state ^ ending
+            if count <= s:
+                transitions += 1
+                before = best.get(remaining)
+                if before is None:
+                    before = solve(remaining)
+                stage = memo.get(ending)
+                if stage is None:
+                    stage = stage_cost(ending)
+                total = before + stage
+                if total < acc[0]:
+                    acc[0] = total
+                    acc[1] = ending
+            enabled = 0
+            p = preds[u]
+            while p:
+                v = p & -p
+                p ^= v
+                if not succs[v.bit_length() - 1] & remaining:
+                    enabled |= v
+            if allowed | enabled:
+                extend(state, ending, allowed | enabled, count, acc)
+            if joined:
+                # Give the units of the groups u joined their own groups back.
+                for g in joined:
+                    members = g
+                    while members:
+                        m = members & -members
+                        group_of[m.bit_length() - 1] = g
+                        members ^= m
+
+    def solve(state: int) -> float:
+        sinks = 0
+        rest = state
+        while rest:
+            m = rest & -rest
+            rest ^= m
+            if not succs[m.bit_length() - 1] & state:
+                sinks |= m
+        acc = [inf, 0]
+        extend(state, 0, sinks, 0, acc)
+        best[state] = acc[0]
+        choice[state] = acc[1]
+        return acc[0]
+
+    solve(block)
+    return best, choice, transitions
