@@ -97,13 +97,13 @@ class _StageCost:
         self.concurrent = concurrent
         self.conv_mask = sum(1 << i for i, nd in enumerate(graph.nodes) if nd.kind == "conv") if merge else 0
 
-    def __call__(self, mask: int) -> float:
-        latency, _ = self._evaluate(mask)
+    def __call__(self, mask: int, group_masks: list[int]) -> float:
+        """Latency of the stage ``mask`` whose groups (as masks) the search already knows."""
+        latency, _ = self._evaluate(mask, [list(indices(g)) for g in group_masks])
         self.memo[mask] = latency
         return latency
 
-    def _evaluate(self, mask: int) -> tuple[float, str]:
-        groups = components(self.graph, mask)
+    def _evaluate(self, mask: int, groups: list[list[int]]) -> tuple[float, str]:
         concurrent = math.inf
         if self.concurrent or (len(groups) == 1 and len(groups[0]) == 1):
             concurrent = self.cost.stage_latency(groups)
@@ -115,10 +115,11 @@ class _StageCost:
         return (merged, "merge") if merged < concurrent else (concurrent, "concurrent")
 
     def plan(self, mask: int) -> tuple[str, list[list[int]]]:
-        _, strategy = self._evaluate(mask)
+        groups = components(self.graph, mask)
+        _, strategy = self._evaluate(mask, groups)
         if strategy == "merge":
             return strategy, [[u] for u in indices(mask)]
-        return strategy, components(self.graph, mask)
+        return strategy, groups
 
 
 def _search(graph: Graph, block: int, r: int, s: int, stage_cost: _StageCost) -> tuple[dict, dict, int]:
@@ -170,7 +171,13 @@ def _search(graph: Graph, block: int, r: int, s: int, stage_cost: _StageCost) ->
                     before = solve(remaining)
                 stage = memo.get(ending)
                 if stage is None:
-                    stage = stage_cost(ending)
+                    group_masks = []
+                    rest = ending
+                    while rest:
+                        g = group_of[(rest & -rest).bit_length() - 1]
+                        group_masks.append(g)
+                        rest &= ~g
+                    stage = stage_cost(ending, group_masks)
                 total = before + stage
                 if total < acc[0]:
                     acc[0] = total
