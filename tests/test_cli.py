@@ -2,7 +2,6 @@ import json
 import textwrap
 
 import pytest
-import torch
 
 from opsched.cli import main
 from opsched.models import load_model

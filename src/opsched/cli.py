@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,15 +21,14 @@ from opsched.errors import OpschedError
 def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.graph.blocks import split_blocks
 
-    start = time.perf_counter()
-    graph = _load_graph(args)
-    seconds = time.perf_counter() - start
+    graph, load_seconds, capture_seconds = _load_graph(args)
     blocks = split_blocks(graph, args.max_block_size, at_cuts=not args.no_split)
     widths = [graph.width_of(b.mask) for b in blocks]
     summary = {
         "model": args.model, "units": len(graph), "edges": len(graph.edges), "blocks": len(blocks),
         "max_block_width": max(widths, default=0), "flops": graph.flops, "width": graph.width,
-        "batch": args.batch, "capture_seconds": round(seconds, 3),
+        "batch": args.batch,
+        "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
         "block_table": [{"units": len(b), "width": w, "part": f"{b.part + 1}/{b.parts}",
                          "first": graph.nodes[b.units[0]].name,
                          "exit": graph.nodes[b.exit].name if b.exit is not None else None}
@@ -56,6 +56,8 @@ def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
                "ios": {"max_group_size": args.max_group_size, "max_groups": args.max_groups,
                        "split": not args.no_split, "max_block_size": args.max_block_size},
                "exact": {"streams": args.streams or 8, "time_limit": args.time_limit}}[args.method]
+    if args.method == "ios":
+        options["progress"] = _block_progress()
     schedule = make_schedule(args.method, graph, cost, **options)
     baseline = make_schedule("sequential", graph, cost)
     if args.out:
@@ -71,6 +73,23 @@ def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         _print_schedule(schedule, baseline.predicted_latency, args.out)
     return result
+
+
+def _block_progress():
+    """A progress callback for a block-by-block search: a bar on stderr when it is a terminal."""
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, unit="block", desc="searching", leave=False, disable=not sys.stderr.isatty())
+        bar.update(1)
+        if done == total:
+            bar.close()
+
+    return update
 
 
 def _print_schedule(schedule, sequential_latency: float, out: str | None) -> None:
@@ -107,7 +126,7 @@ def _print_graph_summary(s: dict[str, Any]) -> None:
     print(f"width            {s['width']}")
     print(f"blocks           {s['blocks']}  (widest block: {s['max_block_width']} units side by side)")
     print(f"FLOPs            {gflops:.3f} G")
-    print(f"load + capture   {s['capture_seconds']:.2f} s")
+    print(f"capture          {s['capture_seconds']:.2f} s  (loading the model: {s['load_seconds']:.2f} s)")
     print()
     rows = [("block", "units", "width", "part", "first unit", "exit unit")]
     rows += [(str(k), str(b["units"]), str(b["width"]), b["part"], b["first"], b["exit"] or "-")
@@ -119,17 +138,21 @@ def _print_graph_summary(s: dict[str, Any]) -> None:
 
 
 def _load_graph(args: argparse.Namespace):
-    """The unit graph of a model specifier, or of a DAG JSON file."""
+    """The unit graph of a model specifier or of a DAG JSON file, with the seconds spent loading the
+    model (and PyTorch) and capturing it."""
+    start = time.perf_counter()
     if args.model.endswith(".json"):
         from opsched.graph import dagjson
 
-        return dagjson.read(args.model)
+        return dagjson.read(args.model), time.perf_counter() - start, 0.0
     from opsched.graph.capture import capture
     from opsched.models.spec import load_model, parse_shape
 
     shapes = [parse_shape(s) for s in args.input_shape or []]
     loaded = load_model(args.model, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
-    return capture(loaded.model, loaded.inputs, name=loaded.name)
+    loaded_at = time.perf_counter()
+    graph = capture(loaded.model, loaded.inputs, name=loaded.name)
+    return graph, loaded_at - start, time.perf_counter() - loaded_at
 
 
 def _positive(text: str) -> int:
@@ -212,12 +235,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        return _run(args)
+    except BrokenPipeError:
+        # The reader (head, less) went away: stop quietly, as other command-line tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         result = args.handler(args)
     except OpschedError as e:
         print(f"opsched: error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, RuntimeError) as e:
-        print(f"opsched: error: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError) as e:  # a failure while running: one line, status 1
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        print(f"opsched: error: {type(e).__name__}: {lines[0]}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("opsched: interrupted", file=sys.stderr)

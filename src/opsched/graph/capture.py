@@ -199,7 +199,7 @@ def _group_units(gm: fx.GraphModule, label: str) -> Graph:
         for a in external:
             if a not in source_name:
                 raise CaptureError(f"cannot capture {label}: operator {a.name} is read outside its unit")
-        graph_nodes.append(_make_node(uid, unit, heavy[uid], uid in sepconv, external, unit_names[uid],
+        graph_nodes.append(_make_node(unit, heavy[uid], uid in sepconv, external, unit_names[uid],
                                       [source_name[a] for a in external], op_names, const, gm))
     out_names = []
     for a in flat_out:
@@ -247,7 +247,7 @@ def _unit_names(members: dict, heavy: dict, op_names: dict, gm: fx.GraphModule) 
     return names
 
 
-def _make_node(uid: int, unit: list[fx.Node], heavy: fx.Node | None, is_sepconv: bool, external: list[fx.Node],
+def _make_node(unit: list[fx.Node], heavy: fx.Node | None, is_sepconv: bool, external: list[fx.Node],
                name: str, args: list[str], op_names: dict, const: set, gm: fx.GraphModule) -> Node:
     last = unit[-1]
     meta = ops.tensor_meta(last)
@@ -260,7 +260,7 @@ def _make_node(uid: int, unit: list[fx.Node], heavy: fx.Node | None, is_sepconv:
             continue
         seen.add(c)
         if c.op == "get_attr":
-            value = ops._get_attr_value(c, gm)
+            value = ops.get_attr_value(c, gm)
             if isinstance(value, torch.Tensor):
                 params[str(c.target)] = value.numel() * value.element_size()
         stack.extend(c.all_input_nodes)

@@ -74,11 +74,6 @@ class Node:
     latency: float | None = None
     run: Callable[..., Any] | None = field(default=None, repr=False)
 
-    def signature(self) -> tuple:
-        """What makes two units the same computation (for caches of measured costs)."""
-        return (self.kind, self.ops, self.shape, self.dtype, tuple(sorted(self.attrs.items(), key=str)),
-                self.flops, self.param_bytes)
-
 
 class Graph:
     """A DAG of schedule units, stored in a topological order.

@@ -106,7 +106,7 @@ def conv_attrs(node: fx.Node, name: str, root: torch.nn.Module) -> dict[str, Any
             return {}
         w_shape = tensor_meta(weight)[0] if isinstance(weight, fx.Node) and tensor_meta(weight) else None
         if w_shape is None:
-            w_shape = tuple(_get_attr_value(weight, root).shape)
+            w_shape = tuple(get_attr_value(weight, root).shape)
         spatial = len(w_shape) - 2
         stride, padding = kw.get("stride", 1), kw.get("padding", 0)
         dilation, groups = kw.get("dilation", 1), kw.get("groups", 1)
@@ -171,7 +171,7 @@ def _kwargs(node: fx.Node) -> dict[str, Any]:
     return {**dict(zip(names, node.args)), **node.kwargs}
 
 
-def _get_attr_value(node: fx.Node, root: torch.nn.Module) -> torch.Tensor:
+def get_attr_value(node: fx.Node, root: torch.nn.Module) -> torch.Tensor:
     obj: Any = root
     for part in str(node.target).split("."):
         obj = getattr(obj, part)
