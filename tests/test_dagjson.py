@@ -32,6 +32,7 @@ BAD = [
     ('{"nodes": [{"name": "a", "latency": 1}', r"malformed JSON at line 1, column \d+"),
     ('{"nodes": [\n  {"name": "a" "latency": 1}]}', r"malformed JSON at line 2, column 16: Expecting .,. delimiter"),
     ('[1, 2]', r'expected an object with a "nodes" list'),
+    ('{"nodes": [], "edges": []}', r"the graph has no nodes"),
     ('{"nodes": [{"name": "a", "latency": 1}, {"name": "a", "latency": 2}]}', r"duplicate node name 'a'"),
     ('{"nodes": [{"name": "a"}]}', r"node 'a': missing latency"),
     ('{"nodes": [{"name": "a", "latency": -1}]}', r"node 'a': latency must not be negative"),

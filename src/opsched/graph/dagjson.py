@@ -41,6 +41,8 @@ def loads(text: str, source: str = "<string>", name: str = "dag") -> Graph:
         raise DagJsonError(f"{source}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list):
         raise DagJsonError(f'{source}: expected an object with a "nodes" list and an "edges" list')
+    if not doc["nodes"]:
+        raise DagJsonError(f"{source}: the graph has no nodes")
     edges = doc.get("edges", [])
     if not isinstance(edges, list):
         raise DagJsonError(f'{source}: "edges" must be a list of [from, to] pairs')
