@@ -1,10 +1,10 @@
 import networkx as nx
 import pytest
+from conftest import random_dag
 
 from opsched.graph.blocks import cut_units, split_blocks
 from opsched.graph.ir import Graph, Node
 from opsched.models.synthetic import independent_chains, random_layered_dag
-from conftest import random_dag
 
 
 def brute_force_cuts(g: Graph) -> list[int]:

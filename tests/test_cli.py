@@ -4,8 +4,8 @@ import textwrap
 import pytest
 
 from opsched.cli import main
-from opsched.models import load_model
 from opsched.errors import ModelSpecError
+from opsched.models import load_model
 
 
 def run(capsys, *argv):

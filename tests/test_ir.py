@@ -2,11 +2,12 @@ import itertools
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings, strategies as st
+from conftest import random_dag
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opsched.errors import GraphError
 from opsched.graph.ir import Graph, Node, bit, can_merge, indices, mask_of
-from conftest import random_dag
 
 
 def test_mask_helpers():

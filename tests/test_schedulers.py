@@ -1,9 +1,12 @@
+import itertools
 import math
-from functools import lru_cache
+from functools import cache
 
 import networkx as nx
 import pytest
-from hypothesis import given, settings, strategies as st
+from conftest import random_dag
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opsched.cost.table import TableCost
 from opsched.graph.ir import Graph, Node
@@ -13,7 +16,6 @@ from opsched.schedulers import SCHEDULERS, make_schedule
 from opsched.schedulers.ios import ios
 from opsched.schedulers.lios import lios_streams
 from opsched.schedulers.nimble import nimble_chains
-from conftest import random_dag
 
 
 def brute_force(g: Graph, capacity=0.0, sync=0.0, r=0, s=0):
@@ -33,7 +35,7 @@ def brute_force(g: Graph, capacity=0.0, sync=0.0, r=0, s=0):
         return groups, max(max(sum(lat[u] for u in grp) for grp in groups),
                            sum(lat[u] for u in units) / capacity if capacity else 0) + sync * (len(groups) - 1)
 
-    @lru_cache(maxsize=None)
+    @cache
     def best(state):
         nonlocal transitions
         if not state:
@@ -144,7 +146,7 @@ def test_nimble_streams_are_chains_of_the_transitive_reduction():
         chains = nimble_chains(g)
         assert sorted(u for c in chains for u in c) == list(range(len(g)))
         for chain in chains:
-            assert all(reduced.has_edge(a, b) for a, b in zip(chain, chain[1:]))
+            assert all(reduced.has_edge(a, b) for a, b in itertools.pairwise(chain))
         assert len(chains) >= g.width  # a path cover never has fewer chains than the width
     assert nimble_chains(independent_chains(3, 4)) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
 

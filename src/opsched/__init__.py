@@ -13,8 +13,18 @@ __version__ = "0.1.0"
 
 _LAZY = {"capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret"}
 
-__all__ = ["CaptureError", "DagJsonError", "Graph", "GraphError", "ModelSpecError", "Node", "OpschedError",
-           "capture", "run_graph", "__version__"]
+__all__ = [
+    "CaptureError",
+    "DagJsonError",
+    "Graph",
+    "GraphError",
+    "ModelSpecError",
+    "Node",
+    "OpschedError",
+    "__version__",
+    "capture",
+    "run_graph",
+]
 
 
 def __getattr__(name: str) -> Any:

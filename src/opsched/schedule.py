@@ -19,14 +19,17 @@ the graph they were made for, the device, batch and cost model, search statistic
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
 from opsched.graph.ir import Graph, can_merge, indices
+from opsched.jsonfile import read_json
 
 FORMAT = "opsched.schedule/1"
 STRATEGIES = ("concurrent", "merge")
@@ -118,14 +121,7 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
 
 def load(path: str | Path, graph: Graph | None = None) -> Schedule:
     """Load a schedule file; with ``graph``, also check that it was made for that graph and is valid."""
-    path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except OSError as e:
-        raise ScheduleError(f"cannot read {path}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ScheduleError(f"{path}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
-    schedule = from_dict(doc, str(path))
+    schedule = from_dict(read_json(path, ScheduleError), str(path))
     if graph is not None:
         validate(schedule, graph)
     return schedule
@@ -149,7 +145,7 @@ def validate(schedule: Schedule, graph: Graph) -> None:
             if timing[node.name].start < timing[pred].finish - _EPS and not _same_merge(schedule, pred, node.name):
                 raise ScheduleError(f"unit {node.name!r} starts before its input {pred!r} finishes")
     for stream, units in enumerate(schedule.streams()):
-        for a, b in zip(units, units[1:]):
+        for a, b in itertools.pairwise(units):
             if timing[b].start < timing[a].finish - _EPS and not _same_merge(schedule, a, b):
                 raise ScheduleError(f"units {a!r} and {b!r} overlap on stream {stream}")
     if schedule.stages is not None:
@@ -239,10 +235,10 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
 
 
 def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[Sequence[int]],
-                 sync_overhead: float = 0.0, **extra: Any) -> Schedule:
+                 **extra: Any) -> Schedule:
     """A stream schedule from the units of each stream in order, timed as soon as possible: a unit
-    starts when its stream is free and its inputs are done, ``sync_overhead`` later for an input made
-    on another stream (the event wait)."""
+    starts when its stream is free and its inputs are done, the cost model's ``sync_overhead`` later
+    for an input made on another stream (the event wait)."""
     stream_of = {}
     for k, units in enumerate(streams):
         for u in units:
@@ -264,7 +260,7 @@ def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[S
                 preds = list(indices(graph.preds[u]))
                 if any(j not in finish for j in preds):
                     break
-                ready = max((finish[j] + (sync_overhead if stream_of[j] != k else 0.0) for j in preds), default=0.0)
+                ready = max((finish[j] + (cost.sync_overhead if stream_of[j] != k else 0.0) for j in preds), default=0.0)
                 start = max(free[k], ready)
                 finish[u] = free[k] = start + cost.op_latency(u)
                 ops.append(OpTiming(graph.nodes[u].name, k, start, finish[u]))

@@ -7,12 +7,19 @@ same time, the units of one group one after another.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 
 class CostModel(Protocol):
     name: str
     """What the figures are: ``table`` (from the graph file), ``measured``, or ``sim:DEVICE`` (simulated)."""
+
+    capacity: float
+    """How many units' worth of work the device does at once (0: no limit known); bounds every schedule."""
+
+    sync_overhead: float
+    """What a unit pays to wait on an event from another stream."""
 
     def op_latency(self, unit: int) -> float:
         """Latency of one unit run alone."""

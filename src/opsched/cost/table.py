@@ -14,7 +14,7 @@ cost of each extra group's synchronisation. A staged schedule takes the sum of i
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from opsched.errors import OpschedError
 from opsched.graph.ir import Graph

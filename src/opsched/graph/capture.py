@@ -31,11 +31,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
-import torch.fx as fx
 import torch.utils._pytree as pytree
+from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 
 from opsched.errors import CaptureError
@@ -81,7 +82,7 @@ def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
             with torch.no_grad():
                 ShapeProp(gm).propagate(*args)
             return gm
-        except Exception as fx_error:  # noqa: BLE001 - reported as one line naming both reasons
+        except Exception as fx_error:
             raise CaptureError(f"cannot capture {label}: torch.export failed ({_first_line(export_error)}); "
                                f"torch.fx failed ({_first_line(fx_error)})") from fx_error
 

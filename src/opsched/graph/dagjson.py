@@ -14,31 +14,26 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import networkx as nx
 
 from opsched.errors import DagJsonError
 from opsched.graph.ir import Graph, Node
+from opsched.jsonfile import parse_json, read_text
 
 
 def read(path: str | Path) -> Graph:
     """Read and validate a DAG JSON file."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise DagJsonError(f"cannot read {path}: {e.strerror or e}") from None
-    return loads(text, source=str(path), name=path.stem)
+    return loads(read_text(path, DagJsonError), source=str(path), name=path.stem)
 
 
 def loads(text: str, source: str = "<string>", name: str = "dag") -> Graph:
     """Parse and validate DAG JSON text."""
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DagJsonError(f"{source}: malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
+    doc = parse_json(text, source, DagJsonError)
     if not isinstance(doc, dict) or not isinstance(doc.get("nodes"), list):
         raise DagJsonError(f'{source}: expected an object with a "nodes" list and an "edges" list')
     if not doc["nodes"]:

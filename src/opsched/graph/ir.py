@@ -20,9 +20,10 @@ from __future__ import annotations
 import hashlib
 import heapq
 import json
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 import networkx as nx
 

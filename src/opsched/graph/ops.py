@@ -13,7 +13,7 @@ import operator
 from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 from torch.fx.operator_schemas import normalize_function
 
 CONV = {"conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
@@ -163,7 +163,7 @@ def _kwargs(node: fx.Node) -> dict[str, Any]:
     """A node's arguments by name (ATen schemas, or torch functions with known signatures)."""
     try:
         norm = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a target with no known schema: fall back to positions below
         norm = None
     if norm is not None:
         return dict(norm.kwargs)

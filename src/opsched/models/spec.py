@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -127,14 +128,14 @@ def _from_file(path: Path, factory_name: str):
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - the user's file; report its error in one line
+    except Exception as e:
         raise ModelSpecError(f"cannot import {path}: {type(e).__name__}: {e}") from e
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise ModelSpecError(f"{path} has no callable {factory_name!r}")
     try:
         result = factory()
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         raise ModelSpecError(f"{path}:{factory_name}() failed: {type(e).__name__}: {e}") from e
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module):
         return result

@@ -6,7 +6,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
@@ -42,7 +43,7 @@ def make_schedule(method: str, graph: Graph, cost: CostModel, **options: Any) ->
     schedule.stats.setdefault("search_seconds", time.perf_counter() - started)
     schedule.stats.setdefault("states", None)
     schedule.stats.setdefault("transitions", None)
-    schedule.bounds = lower_bounds(graph, cost, streams=options.get("streams", 0) if method != "greedy" else 0)
+    schedule.bounds = lower_bounds(graph, cost, streams=options.get("streams", 0))
     return schedule
 
 

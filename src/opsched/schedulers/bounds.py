@@ -24,6 +24,6 @@ def lower_bounds(graph: Graph, cost: CostModel, streams: int = 0) -> dict[str, f
         finish[u] = max((finish[j] for j in indices(graph.preds[u])), default=0.0) + cost.op_latency(u)
     critical = max(finish, default=0.0)
     work = sum(cost.op_latency(u) for u in range(len(graph)))
-    capacities = [c for c in (getattr(cost, "capacity", 0.0), float(streams)) if c]
+    capacities = [c for c in (cost.capacity, float(streams)) if c]
     over = work / min(capacities) if capacities else None
     return {"critical_path": critical, "work_over_capacity": over, "lower_bound": max(critical, over or 0.0)}

@@ -34,9 +34,8 @@ def exact(graph: Graph, cost: CostModel, streams: int = 8, time_limit: float = 3
                            "use ios or lios")
     started = time.perf_counter()
     n, k = len(graph), max(1, min(streams, len(graph)))
-    sync = getattr(cost, "sync_overhead", 0.0)
     dur = [round(cost.op_latency(u) * resolution) for u in range(n)]
-    gap = round(sync * resolution)
+    gap = round(cost.sync_overhead * resolution)
     horizon = sum(dur) + gap * len(graph.edges) + 1
     m = cp_model.CpModel()
     start = [m.NewIntVar(0, horizon, f"s{u}") for u in range(n)]
@@ -71,7 +70,7 @@ def exact(graph: Graph, cost: CostModel, streams: int = 8, time_limit: float = 3
     placed: list[list[int]] = [[] for _ in range(k)]
     for u in sorted(range(n), key=lambda u: (solver.Value(start[u]), u)):
         placed[next(j for j in range(k) if solver.Value(on[u][j]))].append(u)
-    return from_streams(graph, cost, "exact", placed, sync_overhead=sync,
+    return from_streams(graph, cost, "exact", placed,
                         stats={"status": solver.StatusName(status), "search_seconds": time.perf_counter() - started,
                                "solver_makespan": solver.Value(makespan) / resolution},
                         options={"streams": streams, "time_limit": time_limit, "resolution": resolution})

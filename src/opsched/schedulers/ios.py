@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from opsched.cost.base import CostModel
 from opsched.graph.blocks import DEFAULT_MAX_SIZE, split_blocks

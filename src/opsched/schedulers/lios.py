@@ -47,5 +47,4 @@ def lios_streams(graph: Graph, cost: CostModel, streams: int = 8) -> list[list[i
 
 def lios(graph: Graph, cost: CostModel, streams: int = 8) -> Schedule:
     placed = lios_streams(graph, cost, streams)
-    return from_streams(graph, cost, "lios", placed, sync_overhead=getattr(cost, "sync_overhead", 0.0),
-                        options={"streams": streams})
+    return from_streams(graph, cost, "lios", placed, options={"streams": streams})

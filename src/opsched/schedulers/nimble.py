@@ -46,6 +46,7 @@ def nimble_chains(graph: Graph) -> list[list[int]]:
 
 def nimble(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
     chains = nimble_chains(graph)
+    options = {"streams": streams, "chains": len(chains)}
     if streams and len(chains) > streams:
         work = [0.0] * streams
         packed: list[list[int]] = [[] for _ in range(streams)]
@@ -54,5 +55,4 @@ def nimble(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
             packed[k].extend(chain)
             work[k] += sum(cost.op_latency(u) for u in chain)
         chains = [sorted(units) for units in packed]  # index order is topological
-    return from_streams(graph, cost, "nimble", chains, sync_overhead=getattr(cost, "sync_overhead", 0.0),
-                        options={"streams": streams, "chains": len(nimble_chains(graph))})
+    return from_streams(graph, cost, "nimble", chains, options=options)
