@@ -148,3 +148,16 @@ def test_schedule_bad_capacity(capsys, tmp_path):
     path = write_dag(tmp_path)
     code, _, err = run(capsys, "schedule", str(path), "--method", "ios", "--capacity", "0.5")
     assert code == 2 and "capacity" in err
+
+
+def test_shipped_examples_schedule_as_the_readme_says(capsys):
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    code, out, _ = run(capsys, "schedule", str(examples / "lios_fig3.json"), "--method", "lios", "--streams", "3",
+                       "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["predicted_latency"] == 38 and doc["sequential_latency"] == 73
+    code, out, _ = run(capsys, "schedule", str(examples / "randwire_stage.json"), "--method", "ios", "--json")
+    assert code == 0 and len(json.loads(out)["ops"]) == 33

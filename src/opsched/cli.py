@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Schedule a DAG JSON graph with one method and print the stages or streams, "
                                    "the predicted latency against sequential and the lower bound.")
     p.add_argument("graph", metavar="DAG.json", help="the graph: nodes with latencies and edges")
-    p.add_argument("--method", required=True, choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"])
+    p.add_argument("--method", required=True, choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"],
+                   help="the scheduler (see docs/schedulers.md)")
     p.add_argument("--streams", type=_non_negative, metavar="K",
                    help="streams for lios and exact (default 8); a cap for greedy and nimble (default none)")
     p.add_argument("-r", "--max-group-size", type=_non_negative, default=3, metavar="R",
@@ -217,13 +218,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--max-groups", type=_non_negative, default=8, metavar="S",
                    help="ios: at most S groups in a stage (0: no limit; default 8)")
     p.add_argument("--capacity", type=float, default=0.0, metavar="C",
-                   help="work the device does at once, in units' latencies (0: unlimited, the default)")
+                   help="how many units' worth of work the device does at once (0: unlimited, the default)")
     p.add_argument("--sync-overhead", type=float, default=0.0, metavar="X",
                    help="latency added for each extra group of a stage, or each cross-stream wait (default 0)")
     p.add_argument("--no-split", action="store_true", help="ios: schedule the whole graph as one block")
     p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
                    help="ios: cut blocks larger than N units into parts (0: no limit; default 50)")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS", help="exact: CP-SAT time limit")
+    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS", help="exact: CP-SAT time limit (default 30)")
     p.add_argument("--out", metavar="PLAN.json", help="write the schedule (opsched.schedule/1) to this file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
