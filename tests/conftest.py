@@ -17,3 +17,9 @@ def random_dag(n: int, p: float, seed: int, latency: bool = True) -> Graph:
 @pytest.fixture
 def make_dag():
     return random_dag
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    """Measurements in tests go to a fresh cache, never the user's."""
+    monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path / "cache"))

@@ -161,3 +161,75 @@ def test_shipped_examples_schedule_as_the_readme_says(capsys):
     assert doc["predicted_latency"] == 38 and doc["sequential_latency"] == 73
     code, out, _ = run(capsys, "schedule", str(examples / "randwire_stage.json"), "--method", "ios", "--json")
     assert code == 0 and len(json.loads(out)["ops"]) == 33
+
+
+# -- optimize, run, show, cache --
+
+def test_optimize_on_a_simulated_gpu_predicts_and_labels_it_simulated(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "64", "--cost", "sim:v100", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    for key in ("model", "batch", "device", "cost", "method", "units", "search_seconds", "plan", "predicted_ms"):
+        assert key in doc
+    assert doc["simulated"] is True and "measured_ms" not in doc
+    assert set(doc["predicted_ms"]) == {"sequential", "greedy", "lios", "ios"}
+    assert doc["predicted_ms"]["ios"] <= doc["predicted_ms"]["sequential"]
+    plan = json.loads((tmp_path / doc["plan"]).read_text())
+    assert plan["device"] == "sim:v100" and (tmp_path / doc["gantt"]).stat().st_size > 0
+    code, out, _ = run(capsys, "optimize", "squeezenet", "--image-size", "64", "--cost", "sim:v100")
+    assert code == 0 and "SIMULATED" in out  # the default plan name is ours: rewritten without asking
+
+
+def test_optimize_measured_runs_verifies_and_times_every_schedule(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out",
+                         str(plan), "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert set(doc["measured_ms"]) >= {"eager", "sequential", "greedy", "lios", "ios"}
+    assert doc["max_abs_error"] <= 1e-3 and doc["simulated"] is False and doc["eager_threads"] >= 1
+    assert plan.exists() and (tmp_path / "plan.png").exists()
+    # a second search of the same model measures no unit again
+    code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out",
+                         str(tmp_path / "again.json"), "--json")
+    assert json.loads(out)["cost_model"]["units_measured"] == 0
+    # run: the plan executes and verifies; another batch or another model is refused in one line
+    code, out, err = run(capsys, "run", "squeezenet", "--image-size", "48", "--plan", str(plan), "--repeats", "2",
+                         "--json")
+    assert code == 0, err and json.loads(out)["max_abs_error"] <= 1e-3
+    code, _, err = run(capsys, "run", "squeezenet", "--image-size", "48", "--batch", "2", "--plan", str(plan))
+    assert code == 2 and "batch 1" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "run", "randwire", "--image-size", "48", "--plan", str(plan))
+    assert code == 2 and "another graph" in err
+    # show: a Gantt chart and a trace of the predicted timeline; nothing overwritten without --force
+    trace = tmp_path / "trace.json"
+    code, out, err = run(capsys, "show", str(plan), "--gantt", str(tmp_path / "g.png"), "--trace", str(trace))
+    assert code == 0, err
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == doc["units"]
+    code, _, err = run(capsys, "show", str(plan), "--trace", str(trace))
+    assert code == 2 and "--force" in err
+    # cache: info counts the measurements; clear empties it
+    code, out, _ = run(capsys, "cache", "info", "--json")
+    assert code == 0 and json.loads(out)["entries"] > 0
+    code, out, _ = run(capsys, "cache", "clear", "--json")
+    assert code == 0 and json.loads(out)["removed"] > 0
+    code, out, _ = run(capsys, "cache", "info", "--json")
+    assert json.loads(out)["entries"] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["optimize", "squeezenet", "--cost", "sim:v99"], "unknown simulated device"),
+    (["optimize", "squeezenet", "--cost", "guess"], "--cost takes"),
+])
+def test_optimize_rejects_bad_input_in_one_line(capsys, argv, message):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_optimize_never_overwrites_a_file_it_did_not_write(capsys, tmp_path):
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    code, _, err = run(capsys, "optimize", "squeezenet", "--cost", "sim:t4", "--out", str(mine))
+    assert code == 2 and "--force" in err and mine.read_text() == "{}"

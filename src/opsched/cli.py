@@ -43,6 +43,7 @@ def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
 def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.cost.table import TableCost
     from opsched.graph import dagjson
+    from opsched.pipeline import method_options
     from opsched.schedulers import make_schedule
 
     if not args.graph.endswith(".json"):
@@ -52,11 +53,9 @@ def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError(f"{args.out} exists; pass --force to overwrite it")
     graph = dagjson.read(args.graph)
     cost = TableCost(graph, capacity=args.capacity, sync_overhead=args.sync_overhead)
-    options = {"sequential": {}, "greedy": {"max_streams": args.streams or 0},
-               "lios": {"streams": args.streams or 8}, "nimble": {"streams": args.streams or 0},
-               "ios": {"max_group_size": args.max_group_size, "max_groups": args.max_groups,
-                       "split": not args.no_split, "max_block_size": args.max_block_size},
-               "exact": {"streams": args.streams or 8, "time_limit": args.time_limit}}[args.method]
+    options = method_options(args.method, streams=args.streams, max_group_size=args.max_group_size,
+                             max_groups=args.max_groups, split=not args.no_split,
+                             max_block_size=args.max_block_size, time_limit=args.time_limit)
     if args.method == "ios":
         options["progress"] = _block_progress()
     schedule = make_schedule(args.method, graph, cost, **options)
@@ -175,8 +174,9 @@ _positive = _int_at_least(1, "a positive integer")
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
-MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire), torchvision:NAME, timm:NAME, "
-              "path/to/file.py:factory, or a DAG JSON file (*.json)")
+RUNNABLE_MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire), torchvision:NAME, timm:NAME "
+                       "or path/to/file.py:factory")
+MODEL_HELP = RUNNABLE_MODEL_HELP + ", or a DAG JSON file (*.json)"
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -186,6 +186,24 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "(repeat for several inputs)")
     p.add_argument("--image-size", type=_positive, metavar="N",
                    help="image height and width for the zoo, torchvision and timm models")
+
+
+def _add_ios_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-r", "--max-group-size", type=_non_negative, default=3, metavar="R",
+                   help="ios: at most R units in a group of a stage (0: no limit; default 3)")
+    p.add_argument("-s", "--max-groups", type=_non_negative, default=8, metavar="S",
+                   help="ios: at most S groups in a stage (0: no limit; default 8)")
+    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
+                   help="ios: cut blocks larger than N units into parts (0: no limit; default 50)")
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=_positive, metavar="T",
+                   help="intra-op threads to share between streams (default: PyTorch's count)")
+    p.add_argument("--repeats", type=_positive, default=15, metavar="N",
+                   help="interleaved timing rounds for the final measurements (default 15)")
+    p.add_argument("--tolerance", type=float, default=1e-3, metavar="TOL",
+                   help="largest absolute difference from eager accepted (default 1e-3)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,23 +231,84 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduler (see docs/schedulers.md)")
     p.add_argument("--streams", type=_non_negative, metavar="K",
                    help="streams for lios and exact (default 8); a cap for greedy and nimble (default none)")
-    p.add_argument("-r", "--max-group-size", type=_non_negative, default=3, metavar="R",
-                   help="ios: at most R units in a group of a stage (0: no limit; default 3)")
-    p.add_argument("-s", "--max-groups", type=_non_negative, default=8, metavar="S",
-                   help="ios: at most S groups in a stage (0: no limit; default 8)")
+    _add_ios_options(p)
     p.add_argument("--capacity", type=float, default=0.0, metavar="C",
                    help="how many units' worth of work the device does at once (0: unlimited, the default)")
     p.add_argument("--sync-overhead", type=float, default=0.0, metavar="X",
                    help="latency added for each extra group of a stage, or each cross-stream wait (default 0)")
     p.add_argument("--no-split", action="store_true", help="ios: schedule the whole graph as one block")
-    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
-                   help="ios: cut blocks larger than N units into parts (0: no limit; default 50)")
     p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS", help="exact: CP-SAT time limit (default 30)")
     p.add_argument("--out", metavar="PLAN.json", help="write the schedule (opsched.schedule/1) to this file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(handler=_schedule_command)
+
+    p = sub.add_parser("optimize", help="capture, profile, schedule, compile, verify and measure a model",
+                       description="The main job: capture MODEL, cost its units (measured on this CPU, or on a "
+                                   "simulated GPU), schedule them with sequential, greedy, LIOS and --method, run "
+                                   "every schedule, verify it against eager PyTorch and measure it interleaved with "
+                                   "eager. Writes the plan (JSON) and a Gantt chart (PNG) of its predicted timeline.")
+    p.add_argument("model", metavar="MODEL", nargs="?", help=RUNNABLE_MODEL_HELP + " (default: inception_v3)")
+    _add_model_options(p)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--cost", default="measured", metavar="measured|sim:NAME",
+                   help="measured on this device (default), or a simulated GPU: sim:v100, sim:a100, sim:h100, "
+                        "sim:t4, sim:rtx3080, sim:k80 (figures then are simulated and nothing runs)")
+    p.add_argument("--method", default="ios", choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"],
+                   help="the scheduler whose plan is written (default ios)")
+    p.add_argument("--kernels", default="eager", choices=["eager", "inductor"],
+                   help="how units run: eager ATen operators (default) or compiled by TorchInductor "
+                        "(adds torch.compile of the whole model to the measurements)")
+    p.add_argument("--streams", type=_non_negative, metavar="K", help="streams for lios and exact (default 8)")
+    _add_ios_options(p)
+    _add_run_options(p)
+    p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
+    p.add_argument("--out", metavar="PLAN.json",
+                   help="where to write the plan (default opsched-MODEL-bB-METHOD.json)")
+    p.add_argument("--gantt", metavar="PNG", help="where to draw the Gantt chart (default: the plan's name, .png)")
+    p.add_argument("--force", action="store_true", help="overwrite --out and --gantt if they exist")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(handler=_lazy("optimize_command"))
+
+    p = sub.add_parser("run", help="execute a plan on its model, verify it and measure it against eager",
+                       description="Load MODEL, check that PLAN was made for its graph and batch, run the plan, "
+                                   "verify its outputs against eager PyTorch and time both, interleaved.")
+    p.add_argument("model", metavar="MODEL", help=RUNNABLE_MODEL_HELP)
+    p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by opsched optimize")
+    _add_model_options(p)
+    _add_run_options(p)
+    p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome/Perfetto trace of one measured run")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_lazy("run_command"))
+
+    p = sub.add_parser("show", help="summarise a plan; draw its timeline as a Gantt chart or a trace",
+                       description="Summarise PLAN and write its predicted timeline (labelled simulated when it "
+                                   "is) as a Gantt chart (PNG) or a Chrome/Perfetto trace (JSON), one row per stream.")
+    p.add_argument("plan", metavar="PLAN.json")
+    p.add_argument("--gantt", metavar="PNG", help="draw the Gantt chart here")
+    p.add_argument("--trace", metavar="TRACE.json", help="write the Chrome/Perfetto trace here")
+    p.add_argument("--force", action="store_true", help="overwrite --gantt and --trace if they exist")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_lazy("show_command"))
+
+    p = sub.add_parser("cache", help="the cache of measured latencies: info or clear",
+                       description="Show (info) or empty (clear) the sqlite cache of measured latencies, kept in "
+                                   "$OPSCHED_CACHE_DIR, else $XDG_CACHE_HOME/opsched, else ~/.cache/opsched.")
+    p.add_argument("action", choices=["info", "clear"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_lazy("cache_command"))
     return parser
+
+
+def _lazy(name: str):
+    """A handler from opsched.commands, imported when the command runs (it needs PyTorch)."""
+
+    def handler(args: argparse.Namespace) -> dict[str, Any]:
+        from opsched import commands
+
+        return getattr(commands, name)(args)
+
+    return handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:

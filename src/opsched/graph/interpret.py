@@ -13,6 +13,7 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch.utils._pytree as pytree
@@ -50,3 +51,15 @@ def run_graph(graph: Graph, *inputs: Any) -> Any:
     if graph.out_spec is not None:
         return pytree.tree_unflatten(result, graph.out_spec)
     return result[0] if len(result) == 1 else tuple(result)
+
+
+def all_values(graph: Graph, inputs: Sequence[Any]) -> dict[str, Any]:
+    """Every graph input and unit output by name, on the flat ``inputs``: what units are profiled and
+    compiled with. Holds every intermediate value at once, unlike :func:`run_graph`."""
+    import torch
+
+    values: dict[str, Any] = dict(zip(graph.inputs, inputs))
+    with torch.inference_mode():
+        for node in graph.nodes:
+            values[node.name] = node.run(*(values[a] for a in node.args))
+    return values

@@ -25,13 +25,14 @@ def nimble_chains(graph: Graph) -> list[list[int]]:
     [[0, 1, 3], [2]]
     """
     reduced = nx.transitive_reduction(graph.to_networkx())
+    # Integer labels (unit u's "out" side is u, its "in" side n + u) keep the matching, and so the chains,
+    # the same from run to run; tuples of strings would hash differently in every process.
+    n = len(graph)
     bipartite = nx.Graph()
-    left = [("out", u) for u in range(len(graph))]
-    bipartite.add_nodes_from(left)
-    bipartite.add_nodes_from(("in", v) for v in range(len(graph)))
-    bipartite.add_edges_from((("out", u), ("in", v)) for u, v in sorted(reduced.edges))
-    matching = nx.bipartite.hopcroft_karp_matching(bipartite, top_nodes=left)
-    nxt = {u: matching[("out", u)][1] for u in range(len(graph)) if ("out", u) in matching}
+    bipartite.add_nodes_from(range(2 * n))
+    bipartite.add_edges_from((u, n + v) for u, v in sorted(reduced.edges))
+    matching = nx.bipartite.hopcroft_karp_matching(bipartite, top_nodes=range(n))
+    nxt = {u: matching[u] - n for u in range(n) if u in matching}
     has_prev = set(nxt.values())
     chains = []
     for u in range(len(graph)):

@@ -1,0 +1,377 @@
+"""The commands that run models: ``optimize``, ``run``, ``show`` and ``cache`` (``cli.py`` parses the
+arguments and reports errors; ``graph`` and ``schedule`` live there)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from opsched.errors import OpschedError
+
+TABLE_METHODS = ("sequential", "greedy", "lios")
+
+
+class VerificationFailed(RuntimeError):
+    """A schedule's outputs differ from the model's beyond tolerance (exit status 1)."""
+
+
+def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.cost.simulate import device_named
+
+    model_spec = args.model or "inception_v3"
+    simulated = args.cost.startswith("sim:")
+    if simulated:
+        device_named(args.cost)  # an unknown device is bad input: say so before loading anything
+    elif args.cost != "measured":
+        raise OpschedError(f"--cost takes measured or sim:NAME, got {args.cost!r}")
+    plan_path, gantt_path = _output_paths(args, model_spec)
+    import torch
+
+    from opsched.cost.measure import MeasuredCost
+    from opsched.cost.simulate import SimulatedGPU
+    from opsched.graph.interpret import all_values
+    from opsched.pipeline import method_options, search
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
+    if args.device == "cuda" and not simulated:
+        raise OpschedError("--device cuda with --cost measured is not supported yet; use --cost sim:NAME")
+    cores = args.threads or torch.get_num_threads()
+    _say(args, f"loading and capturing {model_spec} ...")
+    loaded, graph, load_seconds, capture_seconds = _load(args, model_spec)
+    operator = None
+    if simulated:
+        cost = SimulatedGPU(graph, args.cost)
+    else:
+        from opsched.runtime.kernels import operator_for
+
+        values = all_values(graph, _flat(loaded.inputs))
+        operator = operator_for(args.kernels, values.__getitem__)
+        cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, kernels=args.kernels, operator=operator,
+                            cache=None if not args.no_cache else False, progress=_bar_factory(args))
+    methods = list(dict.fromkeys([*TABLE_METHODS, args.method]))
+    schedules = {}
+    for m in methods:
+        options = method_options(m, streams=args.streams, max_group_size=args.max_group_size,
+                                 max_groups=args.max_groups, max_block_size=args.max_block_size)
+        _say(args, f"scheduling with {m} ...")
+        schedules[m] = search(graph, cost, m, **options)
+        schedules[m].device = "cpu" if not simulated else args.cost
+        schedules[m].batch = int(_flat(loaded.inputs)[0].shape[0])
+    chosen = schedules[args.method]
+    result: dict[str, Any] = {
+        "model": loaded.name, "batch": chosen.batch, "device": args.cost if simulated else args.device,
+        "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
+        "units": len(graph), "search_seconds": chosen.stats["search_seconds"], "plan": str(plan_path),
+        "predicted_ms": {m: s.predicted_latency for m, s in schedules.items()},
+        "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
+    }
+    if not simulated:
+        result.update(_run_and_measure(args, loaded, graph, schedules, cost, operator, cores))
+    chosen.save(plan_path)
+    result["gantt"] = str(gantt_path)
+    from opsched.report.gantt import write_gantt
+
+    write_gantt(gantt_path, chosen.ops, graph, _timeline_title(chosen, loaded.name))
+    if not args.json:
+        _print_optimize(result, schedules)
+    return result
+
+
+def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> dict[str, Any]:
+    import torch
+
+    from opsched.pipeline import best_of, eager_runners, measure
+    from opsched.runtime.module import OptimizedModule, verify
+
+    inputs = tuple(loaded.inputs)
+    modules = {}
+    errors = {}
+    _say(args, "compiling and verifying the schedules ...")
+    for m, s in schedules.items():
+        modules[m] = OptimizedModule(graph, s, cores, operator)
+        check = verify(modules[m], loaded.model, inputs, tolerance=args.tolerance)
+        errors[m] = check.max_abs_error
+        if not check.ok:
+            raise VerificationFailed(f"the {m} schedule's outputs differ from the model's by up to "
+                                     f"{check.max_abs_error:.3g} (tolerance {args.tolerance:g}); not used")
+    runners = eager_runners(loaded.model, inputs, cores)
+    if args.kernels == "inductor":
+        runners.update(_torch_compile_runners(args, loaded.model, inputs, cores))
+    for m, module in modules.items():
+        runners[m] = _at_threads(module, inputs, cores)
+    _say(args, f"measuring {len(runners)} configurations, interleaved ...")
+    measured = measure(runners, repeats=args.repeats)
+    eager, eager_threads = best_of(measured, "eager")
+    out: dict[str, Any] = {"measured_ms": {"eager": eager, **{m: measured[m] for m in schedules}},
+                           "eager_threads": eager_threads, "max_abs_error": errors[args.method],
+                           "max_abs_errors": errors, "cost_model": cost.describe()}
+    compiled, compiled_threads = best_of(measured, "torch_compile")
+    if compiled is not None:
+        out["measured_ms"]["torch_compile"] = compiled
+        out["torch_compile_threads"] = compiled_threads
+    if hasattr(operator, "compile_seconds"):
+        out["compile_seconds"] = round(operator.compile_seconds, 1)
+    torch.set_num_threads(cores)
+    return out
+
+
+def _torch_compile_runners(args, model, inputs, cores):
+    """torch.compile of the whole model, compiled once per thread count (inductor bakes it in)."""
+    import torch
+
+    runners = {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        _say(args, f"torch.compile of the whole model for {threads} thread(s) ...")
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        with torch.inference_mode():
+            compiled(*inputs)
+
+        def run(compiled=compiled, threads=threads):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                return compiled(*inputs)
+
+        runners[f"torch_compile@{threads}"] = run
+    torch.set_num_threads(cores)
+    return runners
+
+
+def _at_threads(module, inputs, cores):
+    import torch
+
+    def run():
+        torch.set_num_threads(cores)
+        return module(*inputs)
+
+    return run
+
+
+def run_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched import schedule as schedule_module
+
+    plan = schedule_module.from_dict(_read_plan(args.plan), args.plan)
+    if plan.device.startswith("sim:"):
+        raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
+                           "(opsched show) but not run here")
+    if args.batch is None and plan.batch:
+        args.batch = plan.batch
+    elif args.batch is not None and plan.batch and args.batch != plan.batch:
+        raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
+    import torch
+
+    from opsched.pipeline import best_of, eager_runners, measure
+    from opsched.runtime.module import OptimizedModule, verify
+
+    loaded, graph, _, _ = _load(args, args.model)
+    schedule_module.validate(plan, graph)
+    cores = args.threads or torch.get_num_threads()
+    module = OptimizedModule(graph, plan, cores)
+    inputs = tuple(loaded.inputs)
+    check = verify(module, loaded.model, inputs, tolerance=args.tolerance)
+    if not check.ok:
+        raise VerificationFailed(f"the plan's outputs differ from the model's by up to {check.max_abs_error:.3g} "
+                                 f"(tolerance {args.tolerance:g})")
+    runners = eager_runners(loaded.model, inputs, cores)
+    runners["plan"] = _at_threads(module, inputs, cores)
+    measured = measure(runners, repeats=args.repeats)
+    eager, eager_threads = best_of(measured, "eager")
+    result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch,
+              "measured_ms": {"eager": eager, plan.method: measured["plan"]}, "eager_threads": eager_threads,
+              "predicted_ms": plan.predicted_latency, "max_abs_error": check.max_abs_error}
+    if args.trace:
+        from opsched.report.trace import write_trace
+        from opsched.schedule import OpTiming
+
+        module.executor(*_flat(inputs), record_timeline=True)
+        ops = [OpTiming(graph.nodes[u].name, stream, start * 1000.0, finish * 1000.0)
+               for stream, units, start, finish in module.executor.timeline for u in units]
+        write_trace(args.trace, ops, f"measured on this CPU: {loaded.name} {plan.method}")
+        result["trace"] = args.trace
+    if not args.json:
+        print(f"plan          {args.plan} ({plan.method}, batch {plan.batch})")
+        print(f"verified      max abs error {check.max_abs_error:.3g}")
+        print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {eager_threads})")
+        print(f"plan          {measured['plan']:.2f} ms  ({eager / measured['plan']:.2f}x eager; "
+              f"predicted {plan.predicted_latency:.2f} ms)")
+        if args.trace:
+            print(f"trace         {args.trace} (measured)")
+    return result
+
+
+def show_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched import schedule as schedule_module
+
+    plan = schedule_module.from_dict(_read_plan(args.plan), args.plan)
+    for path in (args.gantt, args.trace):
+        if path and Path(path).exists() and not args.force:
+            raise OpschedError(f"{path} exists; pass --force to overwrite it")
+    label = _timeline_title(plan, plan.graph_name)
+    if args.gantt:
+        from opsched.report.gantt import write_gantt
+
+        write_gantt(args.gantt, plan.ops, None, label)
+    if args.trace:
+        from opsched.report.trace import write_trace
+
+        write_trace(args.trace, plan.ops, label)
+    streams = plan.streams()
+    result = {"plan": args.plan, "method": plan.method, "form": plan.form, "graph": plan.graph_name,
+              "device": plan.device, "cost": plan.cost, "batch": plan.batch, "units": len(plan.ops),
+              "streams": len(streams), "stages": len(plan.stages) if plan.stages is not None else None,
+              "predicted_latency": plan.predicted_latency, "timeline": label,
+              "gantt": args.gantt, "trace": args.trace}
+    if not args.json:
+        print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} (batch {plan.batch}, {plan.device})")
+        print(f"form        {plan.form}: {len(plan.ops)} units on {len(streams)} streams"
+              + (f" in {len(plan.stages)} stages" if plan.stages is not None else ""))
+        print(f"predicted   {plan.predicted_latency:.4g}  ({label})")
+        for k, units in enumerate(streams):
+            print(f"stream {k:<3} {len(units)} units")
+        for what, path in (("gantt", args.gantt), ("trace", args.trace)):
+            if path:
+                print(f"{what:<11} {path}")
+    return result
+
+
+def cache_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.cost.cache import LatencyCache, default_path
+
+    path = default_path()
+    if args.action == "clear":
+        removed = LatencyCache(path).clear() if path.exists() else 0
+        result = {"path": str(path), "removed": removed}
+        if not args.json:
+            print(f"removed {removed} measurements from {path}")
+        return result
+    summary = LatencyCache(path).summary() if path.exists() else {"path": str(path), "bytes": 0, "entries": 0,
+                                                                  "devices": []}
+    if not args.json:
+        print(f"cache    {summary['path']}  ({summary['bytes'] / 1024:.0f} KiB, {summary['entries']} measurements)")
+        for d in summary["devices"]:
+            print(f"  {d['entries']:>6}  kernels {d['kernels']:<8}  {d['device']}")
+    return summary
+
+
+# -- helpers --
+
+def _load(args, spec: str):
+    from opsched.graph.capture import capture
+    from opsched.models.spec import load_model, parse_shape
+
+    started = time.perf_counter()
+    shapes = [parse_shape(s) for s in args.input_shape or []]
+    loaded = load_model(spec, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
+    loaded.model.eval()
+    loaded_at = time.perf_counter()
+    graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)
+    return loaded, graph, loaded_at - started, time.perf_counter() - loaded_at
+
+
+def _flat(inputs):
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tuple(inputs))
+
+
+def _read_plan(path: str) -> Any:
+    from opsched.jsonfile import read_json
+    from opsched.schedule import ScheduleError
+
+    return read_json(path, ScheduleError)
+
+
+def _output_paths(args, model_spec: str) -> tuple[Path, Path]:
+    """The plan and Gantt paths. A file the user names is never overwritten without --force; the default
+    names are overwritten only when they hold an earlier opsched plan and its picture."""
+    if args.out:
+        plan = Path(args.out)
+        if plan.exists() and not args.force:
+            raise OpschedError(f"{plan} exists; pass --force to overwrite it")
+    else:
+        stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in model_spec.split("/")[-1])
+        plan = Path(f"opsched-{stem}-b{args.batch or 1}-{args.method}.json")
+        if plan.exists() and not args.force and not _is_plan(plan):
+            raise OpschedError(f"{plan} exists and is not an opsched plan; pass --out or --force")
+    gantt = Path(args.gantt) if args.gantt else plan.with_suffix(".png")
+    if args.gantt and gantt.exists() and not args.force:
+        raise OpschedError(f"{gantt} exists; pass --force to overwrite it")
+    return plan, gantt
+
+
+def _is_plan(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("format", "").startswith("opsched.schedule/")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _timeline_title(plan, name: str) -> str:
+    if plan.cost.startswith("sim:"):
+        what = f"SIMULATED on {plan.cost[4:]} (predicted, not measured)"
+    else:
+        what = f"predicted by the {plan.cost} cost model"
+    return f"{name}, {plan.method}, batch {plan.batch}: {what}, {plan.predicted_latency:.3g} ms"
+
+
+def _say(args, text: str) -> None:
+    if not args.json and sys.stderr.isatty():
+        print(text, file=sys.stderr)
+
+
+def _bar_factory(args):
+    from tqdm import tqdm
+
+    def bar(description: str, total: int):
+        return tqdm(total=total, desc=description, unit="run", leave=False, disable=not sys.stderr.isatty())
+
+    return bar
+
+
+def _print_optimize(result: dict[str, Any], schedules) -> None:
+    simulated = result["simulated"]
+    kind = "simulated" if simulated else "predicted"
+    print(f"model      {result['model']} (batch {result['batch']}, {result['units']} units)")
+    print(f"cost       {result['cost']}" + ("  -- every latency below is SIMULATED, not measured" if simulated
+                                              else f"  (kernels: {result['kernels']})"))
+    print()
+    measured = result.get("measured_ms", {})
+    header = f"{'':<14} {kind + ' ms':>14}"
+    if measured:
+        header += f" {'measured ms':>12} {'vs eager':>9}"
+    print(header)
+    rows = [("eager", None)] if measured else []
+    rows += [(m, schedules[m].predicted_latency) for m in schedules]
+    if "torch_compile" in measured:
+        rows.append(("torch_compile", None))
+    sequential = result["predicted_ms"]["sequential"]
+    for name, predicted in rows:
+        line = f"{name:<14} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
+        if measured:
+            ms = measured.get(name)
+            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" if ms else ""
+        elif predicted:
+            line += f"   {sequential / predicted:.2f}x sequential"
+        print(line)
+    print()
+    chosen = schedules[result["method"]]
+    stats = chosen.stats
+    print(f"search     {result['method']}: {stats['search_seconds']:.2f} s"
+          + (f", {stats['states']} states, {stats['transitions']} transitions" if stats.get("states") else ""))
+    if "max_abs_error" in result:
+        print(f"verified   max abs error {result['max_abs_error']:.3g} against eager"
+              + (f" (eager best with {result['eager_threads']} threads)" if result.get("eager_threads") else ""))
+    if "cost_model" in result:
+        c = result["cost_model"]
+        print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "
+              f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached)")
+    if "compile_seconds" in result:
+        print(f"compiling  {result['compile_seconds']:.1f} s (inductor)")
+    print(f"plan       {result['plan']}")
+    print(f"gantt      {result['gantt']}")

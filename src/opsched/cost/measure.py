@@ -1,0 +1,344 @@
+"""The measured cost model (``--cost measured``): latencies timed on the real device, in milliseconds.
+
+Measuring every stage the IOS search considers is what made IOS's search slow (tens of thousands of
+stages for Inception V3). This model measures what is cheap and predicts the rest:
+
+- every unit *in place*: the whole graph run in order through the executor, once per intra-op thread count
+  a stage can give a unit (all cores alone, ``cores // k`` beside k - 1 other groups), each unit's time
+  read from the executor's timeline. A unit timed in a loop on its own finds its weights and inputs in
+  cache and comes out faster than it runs inside the model (on GoogLeNet, the sum fell 15% short);
+- the cost of joining one more stream (the executor's event hand-off), from a two-stream program of
+  empty steps against a one-stream one;
+- a stage is *predicted* from those: the longest group at its thread count, no shorter than the stage's
+  work spread over the cores, times a contention factor, plus the hand-off per extra group; a merged
+  stage is the units' time alone times a merge factor;
+- :meth:`MeasuredCost.measure_schedule` runs a whole staged schedule and keeps each stage's latency as
+  measured in place; from then on the measured latency is used, and the contention and merge factors
+  become the median ratio of measured to predicted. The pipeline (:func:`opsched.pipeline.search_measured`)
+  searches, measures the schedule that wins, and searches again until the winner holds only measured
+  stages: only schedules that win cost a measurement.
+
+Timing: a warm-up run, then ``repeats`` runs, interleaved when several programs are measured (so that a
+burst of load on a shared machine spreads over all of them instead of skewing one); the median is kept,
+which ignores outliers. Everything runs through the same executor as the final program.
+
+Every measurement goes to the sqlite cache (``cache.py``) under this device's fingerprint, so a second
+search of the same model re-measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from opsched.cost.cache import LatencyCache
+from opsched.graph.interpret import all_values
+from opsched.graph.ir import Graph, Node
+from opsched.runtime.cpu import CPUExecutor
+from opsched.runtime.kernels import Operator, unit_operator
+from opsched.runtime.program import staged_program
+from opsched.timing import interleaved_medians
+
+Stage = tuple[str, tuple[tuple[int, ...], ...]]  # (strategy, groups of unit indices)
+
+MIN_SAMPLE_SECONDS = 0.002  # a sample of the hand-off probe repeats it until it lasts this long
+CONTENTION_PRIOR = 1.0
+MERGE_PRIOR = 0.85  # optimistic, so that searches try merges and measurement settles them
+
+
+def cpu_fingerprint(cores: int) -> str:
+    """What makes CPU timings comparable: the processor, the cores used, PyTorch and its backends."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return (f"cpu|{model}|{os.cpu_count()} logical|{cores} threads|torch {torch.__version__}|"
+            f"mkldnn {torch.backends.mkldnn.is_available()}")
+
+
+class MeasuredCost:
+    """Latencies of ``graph``'s units measured on this CPU with ``cores`` threads (default: PyTorch's
+    count), the example ``inputs`` feeding the graph. ``operator`` gives the callable of a run step (the
+    kernels the schedule will run with); ``kernels`` names them for the cache. ``cache=None`` uses the
+    default cache file; ``False`` turns caching off."""
+
+    name = "measured"
+
+    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None,
+                 kernels: str = "eager", operator: Operator = unit_operator,
+                 cache: LatencyCache | bool | None = None, repeats: int = 9,
+                 progress: Callable[[str, int], Any] | None = None):
+        self.graph = graph
+        self.cores = cores or torch.get_num_threads()
+        self.capacity = float(self.cores)
+        self.kernels = kernels
+        self.operator = operator
+        self.repeats = repeats
+        self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
+        self.device = cpu_fingerprint(self.cores)
+        self.cache = LatencyCache() if cache is None or cache is True else (cache or None)
+        self.progress = progress or (lambda what, total: _NoProgress())
+        self.values = all_values(graph, inputs)
+        self.signatures = [self._unit_signature(u) for u in range(len(graph))]
+        self.thread_options = sorted({max(1, self.cores // k) for k in range(1, self.cores + 1)}, reverse=True)
+        self.latency: dict[int, list[float]] = {}
+        self.measured_stages: dict[Stage, float] = {}
+        self.predicted_when_measured: dict[Stage, float] = {}
+        self.contention = CONTENTION_PRIOR
+        self.merge_factor = MERGE_PRIOR
+        self.counts = {"units_measured": 0, "units_cached": 0, "stages_measured": 0, "stages_cached": 0}
+        self.profile_seconds = 0.0
+        started = time.perf_counter()
+        self._measure_units()
+        self.sync_overhead = self._measure_handoff()
+        self.profile_seconds += time.perf_counter() - started
+
+    # -- the cost-model interface --
+
+    def op_latency(self, unit: int) -> float:
+        return self.latency[self.cores][unit]
+
+    def stage_latency(self, groups: Sequence[Sequence[int]]) -> float:
+        key = ("concurrent", tuple(tuple(g) for g in groups))
+        measured = self.measured_stages.get(key)
+        return measured if measured is not None else self.predict(key)
+
+    def merge_latency(self, units: Sequence[int]) -> float | None:
+        key = ("merge", tuple((u,) for u in units))
+        measured = self.measured_stages.get(key)
+        return measured if measured is not None else self.predict(key)
+
+    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
+        # Streams of a stream schedule share the cores: it cannot beat its work spread over them.
+        return max(makespan, sum(self.latency[1][u] for u in units) / self.cores)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "unit": "ms", "device": self.device, "kernels": self.kernels,
+                "cores": self.cores, "sync_overhead_ms": self.sync_overhead, "contention": self.contention,
+                "merge_factor": self.merge_factor, "profile_seconds": round(self.profile_seconds, 3),
+                **self.counts}
+
+    # -- prediction --
+
+    def predict(self, stage: Stage) -> float:
+        """The latency of a stage from its units' latencies (see the module docstring)."""
+        strategy, groups = stage
+        if strategy == "merge":
+            return self.merge_factor * sum(self.latency[self.cores][u] for g in groups for u in g)
+        if len(groups) == 1:
+            return sum(self.latency[self.cores][u] for u in groups[0])
+        threads = max(1, self.cores // len(groups))
+        alone = self.latency[threads]
+        longest = max(sum(alone[u] for u in g) for g in groups)
+        work = sum(alone[u] for g in groups for u in g) * threads / self.cores
+        return self.contention * max(longest, work) + self.sync_overhead * (len(groups) - 1)
+
+    def unmeasured(self, stages: Iterable[Stage]) -> list[Stage]:
+        """The stages among ``stages`` whose latency is predicted, not measured."""
+        return [s for s in stages
+                if (s[0] == "merge" or len(s[1]) > 1) and s not in self.measured_stages]
+
+    # -- measuring --
+
+    def measure_schedule(self, stages: Sequence[Stage], refresh: bool = False) -> None:
+        """Run a staged schedule whole and keep the latency of each of its stages as measured in place:
+        from the end of the stage before to the end of its last unit, fork and join included. Without
+        ``refresh``, a schedule whose stages are all in the cache is not run. Then update the contention
+        and merge factors."""
+        started = time.perf_counter()
+        for stage in stages:
+            self.predicted_when_measured.setdefault(stage, self._predict_with_priors(stage))
+        cached = {s: self._cached(self._stage_key(s), f"cores={self.cores}") for s in stages}
+        if not refresh and all(v is not None for v in cached.values()):
+            for stage, ms in cached.items():
+                if stage not in self.measured_stages:
+                    self.measured_stages[stage] = ms
+                    self.counts["stages_cached"] += 1
+        else:
+            program = staged_program(self.graph, stages, self.cores)
+            runs = self._run_in_place([program], f"measuring a schedule of {len(stages)} stages")[0]
+            stage_of = {u: k for k, (_, groups) in enumerate(stages) for g in groups for u in g}
+            durations: list[list[float]] = [[] for _ in stages]
+            for timeline in runs:
+                ends = [0.0] * len(stages)
+                for _, units, _, finish in timeline:
+                    k = stage_of[units[0]]
+                    ends[k] = max(ends[k], finish)
+                previous = 0.0
+                for k, end in enumerate(ends):
+                    durations[k].append((end - previous) * 1000.0)
+                    previous = end
+            for stage, samples in zip(stages, durations):
+                ms = statistics.median(samples)
+                self.counts["stages_measured"] += 1
+                self.measured_stages[stage] = ms
+                self._store(self._stage_key(stage), f"cores={self.cores}", ms, len(samples))
+        self._update_factors()
+        self.profile_seconds += time.perf_counter() - started
+
+    def _predict_with_priors(self, stage: Stage) -> float:
+        saved = self.contention, self.merge_factor
+        self.contention, self.merge_factor = 1.0, 1.0
+        try:
+            return self.predict(stage)
+        finally:
+            self.contention, self.merge_factor = saved
+
+    def _update_factors(self) -> None:
+        def ratios(strategy: str) -> list[float]:
+            return [self.measured_stages[s] / p for s, p in self.predicted_when_measured.items()
+                    if s[0] == strategy and (strategy == "merge" or len(s[1]) > 1) and p > 0]
+
+        concurrent, merged = ratios("concurrent"), ratios("merge")
+        if concurrent:
+            self.contention = statistics.median(concurrent)
+        if merged:
+            self.merge_factor = statistics.median(merged)
+
+    def _measure_units(self) -> None:
+        """Time every unit in place: the whole graph run in order, once per thread count, the units'
+        times read from the executor's timeline (a unit timed in a loop on its own finds its weights
+        and inputs in cache, and comes out faster than it runs inside the model)."""
+        missing = []
+        for threads in self.thread_options:
+            cached = [self._cached(self.signatures[u], str(threads)) for u in range(len(self.graph))]
+            if any(c is None for c in cached):
+                missing.append(threads)
+            else:
+                self.latency[threads] = cached
+                self.counts["units_cached"] += len(self.graph)
+        if not missing:
+            return
+        order = [("concurrent", [[u]]) for u in range(len(self.graph))]
+        programs = [(threads, staged_program(self.graph, order, threads)) for threads in missing]
+        timelines = self._run_in_place([p for _, p in programs], f"profiling {len(self.graph)} units")
+        for (threads, _), runs in zip(programs, timelines):
+            per_unit: list[list[float]] = [[] for _ in range(len(self.graph))]
+            for timeline in runs:
+                for _, units, start, finish in timeline:
+                    per_unit[units[0]].append((finish - start) * 1000.0)
+            # Units with the same signature do the same work: they share one figure, here and in the cache.
+            by_signature: dict[str, list[float]] = {}
+            for u, samples in enumerate(per_unit):
+                by_signature.setdefault(self.signatures[u], []).extend(samples)
+            shared = {sig: statistics.median(samples) for sig, samples in by_signature.items()}
+            self.latency[threads] = [shared[self.signatures[u]] for u in range(len(self.graph))]
+            for sig, ms in shared.items():
+                self._store(sig, str(threads), ms, len(by_signature[sig]))
+            self.counts["units_measured"] += len(self.graph)
+
+    def _run_in_place(self, programs: Sequence[Any], label: str) -> list[list[list]]:
+        """Run each program ``repeats`` times (after a warm-up), interleaved, recording timelines."""
+        executors = [CPUExecutor(p, self.operator) for p in programs]
+        args = [self.values[name] for name in self.graph.inputs]
+        timelines: list[list[list]] = [[] for _ in programs]
+        try:
+            with self.progress(label, len(programs) * (self.repeats + 1)) as bar:
+                for executor in executors:
+                    executor(*args)
+                    bar.update(1)
+                for _ in range(self.repeats):
+                    for k, executor in enumerate(executors):
+                        executor(*args, record_timeline=True)
+                        timelines[k].append(executor.timeline)
+                        bar.update(1)
+        finally:
+            for executor in executors:
+                executor.close()
+            torch.set_num_threads(self.cores)
+        return timelines
+
+    def _measure_handoff(self) -> float:
+        """Milliseconds one extra stream adds to a stage: a two-stream stage of empty steps against a
+        one-stream stage of the same steps."""
+        key = "handoff"
+        cached = self._cached(key, f"cores={self.cores}")
+        if cached is not None:
+            return cached
+        nodes = [Node("a", args=("x",), run=_identity), Node("b", args=("x",), run=_identity)]
+        tiny = Graph(nodes, inputs=["x"])
+        x = torch.zeros(1)
+        one = CPUExecutor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores), unit_operator)
+        two = CPUExecutor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores), unit_operator)
+        t_one, t_two = interleaved_medians([lambda: one(x), lambda: two(x)], self.repeats,
+                                           min_sample_seconds=MIN_SAMPLE_SECONDS)
+        one.close()
+        two.close()
+        handoff = max(0.0, t_two - t_one)
+        self._store(key, f"cores={self.cores}", handoff, self.repeats)
+        return handoff
+
+    # -- cache keys --
+
+    def _unit_signature(self, u: int) -> str:
+        node = self.graph.nodes[u]
+        doc = {"kind": node.kind, "ops": list(node.ops), "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
+               "inputs": [_describe_value(self.values[a]) for a in node.args], "shape": _plain(node.shape),
+               "dtype": node.dtype, "flops": node.flops, "param_bytes": node.param_bytes}
+        return "unit:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
+
+    def _stage_key(self, stage: Stage) -> str:
+        strategy, groups = stage
+        inside = [u for g in groups for u in g]
+        position = {u: i for i, u in enumerate(inside)}
+        external: dict[str, int] = {}
+        wiring = []
+        for u in inside:
+            wiring.append([f"u{position[self.graph.index[a]]}" if a in self.graph.index and
+                           self.graph.index[a] in position else f"x{external.setdefault(a, len(external))}"
+                           for a in self.graph.nodes[u].args])
+        doc = {"strategy": strategy, "groups": [[self.signatures[u] for u in g] for g in groups], "wiring": wiring}
+        return "stage:" + hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+
+    def _cached(self, what: str, threads: str) -> float | None:
+        return self.cache.get(self.device, what, self.kernels, self.batch, threads) if self.cache else None
+
+    def _store(self, what: str, threads: str, ms: float, samples: int) -> None:
+        if self.cache:
+            self.cache.put(self.device, what, self.kernels, self.batch, threads, ms, samples)
+
+
+def stages_of(schedule: Any, graph: Graph) -> list[Stage]:
+    """A staged schedule's stages as cost-model keys."""
+    index = graph.index
+    return [(st.strategy, tuple(tuple(index[u] for u in g) for g in st.groups)) for st in schedule.stages]
+
+
+def _describe_value(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype), list(value.stride())]
+    return repr(value)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _NoProgress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int) -> None:
+        pass
+

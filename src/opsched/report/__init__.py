@@ -1,0 +1,1 @@
+"""Reports: pictures and traces of what runs when."""

@@ -1,0 +1,182 @@
+"""The CPU backend: run a StreamProgram with one thread per stream.
+
+Stream 0 runs on the calling thread, so a one-stream program (sequential) costs no hand-off at all; the
+other streams run on persistent worker threads, each applying the intra-op thread count of every step with
+``torch.set_num_threads`` inside that thread (the OpenMP setting is per thread; set in the caller, it would
+not reach the workers, and workers left at the default would oversubscribe the cores). Events are
+``threading.Event`` s; PyTorch releases the GIL inside its kernels, so streams really run at the same time.
+
+Calls are serialised by a lock, so an executor is safe to share between threads: two calls interleaving on
+shared workers could otherwise wait on each other's streams.
+
+If a step fails, every event is set so that no stream waits forever, and the first error is raised in the
+calling thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from opsched.runtime.kernels import Operator
+from opsched.runtime.program import Record, Run, StreamProgram, Wait
+
+_RUN, _RECORD, _WAIT = 0, 1, 2
+
+
+class StreamFailed(RuntimeError):
+    """Another stream failed; this one stopped."""
+
+
+class CPUExecutor:
+    """Execute ``program``; ``operator(nodes, threads)`` gives the callable for the units of a run step
+    (see :mod:`opsched.runtime.kernels`): called with the values the first unit reads, it returns one
+    value, or one per unit for a merge."""
+
+    def __init__(self, program: StreamProgram, operator: Operator):
+        self.program = program
+        graph = program.graph
+        self._slots = len(graph.inputs) + len(graph)
+        self._inputs = len(graph.inputs)
+        self._readers = program.readers
+        self._outputs = program.outputs
+        self._steps = []
+        for steps in program.streams:
+            compiled = []
+            for s in steps:
+                if isinstance(s, Run):
+                    first = graph.nodes[s.units[0]]
+                    compiled.append((_RUN, operator([graph.nodes[u] for u in s.units], s.threads),
+                                     tuple(program.slot(a) for a in first.args),
+                                     tuple(self._inputs + u for u in s.units), s.release, s.threads, s.units))
+                elif isinstance(s, Record):
+                    compiled.append((_RECORD, s.event))
+                elif isinstance(s, Wait):
+                    compiled.append((_WAIT, s.event))
+            self._steps.append(compiled)
+        self._lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None
+
+    def __call__(self, *inputs: Any, record_timeline: bool = False) -> list[Any]:
+        """Run the program on the flat list of graph inputs; return the graph's flat outputs. With
+        ``record_timeline``, ``self.timeline`` then holds (stream, units, start, finish) in seconds from the
+        start of the call."""
+        if len(inputs) != self._inputs:
+            raise ValueError(f"the program takes {self._inputs} inputs, got {len(inputs)}")
+        with self._lock:
+            while len(self._workers) < len(self._steps) - 1:
+                self._workers.append(_Worker())
+            call = _Call(self, inputs, record_timeline)
+            for k, worker in enumerate(self._workers[:len(self._steps) - 1], 1):
+                worker.submit(call, k)
+            caller_threads = torch.get_num_threads()
+            try:
+                call.run_stream(0)
+            finally:
+                torch.set_num_threads(caller_threads)
+            for k in range(1, len(self._steps)):
+                call.finished[k].wait()
+            if call.error is not None:
+                raise call.error
+            if record_timeline:
+                self.timeline = sorted(call.timeline, key=lambda t: t[2])
+            return [call.values[s] for s in self._outputs]
+
+    def close(self) -> None:
+        for worker in self._workers:
+            worker.stop()
+        self._workers = []
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _Call:
+    """The state of one execution of a program."""
+
+    def __init__(self, executor: CPUExecutor, inputs: Sequence[Any], record_timeline: bool):
+        self.executor = executor
+        self.values: list[Any] = [None] * executor._slots
+        self.values[:len(inputs)] = inputs
+        self.remaining = list(executor._readers)
+        self.events = [threading.Event() for _ in range(executor.program.events)]
+        self.finished = [threading.Event() for _ in executor._steps]
+        self.lock = threading.Lock()
+        self.error: BaseException | None = None
+        self.timeline: list | None = [] if record_timeline else None
+        self.started = time.perf_counter()
+
+    def run_stream(self, k: int) -> None:
+        try:
+            with torch.inference_mode():  # thread-local: each worker sets it for itself
+                self._run_steps(k)
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            with self.lock:
+                if self.error is None:
+                    self.error = e
+            for event in self.events:
+                event.set()
+        finally:
+            self.finished[k].set()
+
+    def _run_steps(self, k: int) -> None:
+        values, events, remaining = self.values, self.events, self.remaining
+        threads_now = -1
+        for step in self.executor._steps[k]:
+            kind = step[0]
+            if kind == _RUN:
+                _, fn, args, outs, release, threads, units = step
+                if threads != threads_now:
+                    torch.set_num_threads(threads)
+                    threads_now = threads
+                began = time.perf_counter()
+                result = fn(*[values[a] for a in args])
+                if self.timeline is not None:
+                    self.timeline.append((k, units, began - self.started, time.perf_counter() - self.started))
+                if len(outs) == 1:
+                    values[outs[0]] = result
+                else:
+                    for slot, value in zip(outs, result):
+                        values[slot] = value
+                for slot in release:
+                    if remaining[slot] > 1:
+                        with self.lock:
+                            remaining[slot] -= 1
+                            if remaining[slot]:
+                                continue
+                    values[slot] = None
+            elif kind == _RECORD:
+                events[step[1]].set()
+            else:
+                events[step[1]].wait()
+                if self.error is not None:
+                    raise StreamFailed("another stream failed")
+
+
+class _Worker:
+    """A daemon thread running the streams handed to it, one call at a time."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="opsched-stream")
+        self._thread.start()
+
+    def submit(self, call: _Call, stream: int) -> None:
+        self._queue.put((call, stream))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            call, stream = item
+            call.run_stream(stream)

@@ -1,0 +1,177 @@
+"""Operator merge (IOS): convolutions that read the same input run as one convolution.
+
+Each unit's batch norm is folded into its convolution first; the kernels are zero-padded and centred to the
+largest, stacked along the output channels with their biases, and the merged convolution pads by what the
+largest kernel needs. The shared leading operators (say a ReLU) run once, the common activation runs on
+the stacked output, and the output is split back into one tensor per unit: the same values as the units
+run one by one, up to floating-point rounding of the folded batch norm.
+
+The merged weights are computed from the model's parameters when the operator is built.
+
+>>> import torch
+>>> from opsched.graph.capture import capture
+>>> class TwoBranches(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.a, self.b = torch.nn.Conv2d(4, 3, 1), torch.nn.Conv2d(4, 5, 3, padding=1)
+...     def forward(self, x):
+...         return self.a(x).relu(), self.b(x).relu()
+>>> x = torch.randn(1, 4, 8, 8)
+>>> g = capture(TwoBranches().eval(), (x,))
+>>> merged = merged_operator([g.nodes[0], g.nodes[1]])
+>>> a, b = merged(x)
+>>> torch.allclose(a, g.nodes[0].run(x), atol=1e-6), torch.allclose(b, g.nodes[1].run(x), atol=1e-6)
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from opsched.errors import OpschedError
+from opsched.graph.ir import Node, can_merge
+from opsched.graph.ops import get_attr_value
+
+_BATCH_NORMS = {"batch_norm", "_native_batch_norm_legit_no_training"}
+
+
+class MergeError(OpschedError):
+    """Units that cannot be merged into one operator."""
+
+
+@dataclass
+class _Conv:
+    """One unit taken apart: what feeds its convolution, the folded weight and bias, and what follows."""
+
+    prefix: fx.GraphModule     # the unit's inputs -> the convolution's input
+    weight: torch.Tensor
+    bias: torch.Tensor
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    tail: list[fx.Node]        # element-wise operators after the (folded) batch norm, in order
+
+
+def merged_operator(nodes: Sequence[Node]) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """One callable running the convolution units ``nodes`` as a single convolution; called with the
+    inputs of the first unit (all read the same), it returns one output per unit, in order."""
+    if not can_merge(nodes):
+        raise MergeError(f"units {', '.join(n.name for n in nodes)} cannot be merged")
+    parts = [_take_apart(n) for n in nodes]
+    dims = len(parts[0].weight.shape) - 2
+    largest = [max(p.weight.shape[2 + d] for p in parts) for d in range(dims)]
+    weights = []
+    for p in parts:
+        pad: list[int] = []
+        for d in reversed(range(dims)):  # F.pad takes the last dimension first
+            extra = largest[d] - p.weight.shape[2 + d]
+            pad += [extra // 2, extra // 2]
+        weights.append(F.pad(p.weight, pad))
+    first = parts[0]
+    weight = torch.cat(weights).contiguous()
+    bias = torch.cat([p.bias for p in parts])
+    padding = tuple(first.padding[d] + (largest[d] - first.weight.shape[2 + d]) // 2 for d in range(dims))
+    sizes = [p.weight.shape[0] for p in parts]
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
+    prefix, tail, stride = first.prefix, first.tail, first.stride
+
+    def run(*inputs: Any) -> tuple[torch.Tensor, ...]:
+        y = conv(prefix(*inputs), weight, bias, stride, padding)
+        for op in tail:
+            y = op.target(y, *op.args[1:], **op.kwargs)
+        return torch.split(y, sizes, dim=1)
+
+    return run
+
+
+def _take_apart(node: Node) -> _Conv:
+    gm = node.run
+    if not isinstance(gm, fx.GraphModule):
+        raise MergeError(f"unit {node.name!r} has no FX graph to merge")
+    convs = [n for n in gm.graph.nodes if n.op == "call_function" and _name(n) in ("conv2d", "conv1d", "conv3d",
+                                                                                    "convolution")]
+    if len(convs) != 1:
+        raise MergeError(f"unit {node.name!r} does not hold exactly one convolution")
+    conv = convs[0]
+    x, weight, bias, stride, padding = _conv_args(conv, gm)
+    weight = weight.detach()
+    bias = torch.zeros(weight.shape[0], dtype=weight.dtype) if bias is None else bias.detach()
+    current = conv
+    tail: list[fx.Node] = []
+    while True:
+        users = list(current.users)
+        if len(users) != 1 or users[0].op == "output":
+            break
+        user = users[0]
+        name = _name(user)
+        if name in _BATCH_NORMS and not tail:
+            weight, bias = _fold(weight, bias, user, gm)
+        elif name == "getitem" and user.args[1] == 0 and not tail:
+            pass  # the output of _native_batch_norm_legit_no_training
+        elif name in ("dropout", "identity", "clone"):
+            pass
+        elif user.args and user.args[0] is current and not any(isinstance(a, fx.Node) for a in user.args[1:]):
+            tail.append(user)
+        else:
+            raise MergeError(f"unit {node.name!r}: cannot merge through {user.format_node()}")
+        current = user
+    prefix_graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n is conv:
+            break
+        env[n] = prefix_graph.node_copy(n, lambda a: env[a])
+    prefix_graph.output(env[x] if isinstance(x, fx.Node) else x)
+    prefix_graph.eliminate_dead_code()
+    prefix = fx.GraphModule(gm, prefix_graph)
+    return _Conv(prefix, weight, bias, stride, padding, tail)
+
+
+def _conv_args(conv: fx.Node, gm: fx.GraphModule) -> tuple[Any, torch.Tensor, torch.Tensor | None, tuple, tuple]:
+    args = list(conv.args)
+    names = ["input", "weight", "bias", "stride", "padding", "dilation"]
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in conv.kwargs.items() if k in names})
+    weight = get_attr_value(values["weight"], gm)
+    bias = values.get("bias")
+    bias = get_attr_value(bias, gm) if isinstance(bias, fx.Node) else None
+    dims = weight.dim() - 2
+    stride = _expand(values.get("stride", 1), dims)
+    padding = _expand(values.get("padding", 0), dims)
+    return values["input"], weight, bias, stride, padding
+
+
+def _expand(value: Any, dims: int) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,) * dims
+    value = tuple(value)
+    return value * dims if len(value) == 1 else value
+
+
+def _fold(weight: torch.Tensor, bias: torch.Tensor, bn: fx.Node, gm: fx.GraphModule):
+    """Fold an inference batch norm into the convolution before it."""
+    name = _name(bn)
+    if name == "batch_norm":
+        _, gamma, beta, mean, var, training, _, eps = bn.args[:8]
+        if training:
+            raise MergeError("cannot fold a batch norm in training mode")
+    else:  # _native_batch_norm_legit_no_training(input, weight, bias, mean, var, momentum, eps)
+        _, gamma, beta, mean, var, _, eps = bn.args[:7]
+    mean, var = get_attr_value(mean, gm), get_attr_value(var, gm)
+    gamma = get_attr_value(gamma, gm) if isinstance(gamma, fx.Node) else torch.ones_like(mean)
+    beta = get_attr_value(beta, gm) if isinstance(beta, fx.Node) else torch.zeros_like(mean)
+    scale = gamma.detach() / torch.sqrt(var + eps)
+    shape = (-1,) + (1,) * (weight.dim() - 1)
+    return weight * scale.reshape(shape), (bias - mean) * scale + beta.detach()
+
+
+def _name(node: fx.Node) -> str:
+    target = node.target
+    if hasattr(target, "_opname"):
+        return target._opname
+    return getattr(target, "__name__", str(target))

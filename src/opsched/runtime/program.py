@@ -1,0 +1,192 @@
+"""Compile a Schedule into a StreamProgram: for each stream, the steps it runs in order.
+
+A step runs units (one unit, or the units of a merge stage as one operator), records an event, or waits
+for one. Values live in slots: the graph's inputs first, then one slot per unit. A run step also says
+which slots it releases once it is done, so that a backend frees every intermediate tensor as soon as its
+last reader has run; a slot read on several streams is released by whichever reader finishes last.
+
+- A staged schedule puts group ``i`` of each stage on stream ``i`` and joins the streams between stages
+  through stream 0: each other stream records an event at the end of its group and stream 0 waits for
+  all of them; before the next stage, stream 0 records an event the other streams wait for.
+- A stream schedule runs each stream's units in order and has events only on edges that cross streams:
+  the producer's stream records once, each reading stream waits once.
+
+The program says how many intra-op threads each run step uses (``cores`` shared by the streams that run
+at the same time), which the CPU backend applies inside each worker thread.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> from opsched.cost.table import TableCost
+>>> from opsched.schedule import from_stages
+>>> g = Graph([Node("a", args=("x",), latency=1.0), Node("b", args=("a",), latency=2.0),
+...            Node("c", args=("a",), latency=3.0)], inputs=["x"])
+>>> p = compile_program(from_stages(g, TableCost(g), "demo", [("concurrent", [[0]]), ("concurrent", [[1], [2]])]),
+...                     g, cores=2)
+>>> for k, steps in enumerate(p.describe()): print(k, steps)
+0 ['run a (2 threads)', 'record 0', 'run b (1 threads)', 'wait 1']
+1 ['wait 0', 'run c (1 threads)', 'record 1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from opsched.graph.ir import Graph, indices
+from opsched.schedule import Schedule, ScheduleError, validate
+
+
+@dataclass(frozen=True)
+class Run:
+    units: tuple[int, ...]   # one unit, or the units of a merge stage
+    threads: int
+    release: tuple[int, ...] = ()  # slots this step is the (or a) last reader of
+
+    def describe(self, graph: Graph) -> str:
+        names = "+".join(graph.nodes[u].name for u in self.units)
+        return f"{'merge' if len(self.units) > 1 else 'run'} {names} ({self.threads} threads)"
+
+
+@dataclass(frozen=True)
+class Record:
+    event: int
+
+    def describe(self, graph: Graph) -> str:
+        return f"record {self.event}"
+
+
+@dataclass(frozen=True)
+class Wait:
+    event: int
+
+    def describe(self, graph: Graph) -> str:
+        return f"wait {self.event}"
+
+
+Step = Run | Record | Wait
+
+
+@dataclass
+class StreamProgram:
+    graph: Graph
+    streams: list[list[Step]]
+    events: int
+    cores: int
+    readers: list[int] = field(default_factory=list)  # per slot: how many run steps release it
+    outputs: tuple[int, ...] = ()                    # slots the program returns
+
+    def slot(self, name: str) -> int:
+        """The slot holding the value ``name`` (a graph input or a unit)."""
+        if name in self.graph.index:
+            return len(self.graph.inputs) + self.graph.index[name]
+        return self.graph.inputs.index(name)
+
+    def runs(self) -> list[Run]:
+        return [s for steps in self.streams for s in steps if isinstance(s, Run)]
+
+    def describe(self) -> list[list[str]]:
+        """Each stream's steps as text."""
+        return [[s.describe(self.graph) for s in steps] for steps in self.streams]
+
+
+def compile_program(schedule: Schedule, graph: Graph, cores: int = 1) -> StreamProgram:
+    """The StreamProgram that executes ``schedule`` on ``graph`` with ``cores`` intra-op threads to share."""
+    validate(schedule, graph)
+    if schedule.stages is not None:
+        index = graph.index
+        return staged_program(graph, [(st.strategy, [[index[u] for u in g] for g in st.groups])
+                                      for st in schedule.stages], cores)
+    return _finish(graph, *_streamed(schedule, graph, _check_cores(cores)), cores)
+
+
+def staged_program(graph: Graph, stages: Sequence[tuple[str, Sequence[Sequence[int]]]],
+                   cores: int = 1) -> StreamProgram:
+    """The program of stages given as ``(strategy, groups of unit indices)``, unchecked: the profiler runs
+    single stages of a graph with it, their inputs given."""
+    _check_cores(cores)
+    streams: list[list[Step]] = [[]]
+    events = 0
+    for strategy, groups in stages:
+        width = 1 if strategy == "merge" else len(groups)
+        while len(streams) < width:
+            streams.append([])
+        if width > 1:  # fork: the other streams wait for stream 0 to reach this stage
+            streams[0].append(Record(events))
+            for k in range(1, width):
+                streams[k].append(Wait(events))
+            events += 1
+        threads = max(1, cores // width)
+        if strategy == "merge":
+            streams[0].append(Run(tuple(u for g in groups for u in g), threads))
+        else:
+            for k, group in enumerate(groups):
+                streams[k].extend(Run((u,), threads) for u in group)
+        if width > 1:  # join: stream 0 waits for the others to finish this stage
+            for k in range(1, width):
+                streams[k].append(Record(events))
+                streams[0].append(Wait(events))
+                events += 1
+    return _finish(graph, streams, events, cores)
+
+
+def _check_cores(cores: int) -> int:
+    if cores < 1:
+        raise ScheduleError(f"cores must be at least 1, got {cores}")
+    return cores
+
+
+def _finish(graph: Graph, streams: list[list[Step]], events: int, cores: int) -> StreamProgram:
+    program = StreamProgram(graph, streams, events, cores)
+    program.outputs = tuple(program.slot(o) for o in graph.outputs)
+    _plan_release(program)
+    return program
+
+
+def _streamed(schedule: Schedule, graph: Graph, cores: int) -> tuple[list[list[Step]], int]:
+    order = [[graph.index[n] for n in units] for units in schedule.streams()]
+    order = [units for units in order if units]
+    stream_of = {u: k for k, units in enumerate(order) for u in units}
+    threads = max(1, cores // len(order))
+    event_of: dict[int, int] = {}  # producer unit -> its event, for producers read on another stream
+    for u, k in stream_of.items():
+        for v in indices(graph.succs[u]):
+            if stream_of[v] != k and u not in event_of:
+                event_of[u] = len(event_of)
+    streams: list[list[Step]] = []
+    for k, units in enumerate(order):
+        steps: list[Step] = []
+        waited: set[int] = set()
+        for u in units:
+            for p in indices(graph.preds[u]):
+                if stream_of[p] != k and event_of[p] not in waited:
+                    steps.append(Wait(event_of[p]))
+                    waited.add(event_of[p])
+            steps.append(Run((u,), threads))
+            if u in event_of:
+                steps.append(Record(event_of[u]))
+        streams.append(steps)
+    return streams, len(event_of)
+
+
+def _plan_release(program: StreamProgram) -> None:
+    """Mark, on each stream, the last run step reading each slot; a slot read on several streams gets one
+    release per stream, and the backend frees it when the last of them is done."""
+    graph = program.graph
+    keep = set(program.outputs) | set(range(len(graph.inputs)))
+    readers = [0] * (len(graph.inputs) + len(graph))
+    for k, steps in enumerate(program.streams):
+        last: dict[int, int] = {}
+        for position, step in enumerate(steps):
+            if isinstance(step, Run):
+                for u in step.units:
+                    for a in graph.nodes[u].args:
+                        slot = program.slot(a)
+                        if slot not in keep:
+                            last[slot] = position
+        releases: dict[int, list[int]] = {}
+        for slot, position in last.items():
+            releases.setdefault(position, []).append(slot)
+            readers[slot] += 1
+        for position, slots in releases.items():
+            step = steps[position]
+            steps[position] = Run(step.units, step.threads, tuple(sorted(slots)))
+    program.readers = readers

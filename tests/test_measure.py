@@ -1,0 +1,56 @@
+"""The measured cost model: in-place profiling, the persistent cache, and refinement by measurement."""
+
+import pytest
+
+import opsched.cost.measure as measure_module
+from opsched.cost.cache import LatencyCache, default_path
+from opsched.cost.measure import MeasuredCost, stages_of
+from opsched.graph.capture import capture
+from opsched.models import load_model
+from opsched.pipeline import search
+
+
+@pytest.fixture(scope="module")
+def small():
+    m = load_model("squeezenet", batch=1, image_size=48)
+    return m, capture(m.model, m.inputs)
+
+
+def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path):
+    m, g = small
+    cache = LatencyCache(tmp_path / "c.sqlite")
+    first = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    assert first.counts["units_measured"] == 2 * len(g)  # at 2 threads and at 1
+    assert all(first.op_latency(u) > 0 for u in range(len(g)))
+    again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    assert again.counts["units_measured"] == 0 and again.counts["units_cached"] == 2 * len(g)
+    assert [again.op_latency(u) for u in range(len(g))] == [first.op_latency(u) for u in range(len(g))]
+
+
+def test_a_cache_from_another_device_is_never_used(small, tmp_path, monkeypatch):
+    m, g = small
+    cache = LatencyCache(tmp_path / "c.sqlite")
+    MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    monkeypatch.setattr(measure_module, "cpu_fingerprint", lambda cores: "cpu|another machine")
+    other = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    assert other.counts["units_cached"] == 0
+
+
+def test_refinement_measures_the_winner_until_the_search_returns_it(small):
+    m, g = small
+    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    schedule = search(g, cost, "ios", max_block_size=12)
+    assert schedule.stats["refinements"] >= 1
+    if schedule.stats["converged"]:
+        assert not cost.unmeasured(stages_of(schedule, g))
+        measured = sum(cost.measured_stages[s] for s in stages_of(schedule, g))
+        assert schedule.predicted_latency == pytest.approx(measured)
+    assert cost.counts["stages_measured"] > 0
+
+
+def test_the_default_cache_lives_where_the_environment_says(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path / "here"))
+    assert default_path() == tmp_path / "here" / "costs.sqlite"
+    monkeypatch.delenv("OPSCHED_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_path() == tmp_path / "xdg" / "opsched" / "costs.sqlite"

@@ -1,0 +1,191 @@
+"""The runtime: StreamPrograms, the CPU executor, operator merge, and compiled modules that verify."""
+
+import threading
+
+import pytest
+import torch
+
+from opsched.cost.simulate import SimulatedGPU
+from opsched.cost.table import TableCost
+from opsched.graph.capture import capture
+from opsched.graph.ir import Graph, Node
+from opsched.models import load_model
+from opsched.runtime.cpu import CPUExecutor
+from opsched.runtime.kernels import unit_operator
+from opsched.runtime.merge import MergeError, merged_operator
+from opsched.runtime.module import OptimizedModule, VerificationError, compile, verify
+from opsched.runtime.program import Record, Run, Wait, compile_program
+from opsched.schedule import from_stages, from_streams
+from opsched.schedulers import make_schedule
+
+ZOO_SMALL = [("inception_v3", 75), ("squeezenet", 64), ("nasnet", 64), ("randwire", 64)]
+METHODS = [("sequential", {}), ("greedy", {}), ("lios", {"streams": 3}), ("nimble", {"streams": 4}),
+           ("ios", {"max_block_size": 10})]
+
+
+def diamond() -> Graph:
+    return Graph([Node("a", args=("x",), latency=1.0), Node("b", args=("a",), latency=2.0),
+                  Node("c", args=("a",), latency=3.0), Node("d", args=("b", "c"), latency=1.0)], inputs=["x"])
+
+
+def test_staged_program_forks_and_joins_through_stream_zero():
+    g = diamond()
+    s = from_stages(g, TableCost(g), "t", [("concurrent", [[0]]), ("concurrent", [[1], [2]]), ("concurrent", [[3]])])
+    p = compile_program(s, g, cores=2)
+    assert [type(step) for step in p.streams[1]] == [Wait, Run, Record]
+    assert [type(step) for step in p.streams[0]] == [Run, Record, Run, Wait, Run]
+    assert [step.threads for step in p.runs()] == [2, 1, 2, 1]
+
+
+def test_stream_program_has_events_only_on_cross_stream_edges():
+    g = diamond()
+    s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [2]])
+    p = compile_program(s, g, cores=2)
+    assert p.events == 2  # a -> c and c -> d cross streams; a -> b and b -> d do not
+    waits = [step for steps in p.streams for step in steps if isinstance(step, Wait)]
+    assert len(waits) == 2
+
+
+def test_every_intermediate_is_released_and_outputs_are_kept():
+    g = diamond()
+    s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [2]])
+    p = compile_program(s, g, cores=2)
+    released = [slot for run in p.runs() for slot in run.release]
+    a, b, c, d = (p.slot(n) for n in "abcd")
+    assert sorted(released) == sorted([a, a, b, c])  # a is read on both streams: released once on each
+    assert p.readers[a] == 2 and d not in released and p.slot("x") not in released
+
+
+def _tiny(fail: bool = False) -> tuple[Graph, torch.Tensor]:
+    def boom(x):
+        raise ValueError("unit failed")
+
+    nodes = [Node("a", args=("x",), run=torch.relu), Node("b", args=("x",), run=boom if fail else torch.neg),
+             Node("c", args=("a", "b"), run=torch.add)]
+    return Graph(nodes, inputs=["x"]), torch.randn(5)
+
+
+def test_executor_runs_streams_and_reports_a_failing_unit_without_hanging():
+    g, x = _tiny()
+    for n in g.nodes:
+        n.latency = 1.0
+    s = from_stages(g, TableCost(g), "t", [("concurrent", [[0], [1]]), ("concurrent", [[2]])])
+    ex = CPUExecutor(compile_program(s, g, 2), unit_operator)
+    assert torch.equal(ex(x)[0], torch.relu(x) - x)
+    g2, x = _tiny(fail=True)
+    for n in g2.nodes:
+        n.latency = 1.0
+    ex2 = CPUExecutor(compile_program(from_stages(g2, TableCost(g2), "t", [("concurrent", [[0], [1]]),
+                                                                          ("concurrent", [[2]])]), g2, 2),
+                      unit_operator)
+    with pytest.raises(ValueError, match="unit failed"):
+        ex2(x)
+    assert torch.equal(ex(x)[0], torch.relu(x) - x)  # the other executor is unaffected
+
+
+def test_executor_is_safe_to_call_from_several_threads():
+    g, _ = _tiny()
+    for n in g.nodes:
+        n.latency = 1.0
+    s = from_stages(g, TableCost(g), "t", [("concurrent", [[0], [1]]), ("concurrent", [[2]])])
+    ex = CPUExecutor(compile_program(s, g, 2), unit_operator)
+    errors = []
+
+    def worker(seed):
+        x = torch.randn(50, generator=torch.Generator().manual_seed(seed))
+        for _ in range(50):
+            if not torch.equal(ex(x)[0], torch.relu(x) - x):
+                errors.append(seed)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_timeline_records_every_unit():
+    g, x = _tiny()
+    for n in g.nodes:
+        n.latency = 1.0
+    s = make_schedule("greedy", g, TableCost(g))
+    ex = CPUExecutor(compile_program(s, g, 2), unit_operator)
+    ex(x, record_timeline=True)
+    assert sorted(u for _, units, _, _ in ex.timeline for u in units) == [0, 1, 2]
+    assert all(0 <= start <= finish for _, _, start, finish in ex.timeline)
+
+
+class _Branches(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Sequential(torch.nn.Conv2d(8, 4, 1, bias=False), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+        self.b = torch.nn.Sequential(torch.nn.Conv2d(8, 6, 5, padding=2, bias=False), torch.nn.BatchNorm2d(6),
+                                     torch.nn.ReLU())
+        self.c = torch.nn.Sequential(torch.nn.Conv2d(8, 3, 3, padding=1), torch.nn.ReLU())
+        self.d = torch.nn.Conv2d(8, 3, 3, padding=1)  # no activation: cannot merge with the others
+
+    def forward(self, x):
+        x = torch.relu(x)
+        return self.a(x), self.b(x), self.c(x), self.d(x)
+
+
+def test_merge_folds_batch_norm_pads_kernels_and_matches_the_units():
+    torch.manual_seed(0)
+    m = _Branches()
+    for bn in (m.a[1], m.b[1]):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 2)
+        bn.bias.data.uniform_(-1, 1)
+    m.eval()
+    x = torch.randn(2, 8, 9, 9)
+    g = capture(m, (x,))
+    convs = [g.nodes[g.index[n]] for n in ("a.0", "b.0", "c.0")]
+    h = g.nodes[0].run(x)
+    with torch.no_grad():
+        outs = merged_operator(convs)(h)
+        for node, out in zip(convs, outs):
+            assert torch.allclose(out, node.run(h), atol=1e-5)
+    with pytest.raises(MergeError):
+        merged_operator([convs[0], g.nodes[g.index["d"]]])
+
+
+@pytest.fixture(scope="module")
+def zoo_small():
+    graphs = {}
+    for name, size in ZOO_SMALL:
+        m = load_model(name, batch=1, image_size=size)
+        graphs[name] = (m, capture(m.model, m.inputs))
+    return graphs
+
+
+@pytest.mark.parametrize("name", [n for n, _ in ZOO_SMALL])
+def test_every_scheduler_executes_and_verifies_on_every_zoo_model(zoo_small, name):
+    m, g = zoo_small[name]
+    cost = SimulatedGPU(g, "v100")  # an analytical cost: quick, and it chooses merges
+    merges = 0
+    for method, options in METHODS:
+        s = make_schedule(method, g, cost, **options)
+        merges += sum(st.strategy == "merge" for st in s.stages or [])
+        check = verify(OptimizedModule(g, s, cores=2), m.model, m.inputs)
+        assert check.ok, (method, check)
+    if name == "inception_v3":
+        assert merges > 0  # the merge path really ran
+
+
+def test_compile_from_a_model_and_verify_strictly():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    g = capture(model, (x,))
+    fast = compile(model, make_schedule("sequential", g, SimulatedGPU(g, "t4")), example_inputs=(x,))
+    assert verify(fast, model, (x,), strict=True).ok
+    wrong = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    with pytest.raises(VerificationError, match="differ"):
+        verify(fast, wrong, (x,), strict=True)
+
+
+def test_dag_json_graphs_cannot_be_compiled():
+    g = diamond()
+    with pytest.raises(Exception, match="no operator"):
+        OptimizedModule(g, make_schedule("sequential", g, TableCost(g)))
