@@ -38,11 +38,9 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
-    if args.device == "cuda" and not simulated:
-        raise OpschedError("--device cuda with --cost measured is not supported yet; use --cost sim:NAME")
     cores = args.threads or torch.get_num_threads()
     _say(args, f"loading and capturing {model_spec} ...")
-    loaded, graph, load_seconds, capture_seconds = _load(args, model_spec)
+    loaded, graph, load_seconds, capture_seconds = _load(args, model_spec, args.device if not simulated else "cpu")
     operator = None
     if simulated:
         cost = SimulatedGPU(graph, args.cost)
@@ -51,7 +49,8 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
 
         values = all_values(graph, _flat(loaded.inputs))
         operator = operator_for(args.kernels, values.__getitem__)
-        cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, kernels=args.kernels, operator=operator,
+        cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, device=args.device, kernels=args.kernels,
+                            operator=operator,
                             cache=None if not args.no_cache else False, progress=_bar_factory(args))
     methods = list(dict.fromkeys([*TABLE_METHODS, args.method]))
     schedules = {}
@@ -60,7 +59,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
                                  max_groups=args.max_groups, max_block_size=args.max_block_size)
         _say(args, f"scheduling with {m} ...")
         schedules[m] = search(graph, cost, m, **options)
-        schedules[m].device = "cpu" if not simulated else args.cost
+        schedules[m].device = args.cost if simulated else args.device
         schedules[m].batch = int(_flat(loaded.inputs)[0].shape[0])
     chosen = schedules[args.method]
     result: dict[str, Any] = {
@@ -92,18 +91,20 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
     modules = {}
     errors = {}
     _say(args, "compiling and verifying the schedules ...")
+    device = args.device
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for m, s in schedules.items():
-        modules[m] = OptimizedModule(graph, s, cores, operator)
+        modules[m] = OptimizedModule(graph, s, cores, operator, device=device)
         check = verify(modules[m], loaded.model, inputs, tolerance=args.tolerance)
         errors[m] = check.max_abs_error
         if not check.ok:
             raise VerificationFailed(f"the {m} schedule's outputs differ from the model's by up to "
                                      f"{check.max_abs_error:.3g} (tolerance {args.tolerance:g}); not used")
-    runners = eager_runners(loaded.model, inputs, cores)
+    runners = eager_runners(loaded.model, inputs, cores, sync)
     if args.kernels == "inductor":
-        runners.update(_torch_compile_runners(args, loaded.model, inputs, cores))
+        runners.update(_torch_compile_runners(args, loaded.model, inputs, cores, sync))
     for m, module in modules.items():
-        runners[m] = _at_threads(module, inputs, cores)
+        runners[m] = _at_threads(module, inputs, cores, sync)
     _say(args, f"measuring {len(runners)} configurations, interleaved ...")
     measured = measure(runners, repeats=args.repeats)
     eager, eager_threads = best_of(measured, "eager")
@@ -120,7 +121,7 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
     return out
 
 
-def _torch_compile_runners(args, model, inputs, cores):
+def _torch_compile_runners(args, model, inputs, cores, sync):
     """torch.compile of the whole model, compiled once per thread count (inductor bakes it in)."""
     import torch
 
@@ -136,19 +137,23 @@ def _torch_compile_runners(args, model, inputs, cores):
         def run(compiled=compiled, threads=threads):
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                return compiled(*inputs)
+                out = compiled(*inputs)
+            sync()
+            return out
 
         runners[f"torch_compile@{threads}"] = run
     torch.set_num_threads(cores)
     return runners
 
 
-def _at_threads(module, inputs, cores):
+def _at_threads(module, inputs, cores, sync=lambda: None):
     import torch
 
     def run():
         torch.set_num_threads(cores)
-        return module(*inputs)
+        out = module(*inputs)
+        sync()
+        return out
 
     return run
 
@@ -261,7 +266,7 @@ def cache_command(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- helpers --
 
-def _load(args, spec: str):
+def _load(args, spec: str, device: str = "cpu"):
     from opsched.graph.capture import capture
     from opsched.models.spec import load_model, parse_shape
 
@@ -269,6 +274,9 @@ def _load(args, spec: str):
     shapes = [parse_shape(s) for s in args.input_shape or []]
     loaded = load_model(spec, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
     loaded.model.eval()
+    if device != "cpu":
+        loaded.model.to(device)
+        loaded.inputs = tuple(x.to(device) for x in loaded.inputs)
     loaded_at = time.perf_counter()
     graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)
     return loaded, graph, loaded_at - started, time.perf_counter() - loaded_at

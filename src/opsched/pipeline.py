@@ -56,15 +56,19 @@ def search(graph: Graph, cost: CostModel, method: str, **options: Any) -> Schedu
     return schedule
 
 
-def eager_runners(model: Any, inputs: Sequence[Any], cores: int) -> dict[str, Callable[[], Any]]:
-    """The model's own forward in eager mode with 1 and with ``cores`` intra-op threads."""
+def eager_runners(model: Any, inputs: Sequence[Any], cores: int,
+                  sync: Callable[[], Any] = lambda: None) -> dict[str, Callable[[], Any]]:
+    """The model's own forward in eager mode with 1 and with ``cores`` intra-op threads; ``sync`` waits
+    for the device (``torch.cuda.synchronize`` on a GPU)."""
     import torch
 
     def at(threads: int) -> Callable[[], Any]:
         def run() -> Any:
             torch.set_num_threads(threads)
             with torch.inference_mode():
-                return model(*inputs)
+                out = model(*inputs)
+            sync()
+            return out
         return run
 
     return {f"eager@{t}": at(t) for t in sorted({1, cores})}

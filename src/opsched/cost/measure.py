@@ -42,7 +42,7 @@ import torch
 from opsched.cost.cache import LatencyCache
 from opsched.graph.interpret import all_values
 from opsched.graph.ir import Graph, Node
-from opsched.runtime.cpu import CPUExecutor
+from opsched.runtime import make_executor
 from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import staged_program
 from opsched.timing import interleaved_medians
@@ -66,15 +66,24 @@ def cpu_fingerprint(cores: int) -> str:
             f"mkldnn {torch.backends.mkldnn.is_available()}")
 
 
+def cuda_fingerprint() -> str:
+    """What makes GPU timings comparable: the GPU, its compute capability, CUDA and PyTorch versions."""
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return (f"cuda|{torch.cuda.get_device_name(index)}|sm_{major}{minor}|cuda {torch.version.cuda}|"
+            f"torch {torch.__version__}")
+
+
 class MeasuredCost:
     """Latencies of ``graph``'s units measured on this CPU with ``cores`` threads (default: PyTorch's
-    count), the example ``inputs`` feeding the graph. ``operator`` gives the callable of a run step (the
+    count), or on the current GPU (``device="cuda"``, timed with CUDA events), the example ``inputs``
+    feeding the graph. ``operator`` gives the callable of a run step (the
     kernels the schedule will run with); ``kernels`` names them for the cache. ``cache=None`` uses the
     default cache file; ``False`` turns caching off."""
 
     name = "measured"
 
-    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None,
+    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None, device: str = "cpu",
                  kernels: str = "eager", operator: Operator = unit_operator,
                  cache: LatencyCache | bool | None = None, repeats: int = 9,
                  progress: Callable[[str, int], Any] | None = None):
@@ -85,7 +94,8 @@ class MeasuredCost:
         self.operator = operator
         self.repeats = repeats
         self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
-        self.device = cpu_fingerprint(self.cores)
+        self.where = device
+        self.device = cpu_fingerprint(self.cores) if device == "cpu" else cuda_fingerprint()
         self.cache = LatencyCache() if cache is None or cache is True else (cache or None)
         self.progress = progress or (lambda what, total: _NoProgress())
         self.values = all_values(graph, inputs)
@@ -239,7 +249,7 @@ class MeasuredCost:
 
     def _run_in_place(self, programs: Sequence[Any], label: str) -> list[list[list]]:
         """Run each program ``repeats`` times (after a warm-up), interleaved, recording timelines."""
-        executors = [CPUExecutor(p, self.operator) for p in programs]
+        executors = [make_executor(p, self.operator, self.where) for p in programs]
         args = [self.values[name] for name in self.graph.inputs]
         timelines: list[list[list]] = [[] for _ in programs]
         try:
@@ -267,10 +277,11 @@ class MeasuredCost:
             return cached
         nodes = [Node("a", args=("x",), run=_identity), Node("b", args=("x",), run=_identity)]
         tiny = Graph(nodes, inputs=["x"])
-        x = torch.zeros(1)
-        one = CPUExecutor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores), unit_operator)
-        two = CPUExecutor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores), unit_operator)
-        t_one, t_two = interleaved_medians([lambda: one(x), lambda: two(x)], self.repeats,
+        x = torch.zeros(1, device=self.where)
+        one = make_executor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores), unit_operator, self.where)
+        two = make_executor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores), unit_operator, self.where)
+        sync = torch.cuda.synchronize if self.where == "cuda" else (lambda: None)
+        t_one, t_two = interleaved_medians([lambda: (one(x), sync()), lambda: (two(x), sync())], self.repeats,
                                            min_sample_seconds=MIN_SAMPLE_SECONDS)
         one.close()
         two.close()

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from opsched.runtime.kernels import Operator
-from opsched.runtime.program import Record, Run, StreamProgram, Wait
+from opsched.runtime.program import Record, Run, StreamProgram, Wait, store_outputs
 
 _RUN, _RECORD, _WAIT = 0, 1, 2
 
@@ -139,11 +139,7 @@ class _Call:
                 result = fn(*[values[a] for a in args])
                 if self.timeline is not None:
                     self.timeline.append((k, units, began - self.started, time.perf_counter() - self.started))
-                if len(outs) == 1:
-                    values[outs[0]] = result
-                else:
-                    for slot, value in zip(outs, result):
-                        values[slot] = value
+                store_outputs(values, outs, result)
                 for slot in release:
                     if remaining[slot] > 1:
                         with self.lock:

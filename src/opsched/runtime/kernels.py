@@ -13,6 +13,7 @@ intra-op threads it gets to a callable.
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -56,7 +57,12 @@ class InductorOperator:
         from torch._inductor.compile_fx import compile_fx
 
         base = unit_operator(nodes, threads)
-        gm = base if isinstance(base, torch.fx.GraphModule) else _trace(base, nodes, self.example)
+        if isinstance(base, torch.fx.GraphModule):
+            # compile_fx rewrites the graph it is given (its output becomes a tuple): hand it a copy that
+            # shares the parameters, so that the unit's own graph, and later compilations, stay as they were.
+            gm = torch.fx.GraphModule(base, copy.deepcopy(base.graph))
+        else:
+            gm = _trace(base, nodes, self.example)
         args = [self.example(a) for a in nodes[0].args]
         began = time.perf_counter()
         saved = torch.get_num_threads()

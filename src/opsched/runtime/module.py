@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
-from opsched.runtime.cpu import CPUExecutor
+from opsched.runtime import make_executor
 from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule
@@ -36,13 +36,14 @@ class VerificationError(OpschedError):
 
 
 class OptimizedModule(torch.nn.Module):
-    """Runs ``graph`` as ``schedule`` says, on the CPU with ``cores`` intra-op threads to share between the
-    streams (default: PyTorch's current thread count). Inputs and outputs are structured as the model's.
+    """Runs ``graph`` as ``schedule`` says: on the CPU with ``cores`` intra-op threads to share between the
+    streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
+    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`). Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
     replace it)."""
 
     def __init__(self, graph: Graph, schedule: Schedule, cores: int | None = None,
-                 operator: Operator = unit_operator):
+                 operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False):
         super().__init__()
         missing = [n.name for n in graph.nodes if n.run is None]
         if missing:
@@ -51,7 +52,7 @@ class OptimizedModule(torch.nn.Module):
         self.schedule = schedule
         self.program: StreamProgram = compile_program(schedule, graph, cores or torch.get_num_threads())
         self.units = torch.nn.ModuleList(n.run for n in graph.nodes if isinstance(n.run, torch.nn.Module))
-        self.executor = CPUExecutor(self.program, operator)
+        self.executor = make_executor(self.program, operator, device, cuda_graph)
 
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)

@@ -88,6 +88,15 @@ class StreamProgram:
         return [[s.describe(self.graph) for s in steps] for steps in self.streams]
 
 
+def store_outputs(values: list, slots: Sequence[int], result: object) -> None:
+    """Put a run step's result in its slots: one value, or one per unit of a merge."""
+    if len(slots) == 1:
+        values[slots[0]] = result
+    else:
+        for slot, value in zip(slots, result):
+            values[slot] = value
+
+
 def compile_program(schedule: Schedule, graph: Graph, cores: int = 1) -> StreamProgram:
     """The StreamProgram that executes ``schedule`` on ``graph`` with ``cores`` intra-op threads to share."""
     validate(schedule, graph)
