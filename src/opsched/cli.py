@@ -17,6 +17,7 @@ from typing import Any
 
 from opsched import __version__
 from opsched.errors import OpschedError
+from opsched.graph.blocks import DEFAULT_MAX_SIZE
 
 
 def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -193,8 +194,8 @@ def _add_ios_options(p: argparse.ArgumentParser) -> None:
                    help="ios: at most R units in a group of a stage (0: no limit; default 3)")
     p.add_argument("-s", "--max-groups", type=_non_negative, default=8, metavar="S",
                    help="ios: at most S groups in a stage (0: no limit; default 8)")
-    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
-                   help="ios: cut blocks larger than N units into parts (0: no limit; default 50)")
+    p.add_argument("--max-block-size", type=_non_negative, default=DEFAULT_MAX_SIZE, metavar="N",
+                   help=f"ios: cut blocks larger than N units into parts (0: no limit; default {DEFAULT_MAX_SIZE})")
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -217,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "units, edges, blocks and FLOPs.")
     p.add_argument("model", metavar="MODEL", help=MODEL_HELP)
     _add_model_options(p)
-    p.add_argument("--max-block-size", type=_non_negative, default=50, metavar="N",
-                   help="cut blocks larger than N units into consecutive parts (0: no limit; default 50)")
+    p.add_argument("--max-block-size", type=_non_negative, default=DEFAULT_MAX_SIZE, metavar="N",
+                   help=f"cut blocks larger than N units into consecutive parts (0: no limit; default "
+                        f"{DEFAULT_MAX_SIZE})")
     p.add_argument("--no-split", action="store_true", help="treat the whole graph as one block")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     p.set_defaults(handler=_graph_command)

@@ -9,6 +9,7 @@ from typing import Any
 
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
+from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.graph.ir import Graph
 from opsched.schedule import Schedule
 from opsched.schedulers import make_schedule
@@ -17,7 +18,7 @@ MAX_REFINEMENTS = 8
 
 
 def method_options(method: str, streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
-                   split: bool = True, max_block_size: int = 50, time_limit: float = 30.0) -> dict[str, Any]:
+                   split: bool = True, max_block_size: int = DEFAULT_MAX_SIZE, time_limit: float = 30.0) -> dict[str, Any]:
     """The options each scheduler takes, from the command line's flags."""
     options = {"sequential": {}, "greedy": {"max_streams": streams or 0}, "lios": {"streams": streams or 8},
                "nimble": {"streams": streams or 0},

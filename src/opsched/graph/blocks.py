@@ -25,7 +25,10 @@ import networkx as nx
 
 from opsched.graph.ir import Graph, mask_of
 
-DEFAULT_MAX_SIZE = 50
+# Blocks larger than this are cut into parts. IOS's experiments used 50; with the correct enumeration of
+# every ending, a 48-unit NASNet-A block of width 13 takes hours at r=3, s=8, while parts of 20 units keep
+# the whole NASNet search under a minute (simulated V100 speedup 1.45x at 20 against 1.43x at 16).
+DEFAULT_MAX_SIZE = 20
 
 
 @dataclass(frozen=True)

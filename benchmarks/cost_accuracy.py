@@ -1,0 +1,106 @@
+"""How far the cost models are from what they model.
+
+Part 1, SIMULATED: the simulated GPUs beside what IOS published for a V100 at batch 1 (sequential and IOS
+schedule latencies), the K80/V100 ratio on Inception V3, and Inception V3 at batch 1 and 32. Nothing runs:
+every opsched figure in this part is simulated.
+
+Part 2, MEASURED on this CPU: for each model, the measured cost model's stage predictions (from the
+units' in-place timings, before the stage was measured) against the stages measured in place, and the
+whole IOS and sequential schedules as predicted against their runs timed afterwards (interleaved with
+each other, medians). Median and worst absolute error.
+
+    python benchmarks/cost_accuracy.py [--part sim|cpu|both] [--models ...] [--repeats 9]
+"""
+
+import argparse
+import statistics
+
+import torch
+
+from opsched.cost.measure import MeasuredCost, stages_of
+from opsched.cost.simulate import SimulatedGPU
+from opsched.graph.capture import capture
+from opsched.models import load_model
+from opsched.pipeline import measure, method_options, search
+from opsched.runtime.module import OptimizedModule
+from opsched.schedulers import make_schedule
+
+PUBLISHED_V100 = {"inception_v3": (6.51, 4.03), "randwire": (8.49, 6.02), "nasnet": (22.95, 16.04),
+                  "squeezenet": (0.86, 0.73)}
+
+
+def simulated(max_block_size: int) -> None:
+    print("## Simulated GPUs against IOS's published V100 figures (batch 1; opsched figures are SIMULATED)\n")
+    print("| model | published seq ms | simulated seq ms | ratio | published IOS ms | simulated IOS ms | ratio | "
+          "published speedup | simulated speedup |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    graphs = {}
+    for name, (seq_pub, ios_pub) in PUBLISHED_V100.items():
+        m = load_model(name, batch=1)
+        g = graphs[name] = capture(m.model, m.inputs)
+        sim = SimulatedGPU(g, "v100")
+        seq = make_schedule("sequential", g, sim).predicted_latency
+        ios = make_schedule("ios", g, sim, max_block_size=max_block_size).predicted_latency
+        print(f"| {name} | {seq_pub} | {seq:.2f} | {seq / seq_pub:.2f} | {ios_pub} | {ios:.2f} | {ios / ios_pub:.2f} | "
+              f"{seq_pub / ios_pub:.2f}x | {seq / ios:.2f}x |", flush=True)
+    g = graphs["inception_v3"]
+    print("\n| Inception V3, simulated | sequential ms | IOS ms | speedup |\n|---|---|---|---|")
+    rows = [(f"sim:{d} batch 1", g, d) for d in ("v100", "k80", "a100", "h100", "t4", "rtx3080")]
+    m = load_model("inception_v3", batch=32)
+    rows.append(("sim:v100 batch 32", capture(m.model, m.inputs), "v100"))
+    for label, graph, device in rows:
+        sim = SimulatedGPU(graph, device)
+        seq = make_schedule("sequential", graph, sim).predicted_latency
+        ios = make_schedule("ios", graph, sim, max_block_size=max_block_size).predicted_latency
+        print(f"| {label} | {seq:.2f} | {ios:.2f} | {seq / ios:.2f}x |", flush=True)
+    print("\n(published: K80 about 3.4x slower than V100 on Inception V3)\n")
+
+
+def measured(models: list[str], repeats: int, max_block_size: int) -> None:
+    print("## Measured cost model on this CPU (every figure measured)\n")
+    print("| model | stages compared | stage error median / worst (from units) | schedule | predicted ms | "
+          "measured ms | error |")
+    print("|---|---|---|---|---|---|---|")
+    whole_errors = []
+    cores = torch.get_num_threads()
+    for name in models:
+        m = load_model(name, batch=1)
+        m.model.eval()
+        g = capture(m.model, m.inputs)
+        cost = MeasuredCost(g, m.inputs, cores=cores, cache=False)
+        schedules = {k: search(g, cost, k, **method_options(k, max_block_size=max_block_size))
+                     for k in ("sequential", "ios")}
+        pairs = [(cost.predicted_when_measured[s], cost.measured_stages[s])
+                 for s in cost.predicted_when_measured if s in cost.measured_stages
+                 and (s[0] == "merge" or len(s[1]) > 1)]
+        stage_errors = [abs(p / q - 1.0) for p, q in pairs if q > 0]
+        modules = {k: OptimizedModule(g, s, cores) for k, s in schedules.items()}
+        timed = measure({k: (lambda mod=mod, x=m.inputs: (torch.set_num_threads(cores), mod(*x)))
+                         for k, mod in modules.items()}, repeats=repeats)
+        for k, s in schedules.items():
+            error = s.predicted_latency / timed[k] - 1.0
+            whole_errors.append(abs(error))
+            stage_text = (f"{len(stage_errors)} | {100 * statistics.median(stage_errors):.0f}% / "
+                          f"{100 * max(stage_errors):.0f}%") if stage_errors and k == "ios" else " | "
+            print(f"| {name} | {stage_text} | {k} ({len(stages_of(s, g))} stages) | {s.predicted_latency:.1f} | "
+                  f"{timed[k]:.1f} | {100 * error:+.0f}% |", flush=True)
+    print(f"\nwhole schedules: median absolute error {100 * statistics.median(whole_errors):.0f}%, "
+          f"worst {100 * max(whole_errors):.0f}% (measured)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=["sim", "cpu", "both"], default="both")
+    parser.add_argument("--models", nargs="+", default=["squeezenet", "inception_v3", "randwire", "nasnet",
+                                                        "torchvision:googlenet"])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--max-block-size", type=int, default=20)
+    args = parser.parse_args()
+    if args.part in ("sim", "both"):
+        simulated(args.max_block_size)
+    if args.part in ("cpu", "both"):
+        measured(args.models, args.repeats, args.max_block_size)
+
+
+if __name__ == "__main__":
+    main()

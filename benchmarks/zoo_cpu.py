@@ -1,0 +1,87 @@
+"""Measured on this CPU: eager PyTorch (best of 1 and all threads) against opsched's sequential and IOS
+schedules, for the zoo and GoogLeNet at several batch sizes; also how close the measured cost model's
+prediction of each schedule came. Every figure is measured; configurations of one model are interleaved
+and the medians kept.
+
+    python benchmarks/zoo_cpu.py [--models inception_v3 ...] [--batches 1 8] [--repeats 9] [--kernels eager]
+
+Prints a markdown table (and --json FILE writes the rows).
+"""
+
+import argparse
+import json
+import time
+
+import torch
+
+from opsched.cost.measure import MeasuredCost
+from opsched.graph.capture import capture
+from opsched.graph.interpret import all_values
+from opsched.models import load_model
+from opsched.pipeline import best_of, eager_runners, measure, method_options, search
+from opsched.runtime.kernels import operator_for
+from opsched.runtime.module import OptimizedModule, verify
+
+MODELS = ["inception_v3", "squeezenet", "nasnet", "randwire", "torchvision:googlenet"]
+
+
+def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size: int) -> dict:
+    cores = torch.get_num_threads()
+    loaded = load_model(model_name, batch=batch)
+    loaded.model.eval()
+    graph = capture(loaded.model, loaded.inputs, name=loaded.name)
+    operator = operator_for(kernels, all_values(graph, loaded.inputs).__getitem__)
+    started = time.perf_counter()
+    cost = MeasuredCost(graph, loaded.inputs, cores=cores, kernels=kernels, operator=operator)
+    schedules = {m: search(graph, cost, m, **method_options(m, max_block_size=max_block_size))
+                 for m in ("sequential", "ios")}
+    search_total = time.perf_counter() - started
+    modules = {m: OptimizedModule(graph, s, cores, operator) for m, s in schedules.items()}
+    errors = {m: verify(mod, loaded.model, loaded.inputs).max_abs_error for m, mod in modules.items()}
+    runners = eager_runners(loaded.model, loaded.inputs, cores)
+    for m, mod in modules.items():
+        runners[m] = (lambda mod=mod: (torch.set_num_threads(cores), mod(*loaded.inputs)))
+    measured = measure(runners, repeats=repeats)
+    eager, threads = best_of(measured, "eager")
+    ios = schedules["ios"]
+    return {"model": model_name, "batch": batch, "units": len(graph), "kernels": kernels,
+            "eager_ms": eager, "eager_threads": threads, "sequential_ms": measured["sequential"],
+            "ios_ms": measured["ios"], "speedup_vs_eager": eager / measured["ios"],
+            "predicted_sequential_ms": schedules["sequential"].predicted_latency,
+            "predicted_ios_ms": ios.predicted_latency,
+            "ios_prediction_error": ios.predicted_latency / measured["ios"] - 1.0,
+            "ios_stages": len(ios.stages), "ios_concurrent_stages": sum(len(s.groups) > 1 for s in ios.stages
+                                                                        if s.strategy == "concurrent"),
+            "ios_merges": sum(s.strategy == "merge" for s in ios.stages),
+            "refinements": ios.stats.get("refinements"), "profile_and_search_seconds": search_total,
+            "max_abs_error": max(errors.values()), "contention": cost.contention, "merge_factor": cost.merge_factor}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--kernels", default="eager", choices=["eager", "inductor"])
+    parser.add_argument("--max-block-size", type=int, default=20)
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args()
+    rows = []
+    print("| model | batch | eager ms (threads) | sequential ms | IOS ms | IOS vs eager | IOS predicted ms (error) | "
+          "stages: concurrent / merge | profile+search s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in args.models:
+        for batch in args.batches:
+            r = one(model, batch, args.repeats, args.kernels, args.max_block_size)
+            rows.append(r)
+            print(f"| {model} | {batch} | {r['eager_ms']:.1f} ({r['eager_threads']}) | {r['sequential_ms']:.1f} | "
+                  f"{r['ios_ms']:.1f} | {r['speedup_vs_eager']:.2f}x | {r['predicted_ios_ms']:.1f} "
+                  f"({100 * r['ios_prediction_error']:+.0f}%) | {r['ios_concurrent_stages']} / {r['ios_merges']} | "
+                  f"{r['profile_and_search_seconds']:.0f} |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
