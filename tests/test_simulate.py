@@ -85,3 +85,23 @@ def test_merged_convolutions_cost_less_than_apart(inception_b1):
     merged = sim.merge_latency(group)
     assert merged < sum(sim.op_latency(u) for u in group)
     assert math.isfinite(merged)
+
+
+def test_stream_schedules_go_through_the_device_model(inception_b1):
+    """LIOS's streams share the device and wait for their inputs: no stream can beat its own units run
+    alone one after another, and one stream holding every unit takes the sequential time."""
+    g = inception_b1
+    sim = SimulatedGPU(g, "v100")
+    lios = make_schedule("lios", g, sim, streams=8)
+    busiest = max(sum(sim.op_latency(g.index[name]) for name in units) for units in lios.streams())
+    assert lios.predicted_latency >= busiest * (1 - 1e-9)
+    assert lios.predicted_latency < sum(sim.latencies)
+    one_stream = sim.stream_latency(0.0, [list(range(len(g)))])
+    assert one_stream == pytest.approx(sum(sim.latencies), rel=0.05)
+
+
+def test_a_stream_waits_for_its_inputs_from_other_streams():
+    k = Kernel(10.0, sm_share=0.2, bandwidth_share=0.0)
+    assert simulate_streams([[k], [k]], 0.0, waits=[{}, {0: [(0, 0)]}], wait_us=1.0) == pytest.approx(21.0)
+    with pytest.raises(ValueError, match="deadlock"):
+        simulate_streams([[k], [k]], 0.0, waits=[{0: [(1, 0)]}, {0: [(0, 0)]}])

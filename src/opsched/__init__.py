@@ -1,7 +1,8 @@
 """opsched: inter-operator scheduling for PyTorch inference.
 
-The names that need PyTorch (``capture``, ``run_graph``) are imported on first use, so that working
-with DAG JSON graphs (and ``opsched schedule``) does not pay for importing torch.
+The names that need PyTorch (``capture``, ``run_graph``, ``compile``, ``verify``, ``OptimizedModule``) are
+imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
+importing torch.
 """
 
 from typing import Any
@@ -11,7 +12,9 @@ from opsched.graph.ir import Graph, Node
 
 __version__ = "0.1.0"
 
-_LAZY = {"capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret"}
+_LAZY = {"capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret",
+         "compile": "opsched.runtime.module", "verify": "opsched.runtime.module",
+         "OptimizedModule": "opsched.runtime.module"}
 
 __all__ = [
     "CaptureError",
@@ -21,9 +24,12 @@ __all__ = [
     "ModelSpecError",
     "Node",
     "OpschedError",
+    "OptimizedModule",
     "__version__",
     "capture",
+    "compile",
     "run_graph",
+    "verify",
 ]
 
 

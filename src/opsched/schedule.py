@@ -271,6 +271,6 @@ def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[S
             raise ScheduleError("the stream order deadlocks: some stream waits on a unit placed later on another")
     ops.sort(key=lambda o: graph.index[o.name])
     makespan = max(finish.values(), default=0.0)
-    latency = cost.stream_latency(makespan, list(range(len(graph))))
+    latency = cost.stream_latency(makespan, [list(units) for units in streams])
     return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
                     predicted_latency=latency, stages=None, cost=cost.name, **extra)

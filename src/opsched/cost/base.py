@@ -30,6 +30,7 @@ class CostModel(Protocol):
     def merge_latency(self, units: Sequence[int]) -> float | None:
         """Latency of the units merged into one operator, or None if this model cannot cost a merge."""
 
-    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
-        """Latency of a stream schedule whose timeline (cross-stream synchronisation included) ends at
-        ``makespan``, for models that add effects the timeline does not show."""
+    def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
+        """Latency of a stream schedule (each stream's units in order) whose timeline, built from
+        ``op_latency`` and ``sync_overhead``, ends at ``makespan``; models that know more (streams sharing
+        a device) return a better figure."""

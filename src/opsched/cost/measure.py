@@ -12,8 +12,8 @@ stages for Inception V3). This model measures what is cheap and predicts the res
 - a stage is *predicted* from those: the longest group at its thread count, no shorter than the stage's
   work spread over the cores, times a contention factor, plus the hand-off per extra group; a merged
   stage is the units' time alone times a merge factor;
-- :meth:`MeasuredCost.measure_schedule` runs a whole staged schedule and keeps each stage's latency as
-  measured in place; from then on the measured latency is used, and the contention and merge factors
+- :meth:`MeasuredCost.measure_schedule` runs a whole staged schedule and keeps the latency of each of its
+  concurrent and merge stages as measured in place; from then on the measured latency is used, and the contention and merge factors
   become the median ratio of measured to predicted. The pipeline (:func:`opsched.pipeline.search_measured`)
   searches, measures the schedule that wins, and searches again until the winner holds only measured
   stages: only schedules that win cost a measurement.
@@ -128,9 +128,9 @@ class MeasuredCost:
         measured = self.measured_stages.get(key)
         return measured if measured is not None else self.predict(key)
 
-    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
+    def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         # Streams of a stream schedule share the cores: it cannot beat its work spread over them.
-        return max(makespan, sum(self.latency[1][u] for u in units) / self.cores)
+        return max(makespan, sum(self.latency[1][u] for s in streams for u in s) / self.cores)
 
     def describe(self) -> dict:
         return {"name": self.name, "unit": "ms", "device": self.device, "kernels": self.kernels,
@@ -161,38 +161,41 @@ class MeasuredCost:
     # -- measuring --
 
     def measure_schedule(self, stages: Sequence[Stage], refresh: bool = False) -> None:
-        """Run a staged schedule whole and keep the latency of each of its stages as measured in place:
-        from the end of the stage before to the end of its last unit, fork and join included. Without
-        ``refresh``, a schedule whose stages are all in the cache is not run. Then update the contention
-        and merge factors."""
+        """Run a staged schedule whole and keep, for each of its concurrent (several groups) and merge
+        stages, its latency as measured in place: from the start of its first unit to the start of the
+        next stage's, so its fork and join count. One-unit stages keep their profiled time, so that the
+        all-sequential schedule is costed exactly as it was profiled. Without ``refresh``, a schedule whose
+        stages are all in the cache is not run. Then update the contention and merge factors."""
         started = time.perf_counter()
-        for stage in stages:
+        wanted = [s for s in stages if s[0] == "merge" or len(s[1]) > 1]
+        for stage in wanted:
             self.predicted_when_measured.setdefault(stage, self._predict_with_priors(stage))
-        cached = {s: self._cached(self._stage_key(s), f"cores={self.cores}") for s in stages}
+        cached = {s: self._cached(self._stage_key(s), f"cores={self.cores}") for s in wanted}
         if not refresh and all(v is not None for v in cached.values()):
             for stage, ms in cached.items():
                 if stage not in self.measured_stages:
                     self.measured_stages[stage] = ms
                     self.counts["stages_cached"] += 1
-        else:
+        elif wanted:
             program = staged_program(self.graph, stages, self.cores)
             runs = self._run_in_place([program], f"measuring a schedule of {len(stages)} stages")[0]
             stage_of = {u: k for k, (_, groups) in enumerate(stages) for g in groups for u in g}
-            durations: list[list[float]] = [[] for _ in stages]
+            durations: dict[int, list[float]] = {k: [] for k, s in enumerate(stages) if s in cached}
             for timeline in runs:
-                ends = [0.0] * len(stages)
-                for _, units, _, finish in timeline:
+                starts = [float("inf")] * len(stages)
+                end = 0.0
+                for _, units, start, finish in timeline:
                     k = stage_of[units[0]]
-                    ends[k] = max(ends[k], finish)
-                previous = 0.0
-                for k, end in enumerate(ends):
-                    durations[k].append((end - previous) * 1000.0)
-                    previous = end
-            for stage, samples in zip(stages, durations):
+                    starts[k] = min(starts[k], start)
+                    end = max(end, finish)
+                bounds = starts[1:] + [end]
+                for k in durations:
+                    durations[k].append((bounds[k] - starts[k]) * 1000.0)
+            for k, samples in durations.items():
                 ms = statistics.median(samples)
                 self.counts["stages_measured"] += 1
-                self.measured_stages[stage] = ms
-                self._store(self._stage_key(stage), f"cores={self.cores}", ms, len(samples))
+                self.measured_stages[stages[k]] = ms
+                self._store(self._stage_key(stages[k]), f"cores={self.cores}", ms, len(samples))
         self._update_factors()
         self.profile_seconds += time.perf_counter() - started
 

@@ -20,9 +20,12 @@ fluid: while the running kernels together ask for more than the whole device (SM
 summing past 1), each progresses proportionally slower. Joining k streams costs ``sync_us * (k - 1)``. A merged
 stage is one convolution with the stacked output channels and the largest kernel.
 
+A stream schedule (LIOS, Nimble) runs through the same model, each unit waiting (``sync_us``) for its
+inputs made on other streams.
+
 Example: two independent small convolutions run side by side in about the time of one.
 
->>> from opsched.graph.ir import Graph, Node
+>>> from opsched.graph.ir import Graph, Node, indices
 >>> conv = dict(kind="conv", args=("x",), shape=(1, 64, 17, 17), dtype="float32", flops=2 * 289 * 64 * 576,
 ...             bytes_read=4 * (288 * 17 * 17 + 64 * 576), bytes_written=4 * 64 * 289, param_bytes=4 * 64 * 576,
 ...             attrs={"op": "conv2d", "kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "groups": 1,
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 
 from opsched.cost.devices import DEVICES, Device
 from opsched.errors import OpschedError
-from opsched.graph.ir import Graph, Node
+from opsched.graph.ir import Graph, Node, indices
 
 TILE = 64                 # output tile of one GEMM thread block (rows and columns)
 SPLIT_K_CHUNK = 256       # a split-K slice covers at least this much of the reduction
@@ -101,13 +104,26 @@ class SimulatedGPU:
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return self._run([merged_kernels([self.graph.nodes[u] for u in units], self.device)])
 
-    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
-        # The timeline times units alone; on the device they also share the SMs and the bandwidth, so the
-        # schedule cannot beat the busy time of either.
-        kernels = [k for u in units for k in self.kernels[u]]
-        sm_busy = sum(k.seconds_us * k.sm_share for k in kernels) / 1000.0
-        bandwidth_busy = sum(k.seconds_us * k.bandwidth_share for k in kernels) / 1000.0
-        return max(makespan, sm_busy, bandwidth_busy)
+    def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
+        # Run the streams through the device model: a unit waits (device side, sync_us) for its inputs
+        # made on other streams, and kernels of all streams share the SMs and the bandwidth.
+        stream_of = {u: k for k, units in enumerate(streams) for u in units}
+        kernels: list[list[Kernel]] = []
+        last: dict[int, tuple[int, int]] = {}  # unit -> (stream, position of its last kernel)
+        waits: list[dict[int, list[tuple[int, int]]]] = []
+        for k, units in enumerate(streams):
+            row: list[Kernel] = []
+            gates: dict[int, list[tuple[int, int]]] = {}
+            for u in units:
+                deps = [v for v in indices(self.graph.preds[u]) if stream_of[v] != k]
+                if deps:
+                    gates[len(row)] = deps  # resolved to positions below, once every stream is laid out
+                row.extend(self.kernels[u])
+                last[u] = (k, len(row) - 1)
+            kernels.append(row)
+            waits.append(gates)
+        resolved = [{p: [last[v] for v in deps] for p, deps in gates.items()} for gates in waits]
+        return simulate_streams(kernels, self.device.launch_us, resolved, self.device.sync_us) / 1000.0
 
     def _run(self, streams: list[list[Kernel]]) -> float:
         return simulate_streams(streams, self.device.launch_us) / 1000.0
@@ -116,43 +132,76 @@ class SimulatedGPU:
         return {"name": self.name, "simulated": True, "unit": "ms", "device": self.device.describe()}
 
 
-def simulate_streams(streams: Sequence[Sequence[Kernel]], launch_us: float) -> float:
+def simulate_streams(streams: Sequence[Sequence[Kernel]], launch_us: float,
+                     waits: Sequence[dict[int, list[tuple[int, int]]]] | None = None, wait_us: float = 0.0) -> float:
     """Microseconds until every stream has run its kernels in order. Kernels of different streams share
     the device as a fluid (see the module docstring); launches are issued by one host thread, so the
     launch gaps of different streams follow one another (first come, first served) instead of overlapping.
+    ``waits[i][p]`` lists kernels (stream, position) that must finish before kernel ``p`` of stream ``i``
+    is launched, after a further ``wait_us`` (an event wait on the device).
 
     >>> k = Kernel(10.0, sm_share=0.5, bandwidth_share=0.1)
     >>> simulate_streams([[k]], 0.0), simulate_streams([[k], [k]], 0.0), simulate_streams([[k], [k], [k]], 0.0)
     (10.0, 10.0, 15.0)
     >>> simulate_streams([[k], [k]], 5.0)
     20.0
+    >>> simulate_streams([[k], [k]], 0.0, waits=[{}, {0: [(0, 0)]}], wait_us=2.0)
+    22.0
     """
-    position = [0] * len(streams)
+    n = len(streams)
+    waits = waits or [{} for _ in streams]
+    position = [0] * n
+    finished = [0] * n                       # kernels done per stream (they finish in order)
     work = [s[0].seconds_us if s else 0.0 for s in streams]  # alone-time left of each stream's current kernel
-    launching = [i for i, s in enumerate(streams) if s]     # streams waiting for a launch, in arrival order
-    launch_left = launch_us
+    ready_at: dict[int, float] = {}          # streams whose event wait ends at a known time
+    blocked: set[int] = set()                # streams waiting for kernels of other streams
+    launching: list[int] = []                # streams waiting for the host to launch, in arrival order
     running: list[int] = []
     clock = 0.0
-    while launching or running:
+
+    def arrive(i: int) -> None:
+        if waits[i].get(position[i]):
+            blocked.add(i)
+        else:
+            launching.append(i)
+
+    for i in range(n):
+        if streams[i]:
+            arrive(i)
+    launch_left = launch_us
+    while launching or running or ready_at or blocked:
+        for i in list(blocked):
+            if all(finished[j] > p for j, p in waits[i][position[i]]):
+                blocked.discard(i)
+                ready_at[i] = clock + wait_us
+        for i in [i for i, t in ready_at.items() if t <= clock + 1e-9]:
+            del ready_at[i]
+            launching.append(i)
+        if not (launching or running or ready_at):
+            raise ValueError("the streams wait on each other: the order deadlocks")
         sm = sum(streams[i][position[i]].sm_share for i in running)
         bandwidth = sum(streams[i][position[i]].bandwidth_share for i in running)
         rate = 1.0 / max(1.0, sm, bandwidth)
-        step = min([work[i] / rate for i in running] + ([launch_left] if launching else []))
+        candidates = [work[i] / rate for i in running] + [t - clock for t in ready_at.values()]
+        if launching:
+            candidates.append(launch_left)
+        step = min(candidates)
         clock += step
         if launching:
             launch_left -= step
         for i in running:
             work[i] -= step * rate
-        finished = [i for i in running if work[i] <= 1e-9]
+        done = [i for i in running if work[i] <= 1e-9]
         running = [i for i in running if work[i] > 1e-9]
         if launching and launch_left <= 1e-9:
             running.append(launching.pop(0))
             launch_left = launch_us
-        for i in finished:
+        for i in done:
             position[i] += 1
+            finished[i] += 1
             if position[i] < len(streams[i]):
                 work[i] = streams[i][position[i]].seconds_us
-                launching.append(i)
+                arrive(i)
     return clock
 
 

@@ -50,10 +50,10 @@ class TableCost:
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return None  # a DAG JSON file gives no latency for merged units
 
-    def stream_latency(self, makespan: float, units: Sequence[int]) -> float:
+    def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         # The timeline already holds the synchronisation; capacity bounds the whole run from below.
         if self.capacity:
-            return max(makespan, sum(self.latencies[u] for u in units) / self.capacity)
+            return max(makespan, sum(self.latencies[u] for s in streams for u in s) / self.capacity)
         return makespan
 
     def describe(self) -> dict:
