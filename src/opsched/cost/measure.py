@@ -189,8 +189,8 @@ class MeasuredCost:
                     starts[k] = min(starts[k], start)
                     end = max(end, finish)
                 bounds = starts[1:] + [end]
-                for k in durations:
-                    durations[k].append((bounds[k] - starts[k]) * 1000.0)
+                for k, samples in durations.items():
+                    samples.append((bounds[k] - starts[k]) * 1000.0)
             for k, samples in durations.items():
                 ms = statistics.median(samples)
                 self.counts["stages_measured"] += 1
