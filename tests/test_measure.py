@@ -57,3 +57,18 @@ def test_the_default_cache_lives_where_the_environment_says(tmp_path, monkeypatc
     monkeypatch.delenv("OPSCHED_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert default_path() == tmp_path / "xdg" / "opsched" / "costs.sqlite"
+
+
+def test_a_unit_alone_runs_with_the_thread_count_it_was_faster_with(small):
+    from opsched.runtime.program import compile_program
+    from opsched.schedulers import make_schedule
+
+    m, g = small
+    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    for u in range(len(g)):
+        assert cost.op_latency(u) == min(cost.latency[t][u] for t in (1, 2))
+    plan = make_schedule("sequential", g, cost)
+    assert [st.threads for st in plan.stages] == [[[cost.best_threads[u]]] for u in range(len(g))]
+    program = compile_program(plan, g, cores=2)
+    assert [run.threads for run in program.runs()] == cost.best_threads
+    assert plan.predicted_latency == pytest.approx(sum(cost.best))

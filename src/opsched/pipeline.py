@@ -46,7 +46,7 @@ def search(graph: Graph, cost: CostModel, method: str, **options: Any) -> Schedu
     converged = False
     while rounds < MAX_REFINEMENTS and not converged:
         stages = stages_of(schedule, graph)
-        cost.measure_schedule(stages, refresh=True)
+        cost.measure_schedule(stages, refresh=True, threads=[st.threads for st in schedule.stages])
         rounds += 1
         schedule = make_schedule(method, graph, cost, **options)
         searched += schedule.stats["search_seconds"]

@@ -44,6 +44,7 @@ class ScheduleError(OpschedError, ValueError):
 class Stage:
     strategy: str
     groups: list[list[str]]
+    threads: list[list[int]] | None = None  # intra-op threads per unit, when the cost model chose them
 
 
 @dataclass
@@ -89,7 +90,7 @@ class Schedule:
             "predicted_latency": self.predicted_latency,
         }
         if self.stages is not None:
-            doc["stages"] = [asdict(s) for s in self.stages]
+            doc["stages"] = [{k: v for k, v in asdict(s).items() if v is not None} for s in self.stages]
         doc["ops"] = [asdict(o) for o in self.ops]
         doc["stats"] = self.stats
         doc["bounds"] = self.bounds
@@ -107,7 +108,9 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
     try:
         stages = None
         if doc.get("stages") is not None:
-            stages = [Stage(str(s["strategy"]), [[str(u) for u in g] for g in s["groups"]]) for s in doc["stages"]]
+            stages = [Stage(str(s["strategy"]), [[str(u) for u in g] for g in s["groups"]],
+                            [[int(t) for t in g] for g in s["threads"]] if s.get("threads") else None)
+                      for s in doc["stages"]]
         ops = [OpTiming(str(o["name"]), int(o["stream"]), float(o["start"]), float(o["finish"])) for o in doc["ops"]]
         graph = doc["graph"]
         return Schedule(method=str(doc["method"]), graph_name=str(graph["name"]), fingerprint=str(graph["fingerprint"]),
@@ -178,6 +181,9 @@ def _validate_stages(stages: Sequence[Stage], graph: Graph) -> None:
             raise ScheduleError(f"stage {k} has unknown strategy {stage.strategy!r}")
         if not stage.groups or any(not g for g in stage.groups):
             raise ScheduleError(f"stage {k} has an empty group")
+        if stage.threads is not None and ([len(t) for t in stage.threads] != [len(g) for g in stage.groups]
+                                          or any(t < 1 for ts in stage.threads for t in ts)):
+            raise ScheduleError(f"stage {k}: threads must give a positive count for every unit of every group")
         group_of = {u: gi for gi, g in enumerate(stage.groups) for u in g}
         for gi, group in enumerate(stage.groups):
             before: set[str] = set()
@@ -227,7 +233,8 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
                     d = cost.op_latency(u) * stretch
                     ops.append(OpTiming(graph.nodes[u].name, stream, t, t + d))
                     t += d
-        out_stages.append(Stage(strategy, [[graph.nodes[u].name for u in g] for g in groups]))
+        chosen = cost.stage_threads(groups) if strategy == "concurrent" else None
+        out_stages.append(Stage(strategy, [[graph.nodes[u].name for u in g] for g in groups], chosen))
         clock += latency
     ops.sort(key=lambda o: graph.index[o.name])
     return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,

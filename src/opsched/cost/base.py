@@ -27,6 +27,11 @@ class CostModel(Protocol):
     def stage_latency(self, groups: Sequence[Sequence[int]]) -> float:
         """Latency of a concurrent stage: ``groups`` run side by side."""
 
+    def stage_threads(self, groups: Sequence[Sequence[int]]) -> list[list[int]] | None:
+        """The intra-op threads each unit of a concurrent stage should run with, when this model chose
+        them (the measured model picks, per unit of a one-group stage, the faster thread count it
+        profiled); None leaves the runtime's rule (all cores shared evenly by the groups)."""
+
     def merge_latency(self, units: Sequence[int]) -> float | None:
         """Latency of the units merged into one operator, or None if this model cannot cost a merge."""
 

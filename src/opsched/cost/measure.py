@@ -110,13 +110,23 @@ class MeasuredCost:
         self.profile_seconds = 0.0
         started = time.perf_counter()
         self._measure_units()
+        self.best_threads = [min(self.thread_options, key=lambda t: (self.latency[t][u], -t))
+                             for u in range(len(graph))]
+        self.best = [self.latency[t][u] for u, t in enumerate(self.best_threads)]
         self.sync_overhead = self._measure_handoff()
         self.profile_seconds += time.perf_counter() - started
 
     # -- the cost-model interface --
 
     def op_latency(self, unit: int) -> float:
-        return self.latency[self.cores][unit]
+        # A unit alone runs with whichever thread count it was faster with (small operators often run
+        # faster on one thread than split over two).
+        return self.best[unit]
+
+    def stage_threads(self, groups: Sequence[Sequence[int]]) -> list[list[int]] | None:
+        if len(groups) != 1:
+            return None
+        return [[self.best_threads[u] for u in groups[0]]]
 
     def stage_latency(self, groups: Sequence[Sequence[int]]) -> float:
         key = ("concurrent", tuple(tuple(g) for g in groups))
@@ -146,7 +156,7 @@ class MeasuredCost:
         if strategy == "merge":
             return self.merge_factor * sum(self.latency[self.cores][u] for g in groups for u in g)
         if len(groups) == 1:
-            return sum(self.latency[self.cores][u] for u in groups[0])
+            return sum(self.best[u] for u in groups[0])
         threads = max(1, self.cores // len(groups))
         alone = self.latency[threads]
         longest = max(sum(alone[u] for u in g) for g in groups)
@@ -160,12 +170,14 @@ class MeasuredCost:
 
     # -- measuring --
 
-    def measure_schedule(self, stages: Sequence[Stage], refresh: bool = False) -> None:
+    def measure_schedule(self, stages: Sequence[Stage], refresh: bool = False,
+                         threads: Sequence[Any] | None = None) -> None:
         """Run a staged schedule whole and keep, for each of its concurrent (several groups) and merge
         stages, its latency as measured in place: from the start of its first unit to the start of the
         next stage's, so its fork and join count. One-unit stages keep their profiled time, so that the
         all-sequential schedule is costed exactly as it was profiled. Without ``refresh``, a schedule whose
-        stages are all in the cache is not run. Then update the contention and merge factors."""
+        stages are all in the cache is not run; ``threads`` are the schedule's per-stage thread choices.
+        Then update the contention and merge factors."""
         started = time.perf_counter()
         wanted = [s for s in stages if s[0] == "merge" or len(s[1]) > 1]
         for stage in wanted:
@@ -177,7 +189,7 @@ class MeasuredCost:
                     self.measured_stages[stage] = ms
                     self.counts["stages_cached"] += 1
         elif wanted:
-            program = staged_program(self.graph, stages, self.cores)
+            program = staged_program(self.graph, stages, self.cores, threads)
             runs = self._run_in_place([program], f"measuring a schedule of {len(stages)} stages")[0]
             stage_of = {u: k for k, (_, groups) in enumerate(stages) for g in groups for u in g}
             durations: dict[int, list[float]] = {k: [] for k, s in enumerate(stages) if s in cached}

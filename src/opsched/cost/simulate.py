@@ -101,6 +101,9 @@ class SimulatedGPU:
         streams = [[k for u in g for k in self.kernels[u]] for g in groups]
         return self._run(streams) + self.sync_overhead * (len(groups) - 1)
 
+    def stage_threads(self, groups: Sequence[Sequence[int]]) -> None:
+        return None
+
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return self._run([merged_kernels([self.graph.nodes[u] for u in units], self.device)])
 

@@ -47,6 +47,9 @@ class TableCost:
             longest = max(longest, sum(sums) / self.capacity)
         return longest + self.sync_overhead * (len(groups) - 1)
 
+    def stage_threads(self, groups: Sequence[Sequence[int]]) -> None:
+        return None
+
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return None  # a DAG JSON file gives no latency for merged units
 

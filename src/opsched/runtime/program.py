@@ -103,18 +103,20 @@ def compile_program(schedule: Schedule, graph: Graph, cores: int = 1) -> StreamP
     if schedule.stages is not None:
         index = graph.index
         return staged_program(graph, [(st.strategy, [[index[u] for u in g] for g in st.groups])
-                                      for st in schedule.stages], cores)
+                                      for st in schedule.stages], cores,
+                              [st.threads for st in schedule.stages])
     return _finish(graph, *_streamed(schedule, graph, _check_cores(cores)), cores)
 
 
 def staged_program(graph: Graph, stages: Sequence[tuple[str, Sequence[Sequence[int]]]],
-                   cores: int = 1) -> StreamProgram:
-    """The program of stages given as ``(strategy, groups of unit indices)``, unchecked: the profiler runs
-    single stages of a graph with it, their inputs given."""
+                   cores: int = 1, threads: Sequence[Sequence[Sequence[int]] | None] | None = None) -> StreamProgram:
+    """The program of stages given as ``(strategy, groups of unit indices)``, unchecked (the profiler runs
+    it). ``threads[k]``, when given, holds stage k's intra-op threads per unit (capped at ``cores``);
+    otherwise a stage's groups share the cores evenly."""
     _check_cores(cores)
     streams: list[list[Step]] = [[]]
     events = 0
-    for strategy, groups in stages:
+    for position, (strategy, groups) in enumerate(stages):
         width = 1 if strategy == "merge" else len(groups)
         while len(streams) < width:
             streams.append([])
@@ -123,12 +125,14 @@ def staged_program(graph: Graph, stages: Sequence[tuple[str, Sequence[Sequence[i
             for k in range(1, width):
                 streams[k].append(Wait(events))
             events += 1
-        threads = max(1, cores // width)
+        even = max(1, cores // width)
+        chosen = threads[position] if threads is not None and threads[position] else None
         if strategy == "merge":
-            streams[0].append(Run(tuple(u for g in groups for u in g), threads))
+            streams[0].append(Run(tuple(u for g in groups for u in g), even))
         else:
             for k, group in enumerate(groups):
-                streams[k].extend(Run((u,), threads) for u in group)
+                streams[k].extend(Run((u,), min(cores, chosen[k][i]) if chosen else even)
+                                  for i, u in enumerate(group))
         if width > 1:  # join: stream 0 waits for the others to finish this stage
             for k in range(1, width):
                 streams[k].append(Record(events))
