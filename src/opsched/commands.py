@@ -111,6 +111,8 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
     out: dict[str, Any] = {"measured_ms": {"eager": eager, **{m: measured[m] for m in schedules}},
                            "eager_threads": eager_threads, "max_abs_error": errors[args.method],
                            "max_abs_errors": errors, "cost_model": cost.describe()}
+    timed = {name: ms for name, ms in out["measured_ms"].items()}
+    out["fastest_measured"] = min(timed, key=timed.get)
     compiled, compiled_threads = best_of(measured, "torch_compile")
     if compiled is not None:
         out["measured_ms"]["torch_compile"] = compiled
@@ -368,6 +370,10 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
             line += f"   {sequential / predicted:.2f}x sequential"
         print(line)
     print()
+    fastest = result.get("fastest_measured")
+    if fastest and fastest != result["method"] and measured.get(result["method"]):
+        print(f"note       {fastest} ran {measured[result['method']] / measured[fastest]:.2f}x faster than "
+              f"{result['method']} in this measurement (the plan written is {result['method']}'s)")
     chosen = schedules[result["method"]]
     stats = chosen.stats
     print(f"search     {result['method']}: {stats['search_seconds']:.2f} s"
