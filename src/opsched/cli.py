@@ -172,6 +172,17 @@ def _int_at_least(minimum: int, what: str):
 
 
 _positive = _int_at_least(1, "a positive integer")
+
+
+def _non_negative_float(text: str) -> float:
+    """An argparse type: a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
@@ -203,7 +214,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="intra-op threads to share between streams (default: PyTorch's count)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds for the final measurements (default 15)")
-    p.add_argument("--tolerance", type=float, default=1e-3, metavar="TOL",
+    p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
                    help="largest absolute difference from eager accepted (default 1e-3)")
 
 

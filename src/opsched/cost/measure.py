@@ -77,9 +77,9 @@ def cuda_fingerprint() -> str:
 class MeasuredCost:
     """Latencies of ``graph``'s units measured on this CPU with ``cores`` threads (default: PyTorch's
     count), or on the current GPU (``device="cuda"``, timed with CUDA events), the example ``inputs``
-    feeding the graph. ``operator`` gives the callable of a run step (the
-    kernels the schedule will run with); ``kernels`` names them for the cache. ``cache=None`` uses the
-    default cache file; ``False`` turns caching off."""
+    feeding the graph. ``operator`` gives the callable of a run step (the kernels the schedule will run
+    with); ``kernels`` names them for the cache. ``cache=None`` uses the default cache file; ``False``
+    turns caching off."""
 
     name = "measured"
 
