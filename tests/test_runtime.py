@@ -189,3 +189,21 @@ def test_dag_json_graphs_cannot_be_compiled():
     g = diamond()
     with pytest.raises(Exception, match="no operator"):
         OptimizedModule(g, make_schedule("sequential", g, TableCost(g)))
+
+
+def test_inductor_units_compute_what_the_eager_units_do():
+    """One compilation per unit and thread count (a few seconds): the compiled units give eager's values,
+    and compiling leaves the unit's own graph as it was."""
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.kernels import InductorOperator
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    g = capture(model, (x,))
+    operator = InductorOperator(all_values(g, [x]).__getitem__)
+    compiled = operator([g.nodes[0]], 1)
+    assert operator([g.nodes[0]], 1) is compiled  # memoised
+    with torch.inference_mode():
+        assert torch.allclose(compiled(x), model(x), atol=1e-5)
+        assert isinstance(g.nodes[0].run(x), torch.Tensor)
+    assert operator.compile_seconds > 0

@@ -60,6 +60,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         _say(args, f"scheduling with {m} ...")
         schedules[m] = search(graph, cost, m, **options)
         schedules[m].device = args.cost if simulated else args.device
+        schedules[m].options["kernels"] = args.kernels
         schedules[m].batch = int(_flat(loaded.inputs)[0].shape[0])
     chosen = schedules[args.method]
     result: dict[str, Any] = {
@@ -179,7 +180,13 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     loaded, graph, _, _ = _load(args, args.model)
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
-    module = OptimizedModule(graph, plan, cores)
+    kernels = plan.options.get("kernels", "eager")
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.kernels import operator_for
+
+    operator = operator_for(kernels, all_values(graph, _flat(loaded.inputs)).__getitem__ if kernels != "eager"
+                            else None)
+    module = OptimizedModule(graph, plan, cores, operator)
     inputs = tuple(loaded.inputs)
     check = verify(module, loaded.model, inputs, tolerance=args.tolerance)
     if not check.ok:
@@ -189,7 +196,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     runners["plan"] = _at_threads(module, inputs, cores)
     measured = measure(runners, repeats=args.repeats)
     eager, eager_threads = best_of(measured, "eager")
-    result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch,
+    result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "measured_ms": {"eager": eager, plan.method: measured["plan"]}, "eager_threads": eager_threads,
               "predicted_ms": plan.predicted_latency, "max_abs_error": check.max_abs_error}
     if args.trace:
@@ -202,7 +209,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         write_trace(args.trace, ops, f"measured on this CPU: {loaded.name} {plan.method}")
         result["trace"] = args.trace
     if not args.json:
-        print(f"plan          {args.plan} ({plan.method}, batch {plan.batch})")
+        print(f"plan          {args.plan} ({plan.method}, batch {plan.batch}, {kernels} kernels)")
         print(f"verified      max abs error {check.max_abs_error:.3g}")
         print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {eager_threads})")
         print(f"plan          {measured['plan']:.2f} ms  ({eager / measured['plan']:.2f}x eager; "

@@ -87,8 +87,8 @@ def _trace(fn: Callable[..., Any], nodes: Sequence[Node], example: Callable[[str
         return make_fx(fn)(*[example(a) for a in nodes[0].args])
 
 
-def operator_for(kernels: str, example: Callable[[str], Any]) -> Operator:
-    """The operator that ``--kernels`` names."""
+def operator_for(kernels: str, example: Callable[[str], Any] | None) -> Operator:
+    """The operator that ``--kernels`` names; ``example`` (values to compile for) is needed by inductor."""
     if kernels == "eager":
         return unit_operator
     if kernels == "inductor":
