@@ -50,8 +50,8 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         values = all_values(graph, _flat(loaded.inputs))
         operator = operator_for(args.kernels, values.__getitem__)
         cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, device=args.device, kernels=args.kernels,
-                            operator=operator,
-                            cache=None if not args.no_cache else False, progress=_bar_factory(args))
+                            operator=operator, cache=None if not args.no_cache else False,
+                            progress=_bar_factory(args), values=values)
     methods = list(dict.fromkeys([*TABLE_METHODS, args.method]))
     schedules = {}
     for m in methods:

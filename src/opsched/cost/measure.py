@@ -79,14 +79,15 @@ class MeasuredCost:
     count), or on the current GPU (``device="cuda"``, timed with CUDA events), the example ``inputs``
     feeding the graph. ``operator`` gives the callable of a run step (the kernels the schedule will run
     with); ``kernels`` names them for the cache. ``cache=None`` uses the default cache file; ``False``
-    turns caching off."""
+    turns caching off. ``values`` (every unit's output on ``inputs``, see
+    :func:`opsched.graph.interpret.all_values`) saves computing them again when the caller has them."""
 
     name = "measured"
 
     def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None, device: str = "cpu",
                  kernels: str = "eager", operator: Operator = unit_operator,
                  cache: LatencyCache | bool | None = None, repeats: int = 9,
-                 progress: Callable[[str, int], Any] | None = None):
+                 progress: Callable[[str, int], Any] | None = None, values: dict[str, Any] | None = None):
         self.graph = graph
         self.cores = cores or torch.get_num_threads()
         self.capacity = float(self.cores)
@@ -98,7 +99,7 @@ class MeasuredCost:
         self.device = cpu_fingerprint(self.cores) if device == "cpu" else cuda_fingerprint()
         self.cache = LatencyCache() if cache is None or cache is True else (cache or None)
         self.progress = progress or (lambda what, total: _NoProgress())
-        self.values = all_values(graph, inputs)
+        self.values = values if values is not None else all_values(graph, inputs)
         self.signatures = [self._unit_signature(u) for u in range(len(graph))]
         self.thread_options = sorted({max(1, self.cores // k) for k in range(1, self.cores + 1)}, reverse=True)
         self.latency: dict[int, list[float]] = {}

@@ -89,7 +89,8 @@ class CPUExecutor:
             return [call.values[s] for s in self._outputs]
 
     def close(self) -> None:
-        for worker in self._workers:
+        """Stop the worker threads (a later call starts new ones)."""
+        for worker in getattr(self, "_workers", []):  # absent when __init__ failed
             worker.stop()
         self._workers = []
 
