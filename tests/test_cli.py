@@ -233,3 +233,13 @@ def test_optimize_never_overwrites_a_file_it_did_not_write(capsys, tmp_path):
     mine.write_text("{}")
     code, _, err = run(capsys, "optimize", "squeezenet", "--cost", "sim:t4", "--out", str(mine))
     assert code == 2 and "--force" in err and mine.read_text() == "{}"
+
+
+def test_bench_writes_csv_markdown_and_plots(capsys, tmp_path):
+    out = tmp_path / "b"
+    code, stdout, err = run(capsys, "bench", "--preset", "search-cost", "--models", "squeezenet", "--cost", "sim:t4",
+                            "--out", str(out), "--json")
+    assert code == 0, err
+    doc = json.loads(stdout)
+    assert doc["rows"] == 2 and (out / "results.csv").exists() and (out / "results.md").exists()
+    assert (out / "search-time.png").exists()

@@ -304,6 +304,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_lazy("show_command"))
 
+    p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
+                       description="Run a benchmark preset: for each model x method x cost x batch, the predicted "
+                                   "latency, the measured one where the device is real (interleaved with eager), "
+                                   "speedup over sequential, search time, DP states/transitions and the lower "
+                                   "bound. Writes OUT/results.csv (resumable: rows already there are skipped), "
+                                   "OUT/results.md and plots.")
+    p.add_argument("--preset", default="quick",
+                   choices=["quick", "schedules", "pruning", "specialisation", "search-cost"],
+                   help="which comparison (default quick)")
+    p.add_argument("--models", nargs="+", metavar="MODEL", help="replace the preset's models")
+    p.add_argument("--methods", nargs="+", metavar="M",
+                   help="replace the preset's methods (sequential, greedy, ios-merge, ios-parallel, ios, lios, nimble)")
+    p.add_argument("--cost", nargs="+", metavar="COST", help="replace the preset's cost models (measured, sim:NAME)")
+    p.add_argument("--batch", nargs="+", type=_positive, metavar="B", help="replace the preset's batch sizes")
+    p.add_argument("--repeats", type=_positive, default=9, metavar="N", help="interleaved timing rounds (default 9)")
+    p.add_argument("--torch-compile", action="store_true", help="also time torch.compile of the whole model")
+    p.add_argument("--out", default="opsched-bench", metavar="DIR", help="output directory (default opsched-bench)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_lazy("bench_command"))
+
     p = sub.add_parser("cache", help="the cache of measured latencies: info or clear",
                        description="Show (info) or empty (clear) the sqlite cache of measured latencies, kept in "
                                    "$OPSCHED_CACHE_DIR, else $XDG_CACHE_HOME/opsched, else ~/.cache/opsched.")

@@ -1,0 +1,214 @@
+"""``opsched bench``: the papers' comparisons as named presets, run on our models and this machine.
+
+A run is a list of *cases* (model, batch, cost model); each case yields one row per method: predicted
+latency, measured latency when the cost model is measured here, speedup over sequential, search time,
+DP states and transitions, and the lower bound. Rows go to ``DIR/results.csv`` as they are made, so an
+interrupted run resumes where it stopped (rows already in the file are skipped); ``DIR/results.md`` and
+the plots are rewritten from the whole file at the end. Simulated rows say so in their ``cost`` and
+``simulated`` columns, and in every table and plot.
+
+External baselines (measured, in the same interleaved timing as opsched's schedules): PyTorch eager with 1
+and all threads, and with ``--torch-compile`` torch.compile of the whole model.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from opsched.errors import OpschedError
+
+# method name -> (scheduler, options): IOS's variants as in its Fig. 6
+METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sequential": ("sequential", {}),
+    "greedy": ("greedy", {}),
+    "ios-merge": ("ios", {"concurrent": False}),
+    "ios-parallel": ("ios", {"merge": False}),
+    "ios": ("ios", {}),
+    "lios": ("lios", {"streams": 8}),
+    "nimble": ("nimble", {}),
+}
+
+ZOO = ["inception_v3", "randwire", "nasnet", "squeezenet"]
+COLUMNS = ["preset", "model", "batch", "cost", "simulated", "method", "variant", "units", "predicted_ms",
+           "sequential_predicted_ms", "predicted_speedup", "measured_ms", "measured_speedup", "search_seconds",
+           "states", "transitions", "lower_bound_ms", "max_abs_error", "note"]
+
+
+@dataclass
+class Case:
+    preset: str
+    model: str
+    batch: int
+    cost: str                      # "measured" or "sim:NAME"
+    methods: list[str]
+    variants: list[dict[str, Any]] = field(default_factory=lambda: [{}])  # extra scheduler options
+    image_size: int | None = None
+    baselines: bool = False        # time eager (and torch.compile) beside the schedules
+
+
+def preset_cases(name: str, models: list[str] | None = None, costs: list[str] | None = None,
+                 batches: list[int] | None = None, methods: list[str] | None = None) -> list[Case]:
+    """The cases of a preset, narrowed or widened by the command line's lists."""
+    all_methods = list(METHODS)
+    if name == "quick":
+        cases = [Case("quick", m, 1, "sim:v100", methods or all_methods) for m in (models or ZOO)]
+        cases += [Case("quick", m, 1, "measured", methods or ["sequential", "greedy", "ios", "lios"],
+                       baselines=True) for m in (models or ["squeezenet", "inception_v3"])]
+    elif name == "schedules":  # IOS Fig. 6 / 7
+        cases = [Case(name, m, b, c, methods or all_methods, baselines=c == "measured")
+                 for m in (models or ZOO) for c in (costs or ["sim:v100", "measured"]) for b in (batches or [1])]
+    elif name == "pruning":  # IOS Fig. 9
+        variants = [{"max_group_size": r, "max_groups": s} for r in (1, 2, 3) for s in (3, 8)]
+        cases = [Case(name, m, b, c, ["ios"], variants) for m in (models or ["inception_v3", "randwire"])
+                 for c in (costs or ["sim:v100"]) for b in (batches or [1])]
+    elif name == "specialisation":  # IOS Table 3 (each schedule also costed on the other settings)
+        cases = [Case(name, "inception_v3", b, c, ["sequential", "ios"])
+                 for c in (costs or ["sim:v100", "sim:k80"]) for b in (batches or [1, 32, 128])]
+    elif name == "search-cost":  # LIOS Table V, IOS Table 1
+        cases = [Case(name, m, 1, c, ["ios", "lios"]) for m in (models or ZOO) for c in (costs or ["sim:v100"])]
+    else:
+        raise OpschedError(f"unknown preset {name!r}; choose from quick, schedules, pruning, specialisation, "
+                           "search-cost")
+    for c in cases:
+        unknown = [m for m in c.methods if m not in METHODS]
+        if unknown:
+            raise OpschedError(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
+    return cases
+
+
+def run(cases: list[Case], out: Path, repeats: int = 9, torch_compile: bool = False,
+        progress: Callable[[str], Any] | None = None) -> list[dict[str, Any]]:
+    """Run every case not yet in ``out/results.csv``; return all rows of the file."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.csv"
+    done = {_key(r) for r in read_rows(path)}
+    for case in cases:
+        keys = {(case.preset, case.model, str(case.batch), case.cost, m, _variant(v))
+                for m in case.methods for v in case.variants}
+        if keys <= done:
+            continue
+        if progress:
+            progress(f"{case.preset}: {case.model} batch {case.batch} on {case.cost}")
+        rows = _run_case(case, repeats, torch_compile)
+        _append(path, [r for r in rows if _key(r) not in done])
+        done.update(_key(r) for r in rows)
+    return read_rows(path)
+
+
+def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, Any]]:
+    import torch
+
+    from opsched.cost.measure import MeasuredCost
+    from opsched.cost.simulate import SimulatedGPU
+    from opsched.graph.capture import capture
+    from opsched.models import load_model
+    from opsched.pipeline import best_of, eager_runners, measure, search
+
+    loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
+    loaded.model.eval()
+    graph = capture(loaded.model, loaded.inputs, name=loaded.name)
+    simulated = case.cost.startswith("sim:")
+    cost = SimulatedGPU(graph, case.cost) if simulated else MeasuredCost(graph, loaded.inputs)
+    sequential = search(graph, cost, "sequential")
+    rows, schedules = [], {}
+    for method in case.methods:
+        scheduler, options = METHODS[method]
+        for variant in case.variants:
+            started = time.perf_counter()
+            schedule = search(graph, cost, scheduler, **{**options, **(variant if scheduler == "ios" else {})})
+            seconds = time.perf_counter() - started
+            schedules[(method, _variant(variant))] = schedule
+            rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
+                         "simulated": simulated, "method": method, "variant": _variant(variant),
+                         "units": len(graph), "predicted_ms": schedule.predicted_latency,
+                         "sequential_predicted_ms": sequential.predicted_latency,
+                         "predicted_speedup": sequential.predicted_latency / schedule.predicted_latency,
+                         "search_seconds": schedule.stats.get("search_seconds", seconds),
+                         "states": schedule.stats.get("states"), "transitions": schedule.stats.get("transitions"),
+                         "lower_bound_ms": schedule.bounds.get("lower_bound"), "note": ""})
+    if simulated:
+        return rows
+    from opsched.runtime.module import OptimizedModule, verify
+
+    cores = torch.get_num_threads()
+    runners = eager_runners(loaded.model, loaded.inputs, cores) if case.baselines else {}
+    errors = {}
+    for key, schedule in schedules.items():
+        module = OptimizedModule(graph, schedule, cores)
+        errors[key] = verify(module, loaded.model, loaded.inputs).max_abs_error
+        runners[key] = (lambda module=module: (torch.set_num_threads(cores), module(*loaded.inputs)))
+    if case.baselines and torch_compile:
+        compiled = torch.compile(loaded.model)
+        with torch.inference_mode():
+            compiled(*loaded.inputs)
+        runners["torch_compile@" + str(cores)] = lambda: (torch.set_num_threads(cores), compiled(*loaded.inputs))
+    timed = measure(runners, repeats=repeats)
+    seq_ms = timed.get(("sequential", "")) or next(iter(timed.values()))
+    for r in rows:
+        ms = timed[(r["method"], r["variant"])]
+        r.update(measured_ms=ms, measured_speedup=seq_ms / ms, max_abs_error=errors[(r["method"], r["variant"])])
+    for prefix in ("eager", "torch_compile"):
+        ms, threads = best_of({k: v for k, v in timed.items() if isinstance(k, str)}, prefix)
+        if ms is not None:
+            rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
+                         "simulated": False, "method": prefix, "variant": f"threads={threads}", "units": len(graph),
+                         "measured_ms": ms, "measured_speedup": seq_ms / ms,
+                         "note": "external baseline, best of 1 and all threads" if prefix == "eager" else
+                         "external baseline"})
+    return rows
+
+
+def _variant(options: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(options.items()))
+
+
+def _key(row: dict[str, Any]) -> tuple:
+    return (row["preset"], row["model"], str(row["batch"]), row["cost"], row["method"], row["variant"])
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _append(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        if new:
+            writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k, "") for k in COLUMNS})
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """A readable table per preset; simulated figures say so."""
+    lines = []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        header = ("| model | batch | cost | method | variant | predicted ms | vs sequential | measured ms | "
+                  "measured vs sequential | search s | states | transitions | lower bound |")
+        lines += [f"## {preset}", "", header, "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            if r["preset"] != preset:
+                continue
+            cost = r["cost"] + (" (SIMULATED)" if str(r["simulated"]) == "True" else "")
+            lines.append("| " + " | ".join([r["model"], str(r["batch"]), cost, r["method"], r["variant"] or "-",
+                                            _fmt(r.get("predicted_ms")), _fmt(r.get("predicted_speedup"), "x"),
+                                            _fmt(r.get("measured_ms")), _fmt(r.get("measured_speedup"), "x"),
+                                            _fmt(r.get("search_seconds"), digits=3), str(r.get("states") or "-"),
+                                            str(r.get("transitions") or "-"), _fmt(r.get("lower_bound_ms"))]) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any, suffix: str = "", digits: int = 2) -> str:
+    if value in (None, ""):
+        return "-"
+    return f"{float(value):.{digits}f}{suffix}"
