@@ -242,7 +242,8 @@ def show_command(args: argparse.Namespace) -> dict[str, Any]:
               "predicted_latency": plan.predicted_latency, "timeline": label,
               "gantt": args.gantt, "trace": args.trace}
     if not args.json:
-        print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} (batch {plan.batch}, {plan.device})")
+        batch = f"batch {plan.batch}, " if plan.batch else ""
+        print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} ({batch}{plan.device})")
         print(f"form        {plan.form}: {len(plan.ops)} units on {len(streams)} streams"
               + (f" in {len(plan.stages)} stages" if plan.stages is not None else ""))
         print(f"predicted   {plan.predicted_latency:.4g}  ({label})")
@@ -357,7 +358,9 @@ def _timeline_title(plan, name: str) -> str:
         what = f"SIMULATED on {plan.cost[4:]} (predicted, not measured)"
     else:
         what = f"predicted by the {plan.cost} cost model"
-    return f"{name}, {plan.method}, batch {plan.batch}: {what}, {plan.predicted_latency:.3g} ms"
+    unit = "" if plan.cost == "table" else " ms"  # a DAG JSON file's latencies have no unit
+    batch = f", batch {plan.batch}" if plan.batch else ""
+    return f"{name}, {plan.method}{batch}: {what}, {plan.predicted_latency:.3g}{unit}"
 
 
 def _say(args, text: str) -> None:
