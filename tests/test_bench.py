@@ -34,3 +34,28 @@ def test_a_run_writes_rows_once_and_resumes(tmp_path):
     assert "SIMULATED" in table and "| squeezenet | 1 |" in table
     plots = write_plots(rows, tmp_path)
     assert {p.name for p in plots} == {"throughput-sim-t4.png", "search-time.png"}
+
+
+def test_specialisation_costs_each_schedule_on_the_other_settings(tmp_path):
+    cases = [bench.Case("specialisation", "squeezenet", b, c, ["sequential", "ios"], image_size=64)
+             for c in ("sim:v100", "sim:k80") for b in (1, 4)]
+    rows = bench.run(cases, tmp_path)
+    crossed = [r for r in rows if r["variant"].startswith("made_for=")]
+    assert len(crossed) == 4 * 3
+    for r in crossed:  # a schedule made for the setting itself is never beaten by one made for another
+        own = next(o for o in rows if o["method"] == "ios" and not o["variant"] and o["cost"] == r["cost"]
+                   and o["batch"] == r["batch"])
+        assert float(own["predicted_ms"]) <= float(r["predicted_ms"]) + 1e-9
+
+
+def test_onnxruntime_is_a_baseline_or_a_note():
+    import torch
+
+    runners = {}
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    note = bench._add_onnxruntime(runners, model, (torch.randn(1, 3, 8, 8),), 2)
+    if note is None:
+        assert set(runners) == {"onnxruntime@1", "onnxruntime@2"}
+        runners["onnxruntime@1"]()
+    else:
+        assert note.startswith("skipped")

@@ -8,7 +8,8 @@ the plots are rewritten from the whole file at the end. Simulated rows say so in
 ``simulated`` columns, and in every table and plot.
 
 External baselines (measured, in the same interleaved timing as opsched's schedules): PyTorch eager with 1
-and all threads, and with ``--torch-compile`` torch.compile of the whole model.
+and all threads, ONNX Runtime (sequential execution, 1 and all intra-op threads; skipped with a note when
+it is not installed), and with ``--torch-compile`` torch.compile of the whole model.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ def preset_cases(name: str, models: list[str] | None = None, costs: list[str] | 
         variants = [{"max_group_size": r, "max_groups": s} for r in (1, 2, 3) for s in (3, 8)]
         cases = [Case(name, m, b, c, ["ios"], variants) for m in (models or ["inception_v3", "randwire"])
                  for c in (costs or ["sim:v100"]) for b in (batches or [1])]
-    elif name == "specialisation":  # IOS Table 3 (each schedule also costed on the other settings)
+    elif name == "specialisation":  # IOS Table 3: each setting's IOS schedule also costed on the others
+        if costs and any(not c.startswith("sim:") for c in costs):
+            raise OpschedError("the specialisation preset compares simulated devices; give sim:NAME costs")
         cases = [Case(name, "inception_v3", b, c, ["sequential", "ios"])
                  for c in (costs or ["sim:v100", "sim:k80"]) for b in (batches or [1, 32, 128])]
     elif name == "search-cost":  # LIOS Table V, IOS Table 1
@@ -97,7 +100,48 @@ def run(cases: list[Case], out: Path, repeats: int = 9, torch_compile: bool = Fa
         rows = _run_case(case, repeats, torch_compile)
         _append(path, [r for r in rows if _key(r) not in done])
         done.update(_key(r) for r in rows)
+    crossed = [c for c in cases if c.preset == "specialisation"]
+    if len(crossed) > 1 and any(("specialisation", c.model, str(c.batch), c.cost, "ios", _made_for(o))
+                                not in done for c in crossed for o in crossed if o is not c):
+        if progress:
+            progress("specialisation: each IOS schedule costed on the other settings")
+        rows = _cross_rows(crossed)
+        _append(path, [r for r in rows if _key(r) not in done])
     return read_rows(path)
+
+
+def _made_for(case: Case) -> str:
+    return f"made_for={case.cost}/batch={case.batch}"
+
+
+def _cross_rows(cases: list[Case]) -> list[dict[str, Any]]:
+    """IOS Table 3: the IOS schedule made for each setting (device, batch), costed on every other one.
+    The settings share the model, so a schedule's stages carry over by unit name."""
+    from opsched.cost.simulate import SimulatedGPU
+    from opsched.graph.capture import capture
+    from opsched.models import load_model
+    from opsched.pipeline import search
+    from opsched.schedule import from_stages
+
+    settings = []
+    for case in cases:
+        loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
+        graph = capture(loaded.model.eval(), loaded.inputs, name=loaded.name)
+        cost = SimulatedGPU(graph, case.cost)
+        settings.append((case, graph, cost, search(graph, cost, "ios")))
+    rows = []
+    for case, graph, cost, own in settings:
+        for other, _, _, schedule in settings:
+            if other is case:
+                continue
+            stages = [(st.strategy, [[graph.index[u] for u in g] for g in st.groups]) for st in schedule.stages]
+            moved = from_stages(graph, cost, "ios", stages)
+            rows.append({"preset": "specialisation", "model": case.model, "batch": case.batch, "cost": case.cost,
+                         "simulated": True, "method": "ios", "variant": _made_for(other), "units": len(graph),
+                         "predicted_ms": moved.predicted_latency, "sequential_predicted_ms": "",
+                         "predicted_speedup": own.predicted_latency / moved.predicted_latency,
+                         "note": "predicted_speedup here: the setting's own IOS schedule over this one"})
+    return rows
 
 
 def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, Any]]:
@@ -142,6 +186,12 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
         module = OptimizedModule(graph, schedule, cores)
         errors[key] = verify(module, loaded.model, loaded.inputs).max_abs_error
         runners[key] = (lambda module=module: (torch.set_num_threads(cores), module(*loaded.inputs)))
+    if case.baselines:
+        note = _add_onnxruntime(runners, loaded.model, loaded.inputs, cores)
+        if note:
+            rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
+                         "simulated": False, "method": "onnxruntime", "variant": "", "units": len(graph),
+                         "note": note})
     if case.baselines and torch_compile:
         compiled = torch.compile(loaded.model)
         with torch.inference_mode():
@@ -152,15 +202,41 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     for r in rows:
         ms = timed[(r["method"], r["variant"])]
         r.update(measured_ms=ms, measured_speedup=seq_ms / ms, max_abs_error=errors[(r["method"], r["variant"])])
-    for prefix in ("eager", "torch_compile"):
+    for prefix in ("eager", "torch_compile", "onnxruntime"):
         ms, threads = best_of({k: v for k, v in timed.items() if isinstance(k, str)}, prefix)
         if ms is not None:
             rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
                          "simulated": False, "method": prefix, "variant": f"threads={threads}", "units": len(graph),
                          "measured_ms": ms, "measured_speedup": seq_ms / ms,
-                         "note": "external baseline, best of 1 and all threads" if prefix == "eager" else
-                         "external baseline"})
+                         "note": {"eager": "external baseline, best of 1 and all threads",
+                                  "onnxruntime": "external baseline, ORT_SEQUENTIAL, best of 1 and all intra-op "
+                                                 "threads"}.get(prefix, "external baseline")})
     return rows
+
+
+def _add_onnxruntime(runners: dict, model: Any, inputs: Any, cores: int) -> str | None:
+    """ONNX Runtime, sequential execution with tuned intra-op threads (its parallel mode does not overlap
+    CPU kernels, so it is no inter-operator baseline). Returns a note when it cannot run."""
+    try:
+        import io
+
+        import onnxruntime
+        import torch
+    except ImportError:
+        return "skipped: onnxruntime is not installed (pip install 'opsched[onnx]')"
+    buffer = io.BytesIO()
+    try:
+        torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
+    except Exception as e:  # noqa: BLE001 - any export failure only skips this baseline
+        return f"skipped: ONNX export failed ({type(e).__name__})"
+    for threads in sorted({1, cores}):
+        options = onnxruntime.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
+        session = onnxruntime.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
+        runners[f"onnxruntime@{threads}"] = (lambda session=session, feed=feed: session.run(None, feed))
+    return None
 
 
 def _variant(options: dict[str, Any]) -> str:
