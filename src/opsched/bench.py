@@ -276,7 +276,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
                 continue
             cost = r["cost"] + (" (SIMULATED)" if str(r["simulated"]) == "True" else "")
             lines.append("| " + " | ".join([r["model"], str(r["batch"]), cost, r["method"], r["variant"] or "-",
-                                            _fmt(r.get("predicted_ms")), _fmt(r.get("predicted_speedup"), "x"),
+                                            _fmt(r.get("predicted_ms")),
+                                            _fmt(r.get("predicted_speedup"), "x (own / this)"
+                                                 if r["variant"].startswith("made_for=") else "x"),
                                             _fmt(r.get("measured_ms")), _fmt(r.get("measured_speedup"), "x"),
                                             _fmt(r.get("search_seconds"), digits=3), str(r.get("states") or "-"),
                                             str(r.get("transitions") or "-"), _fmt(r.get("lower_bound_ms"))]) + " |")
