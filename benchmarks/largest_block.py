@@ -1,0 +1,42 @@
+"""IOS's Table 1 for our graphs: the largest block of each network (cut only at cut units), its size and
+width, and the states and transitions the IOS search visits on it at r=3, s=8 (measured on this machine;
+the counts do not depend on the cost model).
+
+    python benchmarks/largest_block.py [--models inception_v3 squeezenet randwire] [--max-units 40]
+
+Blocks larger than --max-units are reported without searching them (NASNet-A's 48-unit block takes hours).
+"""
+
+import argparse
+import time
+
+from opsched.cost.simulate import SimulatedGPU
+from opsched.graph.blocks import split_blocks
+from opsched.graph.capture import capture
+from opsched.models import load_model
+from opsched.schedulers.ios import _search, _StageCost
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["inception_v3", "randwire", "nasnet", "squeezenet"])
+    parser.add_argument("--max-units", type=int, default=40)
+    args = parser.parse_args()
+    print("| network | n | width | states | transitions | seconds |\n|---|---|---|---|---|---|")
+    for name in args.models:
+        m = load_model(name, batch=1)
+        graph = capture(m.model, m.inputs)
+        block = max(split_blocks(graph, 0, at_cuts=True), key=lambda b: len(b.units))
+        width = graph.width_of(block.mask)
+        if len(block.units) > args.max_units:
+            print(f"| {name} | {len(block.units)} | {width} | not searched | | |", flush=True)
+            continue
+        stage_cost = _StageCost(graph, SimulatedGPU(graph, "v100"), True, True)
+        started = time.perf_counter()
+        best, _, transitions = _search(graph, block.mask, 3, 8, stage_cost)
+        print(f"| {name} | {len(block.units)} | {width} | {len(best) - 1} | {transitions} | "
+              f"{time.perf_counter() - started:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
