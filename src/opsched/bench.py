@@ -151,7 +151,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     from opsched.cost.simulate import SimulatedGPU
     from opsched.graph.capture import capture
     from opsched.models import load_model
-    from opsched.pipeline import best_of, eager_runners, measure, search
+    from opsched.pipeline import best_of, eager_runners, measure, search, torch_compile_runners
 
     loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
     loaded.model.eval()
@@ -193,10 +193,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
                          "simulated": False, "method": "onnxruntime", "variant": "", "units": len(graph),
                          "note": note})
     if case.baselines and torch_compile:
-        compiled = torch.compile(loaded.model)
-        with torch.inference_mode():
-            compiled(*loaded.inputs)
-        runners["torch_compile@" + str(cores)] = lambda: (torch.set_num_threads(cores), compiled(*loaded.inputs))
+        runners.update(torch_compile_runners(loaded.model, loaded.inputs, cores))
     timed = measure(runners, repeats=repeats)
     seq_ms = timed.get(("sequential", "")) or next(iter(timed.values()))
     for r in rows:
@@ -210,7 +207,8 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
                          "measured_ms": ms, "measured_speedup": seq_ms / ms,
                          "note": {"eager": "external baseline, best of 1 and all threads",
                                   "onnxruntime": "external baseline, ORT_SEQUENTIAL, best of 1 and all intra-op "
-                                                 "threads"}.get(prefix, "external baseline")})
+                                                 "threads"}.get(prefix, "external baseline, best of 1 and all "
+                                                                        "threads")})
     return rows
 
 

@@ -85,7 +85,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
 def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> dict[str, Any]:
     import torch
 
-    from opsched.pipeline import best_of, eager_runners, measure
+    from opsched.pipeline import best_of, eager_runners, measure, torch_compile_runners
     from opsched.runtime.module import OptimizedModule, verify
 
     inputs = tuple(loaded.inputs)
@@ -103,7 +103,8 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
                                      f"{check.max_abs_error:.3g} (tolerance {args.tolerance:g}); not used")
     runners = eager_runners(loaded.model, inputs, cores, sync)
     if args.kernels == "inductor":
-        runners.update(_torch_compile_runners(args, loaded.model, inputs, cores, sync))
+        _say(args, "torch.compile of the whole model, for 1 and all threads ...")
+        runners.update(torch_compile_runners(loaded.model, inputs, cores, sync))
     for m, module in modules.items():
         runners[m] = _at_threads(module, inputs, cores, sync)
     _say(args, f"measuring {len(runners)} configurations, interleaved ...")
@@ -122,31 +123,6 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
         out["compile_seconds"] = round(operator.compile_seconds, 1)
     torch.set_num_threads(cores)
     return out
-
-
-def _torch_compile_runners(args, model, inputs, cores, sync):
-    """torch.compile of the whole model, compiled once per thread count (inductor bakes it in)."""
-    import torch
-
-    runners = {}
-    for threads in sorted({1, cores}):
-        torch.set_num_threads(threads)
-        _say(args, f"torch.compile of the whole model for {threads} thread(s) ...")
-        torch._dynamo.reset()
-        compiled = torch.compile(model)
-        with torch.inference_mode():
-            compiled(*inputs)
-
-        def run(compiled=compiled, threads=threads):
-            torch.set_num_threads(threads)
-            with torch.inference_mode():
-                out = compiled(*inputs)
-            sync()
-            return out
-
-        runners[f"torch_compile@{threads}"] = run
-    torch.set_num_threads(cores)
-    return runners
 
 
 def _at_threads(module, inputs, cores, sync=lambda: None):

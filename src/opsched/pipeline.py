@@ -75,6 +75,32 @@ def eager_runners(model: Any, inputs: Sequence[Any], cores: int,
     return {f"eager@{t}": at(t) for t in sorted({1, cores})}
 
 
+def torch_compile_runners(model: Any, inputs: Sequence[Any], cores: int,
+                          sync: Callable[[], Any] = lambda: None) -> dict[str, Callable[[], Any]]:
+    """torch.compile of the whole model, run in inference mode like eager, compiled once per thread count
+    (1 and ``cores``): inductor bakes the thread count into its kernels."""
+    import torch
+
+    runners = {}
+    for threads in sorted({1, cores}):
+        torch.set_num_threads(threads)
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        with torch.inference_mode():
+            compiled(*inputs)
+
+        def run(compiled=compiled, threads=threads) -> Any:
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                out = compiled(*inputs)
+            sync()
+            return out
+
+        runners[f"torch_compile@{threads}"] = run
+    torch.set_num_threads(cores)
+    return runners
+
+
 def measure(runners: dict[str, Callable[[], Any]], repeats: int = 15,
             progress: Callable[[], Any] | None = None) -> dict[str, float]:
     """Median milliseconds of each runner, interleaved (see :mod:`opsched.timing`)."""
