@@ -57,23 +57,28 @@ def preset_cases(name: str, models: list[str] | None = None, costs: list[str] | 
     """The cases of a preset, narrowed or widened by the command line's lists."""
     all_methods = list(METHODS)
     if name == "quick":
-        cases = [Case("quick", m, 1, "sim:v100", methods or all_methods) for m in (models or ZOO)]
-        cases += [Case("quick", m, 1, "measured", methods or ["sequential", "greedy", "ios", "lios"],
-                       baselines=True) for m in (models or ["squeezenet", "inception_v3"])]
+        chosen = costs or ["sim:v100", "measured"]
+        cases = [Case("quick", m, b, c, methods or all_methods) for c in chosen if c != "measured"
+                 for m in (models or ZOO) for b in (batches or [1])]
+        if "measured" in chosen:
+            cases += [Case("quick", m, b, "measured", methods or ["sequential", "greedy", "ios", "lios"],
+                           baselines=True) for m in (models or ["squeezenet", "inception_v3"])
+                      for b in (batches or [1])]
     elif name == "schedules":  # IOS Fig. 6 / 7
         cases = [Case(name, m, b, c, methods or all_methods, baselines=c == "measured")
                  for m in (models or ZOO) for c in (costs or ["sim:v100", "measured"]) for b in (batches or [1])]
     elif name == "pruning":  # IOS Fig. 9
         variants = [{"max_group_size": r, "max_groups": s} for r in (1, 2, 3) for s in (3, 8)]
-        cases = [Case(name, m, b, c, ["ios"], variants) for m in (models or ["inception_v3", "randwire"])
+        cases = [Case(name, m, b, c, methods or ["ios"], variants) for m in (models or ["inception_v3", "randwire"])
                  for c in (costs or ["sim:v100"]) for b in (batches or [1])]
     elif name == "specialisation":  # IOS Table 3: each setting's IOS schedule also costed on the others
         if costs and any(not c.startswith("sim:") for c in costs):
             raise OpschedError("the specialisation preset compares simulated devices; give sim:NAME costs")
-        cases = [Case(name, "inception_v3", b, c, ["sequential", "ios"])
+        cases = [Case(name, m, b, c, ["sequential", "ios"]) for m in (models or ["inception_v3"])
                  for c in (costs or ["sim:v100", "sim:k80"]) for b in (batches or [1, 32, 128])]
     elif name == "search-cost":  # LIOS Table V, IOS Table 1
-        cases = [Case(name, m, 1, c, ["ios", "lios"]) for m in (models or ZOO) for c in (costs or ["sim:v100"])]
+        cases = [Case(name, m, b, c, methods or ["ios", "lios"]) for m in (models or ZOO)
+                 for c in (costs or ["sim:v100"]) for b in (batches or [1])]
     else:
         raise OpschedError(f"unknown preset {name!r}; choose from quick, schedules, pruning, specialisation, "
                            "search-cost")
@@ -102,7 +107,8 @@ def run(cases: list[Case], out: Path, repeats: int = 9, torch_compile: bool = Fa
         done.update(_key(r) for r in rows)
     crossed = [c for c in cases if c.preset == "specialisation"]
     if len(crossed) > 1 and any(("specialisation", c.model, str(c.batch), c.cost, "ios", _made_for(o))
-                                not in done for c in crossed for o in crossed if o is not c):
+                                not in done for c in crossed for o in crossed
+                                if o is not c and o.model == c.model):
         if progress:
             progress("specialisation: each IOS schedule costed on the other settings")
         rows = _cross_rows(crossed)
@@ -115,8 +121,8 @@ def _made_for(case: Case) -> str:
 
 
 def _cross_rows(cases: list[Case]) -> list[dict[str, Any]]:
-    """IOS Table 3: the IOS schedule made for each setting (device, batch), costed on every other one.
-    The settings share the model, so a schedule's stages carry over by unit name."""
+    """IOS Table 3: the IOS schedule made for each setting (device, batch), costed on every other setting
+    of the same model, where its stages carry over by unit name."""
     from opsched.cost.simulate import SimulatedGPU
     from opsched.graph.capture import capture
     from opsched.models import load_model
@@ -132,7 +138,7 @@ def _cross_rows(cases: list[Case]) -> list[dict[str, Any]]:
     rows = []
     for case, graph, cost, own in settings:
         for other, _, _, schedule in settings:
-            if other is case:
+            if other is case or other.model != case.model:
                 continue
             stages = [(st.strategy, [[graph.index[u] for u in g] for g in st.groups]) for st in schedule.stages]
             moved = from_stages(graph, cost, "ios", stages)
