@@ -21,7 +21,7 @@ from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.pipeline import measure, method_options, search
+from opsched.pipeline import measure, method_options, module_runner, search
 from opsched.runtime.module import OptimizedModule
 from opsched.schedulers import make_schedule
 
@@ -75,8 +75,7 @@ def measured(models: list[str], repeats: int, max_block_size: int) -> None:
                  and (s[0] == "merge" or len(s[1]) > 1)]
         stage_errors = [abs(p / q - 1.0) for p, q in pairs if q > 0]
         modules = {k: OptimizedModule(g, s, cores) for k, s in schedules.items()}
-        timed = measure({k: (lambda mod=mod, x=m.inputs: (torch.set_num_threads(cores), mod(*x)))
-                         for k, mod in modules.items()}, repeats=repeats)
+        timed = measure({k: module_runner(mod, m.inputs, cores) for k, mod in modules.items()}, repeats=repeats)
         for k, s in schedules.items():
             error = s.predicted_latency / timed[k] - 1.0
             whole_errors.append(abs(error))

@@ -18,7 +18,7 @@ from opsched.cost.measure import MeasuredCost
 from opsched.graph.capture import capture
 from opsched.graph.interpret import all_values
 from opsched.models import load_model
-from opsched.pipeline import best_of, eager_runners, measure, method_options, search
+from opsched.pipeline import best_of, eager_runners, measure, method_options, module_runner, search
 from opsched.runtime.kernels import operator_for
 from opsched.runtime.module import OptimizedModule, verify
 
@@ -40,7 +40,7 @@ def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size:
     errors = {m: verify(mod, loaded.model, loaded.inputs).max_abs_error for m, mod in modules.items()}
     runners = eager_runners(loaded.model, loaded.inputs, cores)
     for m, mod in modules.items():
-        runners[m] = (lambda mod=mod: (torch.set_num_threads(cores), mod(*loaded.inputs)))
+        runners[m] = module_runner(mod, loaded.inputs, cores)
     measured = measure(runners, repeats=repeats)
     eager, threads = best_of(measured, "eager")
     ios = schedules["ios"]

@@ -157,7 +157,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     from opsched.cost.simulate import SimulatedGPU
     from opsched.graph.capture import capture
     from opsched.models import load_model
-    from opsched.pipeline import best_of, eager_runners, measure, search, torch_compile_runners
+    from opsched.pipeline import best_of, eager_runners, measure, module_runner, search, torch_compile_runners
 
     loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
     loaded.model.eval()
@@ -170,7 +170,8 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
         scheduler, options = METHODS[method]
         for variant in case.variants:
             started = time.perf_counter()
-            schedule = search(graph, cost, scheduler, **{**options, **(variant if scheduler == "ios" else {})})
+            schedule = sequential if scheduler == "sequential" else search(
+                graph, cost, scheduler, **{**options, **(variant if scheduler == "ios" else {})})
             seconds = time.perf_counter() - started
             schedules[(method, _variant(variant))] = schedule
             rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
@@ -191,7 +192,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     for key, schedule in schedules.items():
         module = OptimizedModule(graph, schedule, cores)
         errors[key] = verify(module, loaded.model, loaded.inputs).max_abs_error
-        runners[key] = (lambda module=module: (torch.set_num_threads(cores), module(*loaded.inputs)))
+        runners[key] = module_runner(module, loaded.inputs, cores)
     if case.baselines:
         note = _add_onnxruntime(runners, loaded.model, loaded.inputs, cores)
         if note:
@@ -202,7 +203,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
         runners.update(torch_compile_runners(loaded.model, loaded.inputs, cores))
     if ("sequential", "") not in runners:  # speedups are over sequential, so time it even when not asked
         module = OptimizedModule(graph, sequential, cores)
-        runners[("sequential", "")] = (lambda module=module: (torch.set_num_threads(cores), module(*loaded.inputs)))
+        runners[("sequential", "")] = module_runner(module, loaded.inputs, cores)
     timed = measure(runners, repeats=repeats)
     seq_ms = timed[("sequential", "")]
     for r in rows:

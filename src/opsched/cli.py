@@ -146,14 +146,10 @@ def _load_graph(args: argparse.Namespace):
         from opsched.graph import dagjson
 
         return dagjson.read(args.model), time.perf_counter() - start, 0.0
-    from opsched.graph.capture import capture
-    from opsched.models.spec import load_model, parse_shape
+    from opsched.commands import load_and_capture
 
-    shapes = [parse_shape(s) for s in args.input_shape or []]
-    loaded = load_model(args.model, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
-    loaded_at = time.perf_counter()
-    graph = capture(loaded.model, loaded.inputs, name=loaded.name)
-    return graph, loaded_at - start, time.perf_counter() - loaded_at
+    _, graph, load_seconds, capture_seconds = load_and_capture(args, args.model)
+    return graph, load_seconds, capture_seconds
 
 
 def _int_at_least(minimum: int, what: str):

@@ -40,7 +40,8 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
     cores = args.threads or torch.get_num_threads()
     _say(args, f"loading and capturing {model_spec} ...")
-    loaded, graph, load_seconds, capture_seconds = _load(args, model_spec, args.device if not simulated else "cpu")
+    loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
+                                                                    args.device if not simulated else "cpu")
     operator = None
     if simulated:
         cost = SimulatedGPU(graph, args.cost)
@@ -51,7 +52,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         operator = operator_for(args.kernels, values.__getitem__)
         cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, device=args.device, kernels=args.kernels,
                             operator=operator, cache=None if not args.no_cache else False,
-                            progress=_bar_factory(args), values=values)
+                            progress=_progress_bar, values=values)
     methods = list(dict.fromkeys([*TABLE_METHODS, args.method]))
     schedules = {}
     for m in methods:
@@ -85,7 +86,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
 def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> dict[str, Any]:
     import torch
 
-    from opsched.pipeline import best_of, eager_runners, measure, torch_compile_runners
+    from opsched.pipeline import best_of, eager_runners, measure, module_runner, torch_compile_runners
     from opsched.runtime.module import OptimizedModule, verify
 
     inputs = tuple(loaded.inputs)
@@ -106,7 +107,7 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
         _say(args, "torch.compile of the whole model, for 1 and all threads ...")
         runners.update(torch_compile_runners(loaded.model, inputs, cores, sync))
     for m, module in modules.items():
-        runners[m] = _at_threads(module, inputs, cores, sync)
+        runners[m] = module_runner(module, inputs, cores, sync)
     _say(args, f"measuring {len(runners)} configurations, interleaved ...")
     measured = measure(runners, repeats=args.repeats)
     eager, eager_threads = best_of(measured, "eager")
@@ -125,18 +126,6 @@ def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> d
     return out
 
 
-def _at_threads(module, inputs, cores, sync=lambda: None):
-    import torch
-
-    def run():
-        torch.set_num_threads(cores)
-        out = module(*inputs)
-        sync()
-        return out
-
-    return run
-
-
 def run_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched import schedule as schedule_module
 
@@ -150,10 +139,10 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
     import torch
 
-    from opsched.pipeline import best_of, eager_runners, measure
+    from opsched.pipeline import best_of, eager_runners, measure, module_runner
     from opsched.runtime.module import OptimizedModule, verify
 
-    loaded, graph, _, _ = _load(args, args.model)
+    loaded, graph, _, _ = load_and_capture(args, args.model, "cpu")
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.options.get("kernels", "eager")
@@ -169,7 +158,7 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         raise VerificationFailed(f"the plan's outputs differ from the model's by up to {check.max_abs_error:.3g} "
                                  f"(tolerance {args.tolerance:g})")
     runners = eager_runners(loaded.model, inputs, cores)
-    runners["plan"] = _at_threads(module, inputs, cores)
+    runners["plan"] = module_runner(module, inputs, cores)
     measured = measure(runners, repeats=args.repeats)
     eager, eager_threads = best_of(measured, "eager")
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
@@ -275,17 +264,21 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- helpers --
 
-def _load(args, spec: str, device: str = "cpu"):
+def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = None):
+    """Load the model ``spec`` names (with ``--batch``, ``--input-shape``, ``--image-size``) and capture it:
+    (loaded model, graph, seconds loading, seconds capturing). With ``device``, the model is first put in
+    inference mode and moved there with its inputs, as the commands that run it need."""
     from opsched.graph.capture import capture
     from opsched.models.spec import load_model, parse_shape
 
     started = time.perf_counter()
     shapes = [parse_shape(s) for s in args.input_shape or []]
     loaded = load_model(spec, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
-    loaded.model.eval()
-    if device != "cpu":
-        loaded.model.to(device)
-        loaded.inputs = tuple(x.to(device) for x in loaded.inputs)
+    if device is not None:
+        loaded.model.eval()
+        if device != "cpu":
+            loaded.model.to(device)
+            loaded.inputs = tuple(x.to(device) for x in loaded.inputs)
     loaded_at = time.perf_counter()
     graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)
     return loaded, graph, loaded_at - started, time.perf_counter() - loaded_at
@@ -344,13 +337,11 @@ def _say(args, text: str) -> None:
         print(text, file=sys.stderr)
 
 
-def _bar_factory(args):
+def _progress_bar(description: str, total: int):
+    """A tqdm bar on stderr when it is a terminal (the profiler's ``progress``)."""
     from tqdm import tqdm
 
-    def bar(description: str, total: int):
-        return tqdm(total=total, desc=description, unit="run", leave=False, disable=not sys.stderr.isatty())
-
-    return bar
+    return tqdm(total=total, desc=description, unit="run", leave=False, disable=not sys.stderr.isatty())
 
 
 def _print_optimize(result: dict[str, Any], schedules) -> None:

@@ -75,6 +75,21 @@ def eager_runners(model: Any, inputs: Sequence[Any], cores: int,
     return {f"eager@{t}": at(t) for t in sorted({1, cores})}
 
 
+def module_runner(module: Callable[..., Any], inputs: Sequence[Any], cores: int,
+                  sync: Callable[[], Any] = lambda: None) -> Callable[[], Any]:
+    """A runner of an opsched module (which applies its own per-stream threads) from a caller holding
+    ``cores`` threads, as the timing loops use it beside eager's runners."""
+    import torch
+
+    def run() -> Any:
+        torch.set_num_threads(cores)
+        out = module(*inputs)
+        sync()
+        return out
+
+    return run
+
+
 def torch_compile_runners(model: Any, inputs: Sequence[Any], cores: int,
                           sync: Callable[[], Any] = lambda: None) -> dict[str, Callable[[], Any]]:
     """torch.compile of the whole model, run in inference mode like eager, compiled once per thread count

@@ -47,7 +47,7 @@ from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import staged_program
 from opsched.timing import interleaved_medians
 
-Stage = tuple[str, tuple[tuple[int, ...], ...]]  # (strategy, groups of unit indices)
+StageKey = tuple[str, tuple[tuple[int, ...], ...]]  # (strategy, groups of unit indices)
 
 MIN_SAMPLE_SECONDS = 0.002  # a sample of the hand-off probe repeats it until it lasts this long
 CONTENTION_PRIOR = 1.0
@@ -103,8 +103,8 @@ class MeasuredCost:
         self.signatures = [self._unit_signature(u) for u in range(len(graph))]
         self.thread_options = sorted({max(1, self.cores // k) for k in range(1, self.cores + 1)}, reverse=True)
         self.latency: dict[int, list[float]] = {}
-        self.measured_stages: dict[Stage, float] = {}
-        self.predicted_when_measured: dict[Stage, float] = {}
+        self.measured_stages: dict[StageKey, float] = {}
+        self.predicted_when_measured: dict[StageKey, float] = {}
         self.contention = CONTENTION_PRIOR
         self.merge_factor = MERGE_PRIOR
         self.counts = {"units_measured": 0, "units_cached": 0, "stages_measured": 0, "stages_cached": 0}
@@ -151,7 +151,7 @@ class MeasuredCost:
 
     # -- prediction --
 
-    def predict(self, stage: Stage) -> float:
+    def predict(self, stage: StageKey) -> float:
         """The latency of a stage from its units' latencies (see the module docstring)."""
         strategy, groups = stage
         if strategy == "merge":
@@ -164,14 +164,14 @@ class MeasuredCost:
         work = sum(alone[u] for g in groups for u in g) * threads / self.cores
         return self.contention * max(longest, work) + self.sync_overhead * (len(groups) - 1)
 
-    def unmeasured(self, stages: Iterable[Stage]) -> list[Stage]:
+    def unmeasured(self, stages: Iterable[StageKey]) -> list[StageKey]:
         """The stages among ``stages`` whose latency is predicted, not measured."""
         return [s for s in stages
                 if (s[0] == "merge" or len(s[1]) > 1) and s not in self.measured_stages]
 
     # -- measuring --
 
-    def measure_schedule(self, stages: Sequence[Stage], refresh: bool = False,
+    def measure_schedule(self, stages: Sequence[StageKey], refresh: bool = False,
                          threads: Sequence[Any] | None = None) -> None:
         """Run a staged schedule whole and keep, for each of its concurrent (several groups) and merge
         stages, its latency as measured in place: from the start of its first unit to the start of the
@@ -212,7 +212,7 @@ class MeasuredCost:
         self._update_factors()
         self.profile_seconds += time.perf_counter() - started
 
-    def _predict_with_priors(self, stage: Stage) -> float:
+    def _predict_with_priors(self, stage: StageKey) -> float:
         saved = self.contention, self.merge_factor
         self.contention, self.merge_factor = 1.0, 1.0
         try:
@@ -314,7 +314,7 @@ class MeasuredCost:
                "dtype": node.dtype, "flops": node.flops, "param_bytes": node.param_bytes}
         return "unit:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
-    def _stage_key(self, stage: Stage) -> str:
+    def _stage_key(self, stage: StageKey) -> str:
         strategy, groups = stage
         inside = [u for g in groups for u in g]
         position = {u: i for i, u in enumerate(inside)}
@@ -335,7 +335,7 @@ class MeasuredCost:
             self.cache.put(self.device, what, self.kernels, self.batch, threads, ms, samples)
 
 
-def stages_of(schedule: Any, graph: Graph) -> list[Stage]:
+def stages_of(schedule: Any, graph: Graph) -> list[StageKey]:
     """A staged schedule's stages as cost-model keys."""
     index = graph.index
     return [(st.strategy, tuple(tuple(index[u] for u in g) for g in st.groups)) for st in schedule.stages]

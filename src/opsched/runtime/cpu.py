@@ -136,9 +136,11 @@ class _Call:
                 if threads != threads_now:
                     torch.set_num_threads(threads)
                     threads_now = threads
-                began = time.perf_counter()
-                result = fn(*[values[a] for a in args])
-                if self.timeline is not None:
+                if self.timeline is None:
+                    result = fn(*[values[a] for a in args])
+                else:
+                    began = time.perf_counter()
+                    result = fn(*[values[a] for a in args])
                     self.timeline.append((k, units, began - self.started, time.perf_counter() - self.started))
                 store_outputs(values, outs, result)
                 for slot in release:
