@@ -21,8 +21,7 @@ from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.pipeline import measure, method_options, module_runner, search
-from opsched.runtime.module import OptimizedModule
+from opsched.pipeline import evaluate, method_options, reference_outputs, schedule_candidates, search
 from opsched.schedulers import make_schedule
 
 PUBLISHED_V100 = {"inception_v3": (6.51, 4.03), "randwire": (8.49, 6.02), "nasnet": (22.95, 16.04),
@@ -74,8 +73,8 @@ def measured(models: list[str], repeats: int, max_block_size: int) -> None:
                  for s in cost.predicted_when_measured if s in cost.measured_stages
                  and (s[0] == "merge" or len(s[1]) > 1)]
         stage_errors = [abs(p / q - 1.0) for p, q in pairs if q > 0]
-        modules = {k: OptimizedModule(g, s, cores) for k, s in schedules.items()}
-        timed = measure({k: module_runner(mod, m.inputs, cores) for k, mod in modules.items()}, repeats=repeats)
+        candidates, _ = schedule_candidates(g, schedules, None, m.inputs, cores)
+        timed = evaluate(candidates, reference_outputs(m.model, m.inputs, cores), repeats=repeats).measured_ms
         for k, s in schedules.items():
             error = s.predicted_latency / timed[k] - 1.0
             whole_errors.append(abs(error))

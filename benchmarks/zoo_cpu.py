@@ -14,38 +14,28 @@ import time
 
 import torch
 
-from opsched.cost.measure import MeasuredCost
 from opsched.graph.capture import capture
-from opsched.graph.interpret import all_values
 from opsched.models import load_model
-from opsched.pipeline import best_of, eager_runners, measure, method_options, module_runner, search
-from opsched.runtime.kernels import operator_for
-from opsched.runtime.module import OptimizedModule, verify
+from opsched.pipeline import Job, method_options, run_job
 
 MODELS = ["inception_v3", "squeezenet", "nasnet", "randwire", "torchvision:googlenet"]
 
 
 def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size: int) -> dict:
-    cores = torch.get_num_threads()
     loaded = load_model(model_name, batch=batch)
     loaded.model.eval()
     graph = capture(loaded.model, loaded.inputs, name=loaded.name)
-    operator = operator_for(kernels, all_values(graph, loaded.inputs).__getitem__)
     started = time.perf_counter()
-    cost = MeasuredCost(graph, loaded.inputs, cores=cores, kernels=kernels, operator=operator)
-    schedules = {m: search(graph, cost, m, **method_options(m, max_block_size=max_block_size))
-                 for m in ("sequential", "ios")}
-    search_total = time.perf_counter() - started
-    modules = {m: OptimizedModule(graph, s, cores, operator) for m, s in schedules.items()}
-    errors = {m: verify(mod, loaded.model, loaded.inputs).max_abs_error for m, mod in modules.items()}
-    runners = eager_runners(loaded.model, loaded.inputs, cores)
-    for m, mod in modules.items():
-        runners[m] = module_runner(mod, loaded.inputs, cores)
-    measured = measure(runners, repeats=repeats)
-    eager, threads = best_of(measured, "eager")
+    methods = {m: (m, method_options(m, max_block_size=max_block_size)) for m in ("sequential", "ios")}
+    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, kernels=kernels, repeats=repeats,
+                          cores=torch.get_num_threads()))
+    seconds = time.perf_counter() - started
+    ev, cost, schedules = outcome.evaluation, outcome.cost, outcome.schedules
     ios = schedules["ios"]
+    eager = ev.measured_ms["eager"]
+    measured = {m: ev.measured_ms.get(m, float("nan")) for m in schedules}
     return {"model": model_name, "batch": batch, "units": len(graph), "kernels": kernels,
-            "eager_ms": eager, "eager_threads": threads, "sequential_ms": measured["sequential"],
+            "eager_ms": eager, "eager_threads": ev.threads["eager"], "sequential_ms": measured["sequential"],
             "ios_ms": measured["ios"], "speedup_vs_eager": eager / measured["ios"],
             "predicted_sequential_ms": schedules["sequential"].predicted_latency,
             "predicted_ios_ms": ios.predicted_latency,
@@ -53,8 +43,9 @@ def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size:
             "ios_stages": len(ios.stages), "ios_concurrent_stages": sum(len(s.groups) > 1 for s in ios.stages
                                                                         if s.strategy == "concurrent"),
             "ios_merges": sum(s.strategy == "merge" for s in ios.stages),
-            "refinements": ios.stats.get("refinements"), "profile_and_search_seconds": search_total,
-            "max_abs_error": max(errors.values()), "contention": cost.contention, "merge_factor": cost.merge_factor}
+            "refinements": ios.stats.get("refinements"), "profile_search_and_timing_seconds": seconds,
+            "max_abs_error": max(ev.errors.values()), "dropped": ev.dropped, "warnings": ev.warnings,
+            "contention": cost.contention, "merge_factor": cost.merge_factor}
 
 
 def main() -> None:
@@ -68,7 +59,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print("| model | batch | eager ms (threads) | sequential ms | IOS ms | IOS vs eager | IOS predicted ms (error) | "
-          "stages: concurrent / merge | profile+search s |")
+          "stages: concurrent / merge | profile+search+timing s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for batch in args.batches:
@@ -77,7 +68,7 @@ def main() -> None:
             print(f"| {model} | {batch} | {r['eager_ms']:.1f} ({r['eager_threads']}) | {r['sequential_ms']:.1f} | "
                   f"{r['ios_ms']:.1f} | {r['speedup_vs_eager']:.2f}x | {r['predicted_ios_ms']:.1f} "
                   f"({100 * r['ios_prediction_error']:+.0f}%) | {r['ios_concurrent_stages']} / {r['ios_merges']} | "
-                  f"{r['profile_and_search_seconds']:.0f} |", flush=True)
+                  f"{r['profile_search_and_timing_seconds']:.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

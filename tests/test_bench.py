@@ -46,16 +46,3 @@ def test_specialisation_costs_each_schedule_on_the_other_settings(tmp_path):
         own = next(o for o in rows if o["method"] == "ios" and not o["variant"] and o["cost"] == r["cost"]
                    and o["batch"] == r["batch"])
         assert float(own["predicted_ms"]) <= float(r["predicted_ms"]) + 1e-9
-
-
-def test_onnxruntime_is_a_baseline_or_a_note():
-    import torch
-
-    runners = {}
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
-    note = bench._add_onnxruntime(runners, model, (torch.randn(1, 3, 8, 8),), 2)
-    if note is None:
-        assert set(runners) == {"onnxruntime@1", "onnxruntime@2"}
-        runners["onnxruntime@1"]()
-    else:
-        assert note.startswith("skipped")

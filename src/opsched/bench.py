@@ -7,15 +7,16 @@ interrupted run resumes where it stopped (rows already in the file are skipped);
 the plots are rewritten from the whole file at the end. Simulated rows say so in their ``cost`` and
 ``simulated`` columns, and in every table and plot.
 
-External baselines (measured, in the same interleaved timing as opsched's schedules): PyTorch eager with 1
-and all threads, ONNX Runtime (sequential execution, 1 and all intra-op threads; skipped with a note when
-it is not installed), and with ``--torch-compile`` torch.compile of the whole model.
+The peers (measured, in the same interleaved timing as opsched's schedules, through the one runner,
+:func:`opsched.pipeline.run_job`; see :mod:`opsched.peers`): PyTorch eager with 1 and all threads, ONNX
+Runtime (sequential execution, 1 and all intra-op threads; skipped with a note when it is not installed),
+and with ``--torch-compile`` torch.compile of the whole model (freezing on, each thread count compiled in
+isolation).
 """
 
 from __future__ import annotations
 
 import csv
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,100 +152,66 @@ def _cross_rows(cases: list[Case]) -> list[dict[str, Any]]:
 
 
 def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, Any]]:
-    import torch
-
-    from opsched.cost.measure import MeasuredCost
-    from opsched.cost.simulate import SimulatedGPU
     from opsched.graph.capture import capture
     from opsched.models import load_model
-    from opsched.pipeline import best_of, eager_runners, measure, module_runner, search, torch_compile_runners
+    from opsched.pipeline import Job, run_job
 
     loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
     loaded.model.eval()
     graph = capture(loaded.model, loaded.inputs, name=loaded.name)
     simulated = case.cost.startswith("sim:")
-    cost = SimulatedGPU(graph, case.cost) if simulated else MeasuredCost(graph, loaded.inputs)
-    sequential = search(graph, cost, "sequential")
-    rows, schedules = [], {}
+    methods = {}
     for method in case.methods:
         scheduler, options = METHODS[method]
         for variant in case.variants:
-            started = time.perf_counter()
-            schedule = sequential if scheduler == "sequential" else search(
-                graph, cost, scheduler, **{**options, **(variant if scheduler == "ios" else {})})
-            seconds = time.perf_counter() - started
-            schedules[(method, _variant(variant))] = schedule
+            methods[_label(method, variant)] = (scheduler, {**options, **(variant if scheduler == "ios" else {})})
+    sequential = _label("sequential", {})
+    methods.setdefault(sequential, ("sequential", {}))  # speedups are over sequential: make (and time) it
+    peers = ("eager", "onnxruntime") + (("torch_compile",) if torch_compile else ()) if case.baselines else ("eager",)
+    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=case.cost, peers=peers,
+                          repeats=repeats))
+    base = outcome.schedules[sequential]
+    rows, labels = [], []
+    for method in case.methods:
+        for variant in case.variants:
+            labels.append(_label(method, variant))
+            schedule = outcome.schedules[labels[-1]]
             rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
                          "simulated": simulated, "method": method, "variant": _variant(variant),
                          "units": len(graph), "predicted_ms": schedule.predicted_latency,
-                         "sequential_predicted_ms": sequential.predicted_latency,
-                         "predicted_speedup": sequential.predicted_latency / schedule.predicted_latency,
-                         "search_seconds": schedule.stats.get("search_seconds", seconds),
+                         "sequential_predicted_ms": base.predicted_latency,
+                         "predicted_speedup": base.predicted_latency / schedule.predicted_latency,
+                         "search_seconds": schedule.stats.get("search_seconds"),
                          "states": schedule.stats.get("states"), "transitions": schedule.stats.get("transitions"),
                          "lower_bound_ms": schedule.bounds.get("lower_bound"), "note": ""})
-    if simulated:
+    ev = outcome.evaluation
+    if ev is None:
         return rows
-    from opsched.runtime.module import OptimizedModule, verify
-
-    cores = torch.get_num_threads()
-    runners = eager_runners(loaded.model, loaded.inputs, cores) if case.baselines else {}
-    errors = {}
-    for key, schedule in schedules.items():
-        module = OptimizedModule(graph, schedule, cores)
-        errors[key] = verify(module, loaded.model, loaded.inputs).max_abs_error
-        runners[key] = module_runner(module, loaded.inputs, cores)
-    if case.baselines:
-        note = _add_onnxruntime(runners, loaded.model, loaded.inputs, cores)
-        if note:
-            rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
-                         "simulated": False, "method": "onnxruntime", "variant": "", "units": len(graph),
-                         "note": note})
-    if case.baselines and torch_compile:
-        runners.update(torch_compile_runners(loaded.model, loaded.inputs, cores))
-    if ("sequential", "") not in runners:  # speedups are over sequential, so time it even when not asked
-        module = OptimizedModule(graph, sequential, cores)
-        runners[("sequential", "")] = module_runner(module, loaded.inputs, cores)
-    timed = measure(runners, repeats=repeats)
-    seq_ms = timed[("sequential", "")]
-    for r in rows:
-        ms = timed[(r["method"], r["variant"])]
-        r.update(measured_ms=ms, measured_speedup=seq_ms / ms, max_abs_error=errors[(r["method"], r["variant"])])
-    for prefix in ("eager", "torch_compile", "onnxruntime"):
-        ms, threads = best_of({k: v for k, v in timed.items() if isinstance(k, str)}, prefix)
-        if ms is not None:
-            rows.append({"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
-                         "simulated": False, "method": prefix, "variant": f"threads={threads}", "units": len(graph),
-                         "measured_ms": ms, "measured_speedup": seq_ms / ms,
-                         "note": {"eager": "external baseline, best of 1 and all threads",
-                                  "onnxruntime": "external baseline, ORT_SEQUENTIAL, best of 1 and all intra-op "
-                                                 "threads"}.get(prefix, "external baseline, best of 1 and all "
-                                                                        "threads")})
+    seq_ms = ev.measured_ms.get(sequential)
+    for r, label in zip(rows, labels):
+        if label in ev.measured_ms:
+            r.update(measured_ms=ev.measured_ms[label], max_abs_error=ev.errors[label],
+                     measured_speedup=seq_ms / ev.measured_ms[label] if seq_ms else "")
+        else:
+            r["note"] = f"dropped: {ev.dropped.get(label, 'not measured')}"
+    notes = {"eager": "peer, best of 1 and all threads",
+             "onnxruntime": "peer, ORT_SEQUENTIAL, all graph optimisations, best of 1 and all intra-op threads",
+             "torch_compile": "peer, freezing on, compiled for each thread count in isolation, best of 1 and all"}
+    for peer in peers:
+        row = {"preset": case.preset, "model": case.model, "batch": case.batch, "cost": case.cost,
+               "simulated": False, "method": peer, "units": len(graph)}
+        if peer in ev.measured_ms:
+            ms = ev.measured_ms[peer]
+            rows.append({**row, "variant": f"threads={ev.threads[peer]}", "measured_ms": ms,
+                         "measured_speedup": seq_ms / ms if seq_ms else "", "note": notes[peer]})
+        else:
+            why = ev.dropped.get(peer) or next((n for n in outcome.notes if n.startswith(peer)), "not measured")
+            rows.append({**row, "variant": "", "note": f"skipped: {why}"})
     return rows
 
 
-def _add_onnxruntime(runners: dict, model: Any, inputs: Any, cores: int) -> str | None:
-    """ONNX Runtime, sequential execution with tuned intra-op threads (its parallel mode does not overlap
-    CPU kernels, so it is no inter-operator baseline). Returns a note when it cannot run."""
-    try:
-        import io
-
-        import onnxruntime
-        import torch
-    except ImportError:
-        return "skipped: onnxruntime is not installed (pip install 'opsched[onnx]')"
-    buffer = io.BytesIO()
-    try:
-        torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
-    except Exception as e:  # noqa: BLE001 - any export failure only skips this baseline
-        return f"skipped: ONNX export failed ({type(e).__name__})"
-    for threads in sorted({1, cores}):
-        options = onnxruntime.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.execution_mode = onnxruntime.ExecutionMode.ORT_SEQUENTIAL
-        session = onnxruntime.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
-        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
-        runners[f"onnxruntime@{threads}"] = (lambda session=session, feed=feed: session.run(None, feed))
-    return None
+def _label(method: str, variant: dict[str, Any]) -> str:
+    return f"{method} {_variant(variant)}".strip()
 
 
 def _variant(options: dict[str, Any]) -> str:

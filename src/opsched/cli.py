@@ -256,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="The main job: capture MODEL, cost its units (measured on this CPU, or on a "
                                    "simulated GPU), schedule them with sequential, greedy, LIOS and --method, run "
                                    "every schedule, verify it against eager PyTorch and measure it interleaved with "
-                                   "eager. Writes the plan (JSON) and a Gantt chart (PNG) of its predicted timeline.")
+                                   "the peers (eager; with --peers or --kernels inductor also torch.compile and ONNX "
+                                   "Runtime). A schedule that does not verify is dropped with a warning. The fastest "
+                                   "verified configuration is chosen; the plan (JSON) is the fastest verified "
+                                   "schedule and records the choice, which opsched run executes. Also draws a Gantt "
+                                   "chart (PNG) of the plan's predicted timeline.")
     p.add_argument("model", metavar="MODEL", nargs="?", help=RUNNABLE_MODEL_HELP + " (default: inception_v3)")
     _add_model_options(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
@@ -267,7 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduler whose plan is written (default ios)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor"],
                    help="how units run: eager ATen operators (default) or compiled by TorchInductor "
-                        "(adds torch.compile of the whole model to the measurements)")
+                        "(adds the peers torch.compile and ONNX Runtime to the measurements)")
+    p.add_argument("--peers", action="store_true",
+                   help="also time torch.compile of the whole model (freezing on, compiled for each thread count "
+                        "in isolation) and ONNX Runtime (when installed) beside eager; the fastest verified "
+                        "configuration is chosen and recorded in the plan")
     p.add_argument("--streams", type=_non_negative, metavar="K", help="streams for lios and exact (default 8)")
     _add_ios_options(p)
     _add_run_options(p)

@@ -31,10 +31,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
     plan_path, gantt_path = _output_paths(args, model_spec)
     import torch
 
-    from opsched.cost.measure import MeasuredCost
-    from opsched.cost.simulate import SimulatedGPU
-    from opsched.graph.interpret import all_values
-    from opsched.pipeline import method_options, search
+    from opsched.pipeline import Job, method_options, run_job
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
@@ -42,88 +39,85 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
     _say(args, f"loading and capturing {model_spec} ...")
     loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
                                                                     args.device if not simulated else "cpu")
-    operator = None
-    if simulated:
-        cost = SimulatedGPU(graph, args.cost)
-    else:
-        from opsched.runtime.kernels import operator_for
-
-        values = all_values(graph, _flat(loaded.inputs))
-        operator = operator_for(args.kernels, values.__getitem__)
-        cost = MeasuredCost(graph, _flat(loaded.inputs), cores=cores, device=args.device, kernels=args.kernels,
-                            operator=operator, cache=None if not args.no_cache else False,
-                            progress=_progress_bar, values=values)
-    methods = list(dict.fromkeys([*TABLE_METHODS, args.method]))
-    schedules = {}
-    for m in methods:
-        options = method_options(m, streams=args.streams, max_group_size=args.max_group_size,
-                                 max_groups=args.max_groups, max_block_size=args.max_block_size)
-        _say(args, f"scheduling with {m} ...")
-        schedules[m] = search(graph, cost, m, **options)
-        schedules[m].device = args.cost if simulated else args.device
-        schedules[m].options["kernels"] = args.kernels
-        schedules[m].batch = int(_flat(loaded.inputs)[0].shape[0])
-    chosen = schedules[args.method]
+    # On a CPU more streams than cores only take turns; LIOS's 8 streams are for a GPU.
+    default_streams = 8 if simulated or args.device == "cuda" else cores
+    methods = {m: (m, method_options(m, streams=args.streams, max_group_size=args.max_group_size,
+                                     max_groups=args.max_groups, max_block_size=args.max_block_size,
+                                     default_streams=default_streams))
+               for m in dict.fromkeys([*TABLE_METHODS, args.method])}
+    peers = ("eager", "torch_compile", "onnxruntime") if args.peers or args.kernels == "inductor" else ("eager",)
+    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=args.cost, device=args.device,
+                          kernels=args.kernels, cores=cores, peers=peers, tolerance=args.tolerance,
+                          repeats=args.repeats, cache=not args.no_cache, say=lambda text: _say(args, text),
+                          profile_progress=_progress_bar))
+    schedules = outcome.schedules
+    requested = schedules[args.method]
     result: dict[str, Any] = {
-        "model": loaded.name, "batch": chosen.batch, "device": args.cost if simulated else args.device,
+        "model": loaded.name, "batch": requested.batch, "device": args.cost if simulated else args.device,
         "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
-        "units": len(graph), "search_seconds": chosen.stats["search_seconds"], "plan": str(plan_path),
+        "units": len(graph), "search_seconds": requested.stats["search_seconds"], "plan": str(plan_path),
         "predicted_ms": {m: s.predicted_latency for m, s in schedules.items()},
         "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
+        "reason": explain(requested, graph, outcome.cost),
     }
+    plan = requested
     if not simulated:
-        result.update(_run_and_measure(args, loaded, graph, schedules, cost, operator, cores))
-    chosen.save(plan_path)
+        plan = outcome.plan()
+        ev = outcome.evaluation
+        if plan is None:
+            raise VerificationFailed("no schedule verified: " + "; ".join(f"{n}: {why}" for n, why in ev.dropped.items()
+                                                                          if n in schedules))
+        result.update(_measured_fields(outcome, plan, cores))
+    plan.save(plan_path)
     result["gantt"] = str(gantt_path)
     from opsched.report.gantt import write_gantt
 
-    write_gantt(gantt_path, chosen.ops, graph, _timeline_title(chosen, loaded.name))
+    write_gantt(gantt_path, plan.ops, graph, _timeline_title(plan, loaded.name))
+    for warning in result.get("warnings", []):
+        print(f"opsched: warning: {warning}", file=sys.stderr)
     if not args.json:
         _print_optimize(result, schedules)
     return result
 
 
-def _run_and_measure(args, loaded, graph, schedules, cost, operator, cores) -> dict[str, Any]:
-    import torch
-
-    from opsched.pipeline import best_of, eager_runners, measure, module_runner, torch_compile_runners
-    from opsched.runtime.module import OptimizedModule, verify
-
-    inputs = tuple(loaded.inputs)
-    modules = {}
-    errors = {}
-    _say(args, "compiling and verifying the schedules ...")
-    device = args.device
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for m, s in schedules.items():
-        modules[m] = OptimizedModule(graph, s, cores, operator, device=device)
-        check = verify(modules[m], loaded.model, inputs, tolerance=args.tolerance)
-        errors[m] = check.max_abs_error
-        if not check.ok:
-            raise VerificationFailed(f"the {m} schedule's outputs differ from the model's by up to "
-                                     f"{check.max_abs_error:.3g} (tolerance {args.tolerance:g}); not used")
-    runners = eager_runners(loaded.model, inputs, cores, sync)
-    if args.kernels == "inductor":
-        _say(args, "torch.compile of the whole model, for 1 and all threads ...")
-        runners.update(torch_compile_runners(loaded.model, inputs, cores, sync))
-    for m, module in modules.items():
-        runners[m] = module_runner(module, inputs, cores, sync)
-    _say(args, f"measuring {len(runners)} configurations, interleaved ...")
-    measured = measure(runners, repeats=args.repeats)
-    eager, eager_threads = best_of(measured, "eager")
-    out: dict[str, Any] = {"measured_ms": {"eager": eager, **{m: measured[m] for m in schedules}},
-                           "eager_threads": eager_threads, "max_abs_error": errors[args.method],
-                           "max_abs_errors": errors, "cost_model": cost.describe()}
-    timed = {name: ms for name, ms in out["measured_ms"].items()}
-    out["fastest_measured"] = min(timed, key=timed.get)
-    compiled, compiled_threads = best_of(measured, "torch_compile")
-    if compiled is not None:
-        out["measured_ms"]["torch_compile"] = compiled
-        out["torch_compile_threads"] = compiled_threads
-    if hasattr(operator, "compile_seconds"):
-        out["compile_seconds"] = round(operator.compile_seconds, 1)
-    torch.set_num_threads(cores)
+def _measured_fields(outcome, plan, cores: int) -> dict[str, Any]:
+    """The measured part of optimize's JSON: every verified configuration's median, the one chosen, the
+    errors, and what was dropped or left out and why."""
+    ev = outcome.evaluation
+    out: dict[str, Any] = {
+        "measured_ms": dict(ev.measured_ms), "threads": {n: t for n, t in ev.threads.items() if t is not None},
+        "chosen": ev.chosen, "plan_method": plan.method, "max_abs_error": ev.errors[plan.method],
+        "max_abs_errors": dict(ev.errors), "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes,
+        "cost_model": outcome.cost.describe(),
+    }
+    out["eager_threads"] = ev.threads.get("eager")
+    out["fastest_measured"] = ev.chosen
+    if hasattr(outcome.operator, "compile_seconds"):
+        out["compile_seconds"] = round(outcome.operator.compile_seconds, 1)
     return out
+
+
+def explain(schedule, graph, cost) -> str:
+    """Why the schedule looks as it does, in one sentence: what its stages do, and, when it runs one unit at
+    a time, what concurrency and merging cost under this cost model."""
+    if schedule.stages is None:
+        streams = sum(1 for units in schedule.streams() if units)
+        return f"{streams} stream(s); units wait only on inputs from other streams"
+    concurrent = sum(1 for st in schedule.stages if st.strategy == "concurrent" and len(st.groups) > 1)
+    merges = sum(1 for st in schedule.stages if st.strategy == "merge")
+    if concurrent or merges:
+        return f"{concurrent} concurrent stage(s) and {merges} merge(s) predicted to pay"
+    if graph.width == 1:
+        return "one unit at a time: the graph is a chain, nothing can run at the same time"
+    factors = []
+    contention = getattr(cost, "contention", None)
+    if contention:
+        factors.append(f"concurrent stages cost {contention:.2f}x their units' time on the cores they share")
+    merge = getattr(cost, "merge_factor", None)
+    if merge:
+        factors.append(f"merged convolutions {merge:.2f}x their units")
+    why = "; ".join(factors) if factors else "no stage was predicted faster than running its units in turn"
+    return f"one unit at a time: nothing predicted to pay ({why})"
 
 
 def run_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -139,31 +133,34 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
     import torch
 
-    from opsched.pipeline import best_of, eager_runners, measure, module_runner
-    from opsched.runtime.module import OptimizedModule, verify
+    from opsched.pipeline import evaluate, peer_candidates, reference_outputs, schedule_candidates
 
     loaded, graph, _, _ = load_and_capture(args, args.model, "cpu")
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.options.get("kernels", "eager")
-    from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import operator_for
-
-    operator = operator_for(kernels, all_values(graph, _flat(loaded.inputs)).__getitem__ if kernels != "eager"
-                            else None)
-    module = OptimizedModule(graph, plan, cores, operator)
+    chosen = plan.options.get("chosen") or {"name": plan.method, "kind": "schedule"}
     inputs = tuple(loaded.inputs)
-    check = verify(module, loaded.model, inputs, tolerance=args.tolerance)
-    if not check.ok:
-        raise VerificationFailed(f"the plan's outputs differ from the model's by up to {check.max_abs_error:.3g} "
-                                 f"(tolerance {args.tolerance:g})")
-    runners = eager_runners(loaded.model, inputs, cores)
-    runners["plan"] = module_runner(module, inputs, cores)
-    measured = measure(runners, repeats=args.repeats)
-    eager, eager_threads = best_of(measured, "eager")
+    operator = None
+    if kernels != "eager":
+        from opsched.graph.interpret import all_values
+        from opsched.runtime.kernels import operator_for
+
+        operator = operator_for(kernels, all_values(graph, _flat(inputs)).__getitem__)
+    candidates, modules = schedule_candidates(graph, {plan.method: plan}, operator, inputs, cores)
+    peers = ["eager"] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != "eager" else [])
+    found, notes = peer_candidates(loaded.model, inputs, cores, peers)
+    ev = evaluate(candidates + found, reference_outputs(loaded.model, inputs, cores), args.tolerance, args.repeats)
+    if plan.method not in ev.measured_ms:
+        raise VerificationFailed(f"the plan does not run as it should: {ev.dropped.get(plan.method)}")
+    ran = chosen["name"] if chosen["name"] in ev.measured_ms else plan.method
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
-              "measured_ms": {"eager": eager, plan.method: measured["plan"]}, "eager_threads": eager_threads,
-              "predicted_ms": plan.predicted_latency, "max_abs_error": check.max_abs_error}
+              "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
+              "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
+              "warnings": ev.warnings + notes}
+    for warning in result["warnings"]:
+        print(f"opsched: warning: {warning}", file=sys.stderr)
+    module = modules[plan.method]
     if args.trace:
         from opsched.report.trace import write_trace
         from opsched.schedule import OpTiming
@@ -174,11 +171,15 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         write_trace(args.trace, ops, f"measured on this CPU: {loaded.name} {plan.method}")
         result["trace"] = args.trace
     if not args.json:
+        eager = ev.measured_ms["eager"]
         print(f"plan          {args.plan} ({plan.method}, batch {plan.batch}, {kernels} kernels)")
-        print(f"verified      max abs error {check.max_abs_error:.3g}")
-        print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {eager_threads})")
-        print(f"plan          {measured['plan']:.2f} ms  ({eager / measured['plan']:.2f}x eager; "
-              f"predicted {plan.predicted_latency:.2f} ms)")
+        print(f"verified      max abs error {ev.errors[plan.method]:.3g}")
+        print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads['eager']})")
+        ms = ev.measured_ms[plan.method]
+        print(f"{plan.method:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager; predicted {plan.predicted_latency:.2f} ms)")
+        if ran != plan.method:
+            ms = ev.measured_ms[ran]
+            print(f"{ran:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager): the configuration the plan chose")
         if args.trace:
             print(f"trace         {args.trace} (measured)")
     return result
@@ -352,35 +353,40 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
                                               else f"  (kernels: {result['kernels']})"))
     print()
     measured = result.get("measured_ms", {})
-    header = f"{'':<14} {kind + ' ms':>14}"
+    dropped = result.get("dropped", {})
+    header = f"  {'':<14} {kind + ' ms':>14}"
     if measured:
         header += f" {'measured ms':>12} {'vs eager':>9}"
     print(header)
-    rows = [("eager", None)] if measured else []
-    rows += [(m, schedules[m].predicted_latency) for m in schedules]
-    if "torch_compile" in measured:
-        rows.append(("torch_compile", None))
+    peers = [p for p in ("eager", "torch_compile", "onnxruntime") if p in measured or p in dropped]
+    rows = [(p, None) for p in peers] + [(m, schedules[m].predicted_latency) for m in schedules]
     sequential = result["predicted_ms"]["sequential"]
     for name, predicted in rows:
-        line = f"{name:<14} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
-        if measured:
-            ms = measured.get(name)
-            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" if ms else ""
-        elif predicted:
+        mark = "*" if name == result.get("chosen") else " "
+        line = f"{mark} {name:<14} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
+        if name in measured:
+            ms = measured[name]
+            threads = result.get("threads", {}).get(name)
+            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({threads} threads)" if threads else "")
+        elif name in dropped:
+            line += f"  dropped: {dropped[name]}"
+        elif predicted and not measured:
             line += f"   {sequential / predicted:.2f}x sequential"
         print(line)
     print()
-    fastest = result.get("fastest_measured")
-    if fastest and fastest != result["method"] and measured.get(result["method"]):
-        print(f"note       {fastest} ran {measured[result['method']] / measured[fastest]:.2f}x faster than "
-              f"{result['method']} in this measurement (the plan written is {result['method']}'s)")
-    chosen = schedules[result["method"]]
-    stats = chosen.stats
+    if measured:
+        chosen = result["chosen"]
+        peer_names = [p for p in peers if p in measured]
+        best_peer = min(peer_names, key=measured.__getitem__)
+        print(f"chosen     {chosen} (*): {measured[best_peer] / measured[chosen]:.2f}x the fastest peer "
+              f"({best_peer}); the plan written is {result['plan_method']}'s schedule and records the choice")
+    print(f"reason     {result['method']}: {result['reason']}")
+    requested = schedules[result["method"]]
+    stats = requested.stats
     print(f"search     {result['method']}: {stats['search_seconds']:.2f} s"
           + (f", {stats['states']} states, {stats['transitions']} transitions" if stats.get("states") else ""))
     if "max_abs_error" in result:
-        print(f"verified   max abs error {result['max_abs_error']:.3g} against eager"
-              + (f" (eager best with {result['eager_threads']} threads)" if result.get("eager_threads") else ""))
+        print(f"verified   max abs error {result['max_abs_error']:.3g} against eager ({result['plan_method']})")
     if "cost_model" in result:
         c = result["cost_model"]
         print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "

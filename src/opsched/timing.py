@@ -24,6 +24,15 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
                         min_sample_seconds: float = 0.0,
                         after_each: Callable[[], Any] | None = None) -> list[float]:
     """Median milliseconds per call of each runner over ``repeats`` interleaved rounds, after ``warmup``
+    calls each (see :func:`interleaved_samples`)."""
+    return [statistics.median(s) for s in interleaved_samples(runners, repeats, warmup, min_sample_seconds,
+                                                              after_each)]
+
+
+def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1,
+                        min_sample_seconds: float = 0.0,
+                        after_each: Callable[[], Any] | None = None) -> list[list[float]]:
+    """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
     calls each. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
     that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
     advance a progress bar)."""
@@ -43,4 +52,14 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
             samples[i].append((time.perf_counter() - began) / inner[i] * 1000.0)
             if after_each:
                 after_each()
-    return [statistics.median(s) for s in samples]
+    return samples
+
+
+def unsteady(samples: Sequence[float], spread: float = 2.0) -> bool:
+    """True when a median is not to be trusted: it is more than ``spread`` times the fastest sample, so
+    most of the samples were slowed by something other than the code timed.
+
+    >>> unsteady([10.0, 10.5, 11.0]), unsteady([10.0, 40.0, 45.0])
+    (False, True)
+    """
+    return statistics.median(samples) > spread * min(samples)

@@ -92,22 +92,31 @@ def verify(module: Callable[..., Any], reference: Callable[..., Any], inputs: Se
     """Run both on ``inputs`` and compare every output tensor. With ``strict``, raise
     :class:`VerificationError` when the largest absolute difference exceeds ``tolerance``."""
     with torch.inference_mode():
-        got = pytree.tree_leaves(module(*inputs))
-        want = pytree.tree_leaves(reference(*inputs))
+        got = module(*inputs)
+        want = reference(*inputs)
+    abs_error, rel_error = output_error(got, want)
+    result = Verification(abs_error, rel_error, tolerance, abs_error <= tolerance)
+    if strict and not result.ok:
+        raise VerificationError(f"outputs differ from the model's by up to {abs_error:.3g} "
+                                f"(tolerance {tolerance:g}); the schedule is not used")
+    return result
+
+
+def output_error(got: Any, want: Any) -> tuple[float, float]:
+    """The largest absolute and relative differences between two structures of outputs (tensors, or
+    arrays such as ONNX Runtime returns); raises :class:`VerificationError` when they do not correspond."""
+    got, want = pytree.tree_leaves(got), pytree.tree_leaves(want)
     if len(got) != len(want):
         raise VerificationError(f"the schedule returns {len(got)} outputs, the model {len(want)}")
     abs_error = rel_error = 0.0
     for a, b in zip(got, want):
         if not isinstance(b, torch.Tensor):
             continue
+        a = torch.as_tensor(a)
         if a.shape != b.shape:
             raise VerificationError(f"an output has shape {tuple(a.shape)}, the model's {tuple(b.shape)}")
-        diff = (a.double() - b.double()).abs()
+        diff = (a.double().to(b.device) - b.double()).abs()
         if diff.numel():
             abs_error = max(abs_error, diff.max().item())
             rel_error = max(rel_error, (diff / b.double().abs().clamp_min(1e-6)).max().item())
-    result = Verification(abs_error, rel_error, tolerance, abs_error <= tolerance)
-    if strict and not result.ok:
-        raise VerificationError(f"outputs differ from the model's by up to {abs_error:.3g} "
-                                f"(tolerance {tolerance:g}); the schedule is not used")
-    return result
+    return abs_error, rel_error

@@ -1,0 +1,111 @@
+"""The peers: what a user would run instead of opsched, timed beside every opsched plan.
+
+- ``eager``: the model's own forward in PyTorch eager mode, in inference mode, with 1 and with all intra-op
+  threads.
+- ``torch_compile``: ``torch.compile`` of the whole model with inductor's freezing on (PyTorch's documented
+  setting for inference; our compiled units use it too), run in inference mode. Inductor bakes the OpenMP
+  thread count into its CPU kernels, so each thread count is compiled in isolation: dynamo is reset, the
+  thread count is set and pinned in inductor's config (``cpp.threads``) while it compiles, and the code each
+  compilation generated is kept on the runner (``Candidate.source``) so that tests can check that the
+  1-thread runner does not run the all-thread runner's kernels.
+- ``onnxruntime`` (when installed): the model exported to ONNX, run by ONNX Runtime with every graph
+  optimisation, sequential execution (its parallel mode does not overlap CPU kernels, see
+  docs/benchmarks.md) and 1 and all intra-op threads.
+
+Each peer is a list of :class:`opsched.pipeline.Candidate` (one per thread count) for
+:func:`opsched.pipeline.evaluate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from opsched.pipeline import Candidate
+
+PEERS = ("eager", "torch_compile", "onnxruntime")
+
+
+def thread_counts(cores: int) -> list[int]:
+    return sorted({1, cores})
+
+
+def eager(model: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
+    """The model's own forward with 1 and ``cores`` threads; ``sync`` waits for the device."""
+    import torch
+
+    def at(threads: int) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                out = model(*inputs)
+            sync()
+            return out
+        return run
+
+    return [Candidate("eager", at(t), "peer", t) for t in thread_counts(cores)]
+
+
+def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
+                  sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
+    """``torch.compile(model)`` with freezing, compiled separately for 1 and ``cores`` threads."""
+    import torch
+    import torch._inductor.config as inductor_config
+    from torch._inductor.codecache import PyCodeCache
+
+    candidates = []
+    for threads in thread_counts(cores):
+        torch._dynamo.reset()
+        torch.set_num_threads(threads)
+        known = len(PyCodeCache.modules)
+        with inductor_config.patch(freezing=True, **{"cpp.threads": threads}):
+            compiled = torch.compile(model)
+            with torch.inference_mode():
+                compiled(*inputs)  # compiles now, while the thread count is pinned
+        source = "\n".join(_source_of(m) for m in PyCodeCache.modules[known:])
+
+        def run(compiled=compiled, threads=threads) -> Any:
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                out = compiled(*inputs)
+            sync()
+            return out
+
+        candidates.append(Candidate("torch_compile", run, "peer", threads, source=source))
+    torch.set_num_threads(cores)
+    return candidates
+
+
+def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:
+    """ONNX Runtime sessions for 1 and ``cores`` intra-op threads, or no candidate and a note saying why."""
+    try:
+        import io
+
+        import onnxruntime as ort
+        import torch
+    except ImportError:
+        return [], "onnxruntime is not installed (pip install 'opsched[onnx]')"
+    buffer = io.BytesIO()
+    try:
+        torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
+    except Exception as e:  # noqa: BLE001 - any export failure only leaves this peer out
+        return [], f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    candidates = []
+    for threads in thread_counts(cores):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
+        candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
+                                    "peer", threads))
+    return candidates, None
+
+
+def _source_of(module: Any) -> str:
+    try:
+        with open(module.__file__) as f:
+            return f.read()
+    except (OSError, AttributeError, TypeError):
+        return ""

@@ -1,0 +1,143 @@
+"""The one runner: candidates verified, dropped with a reason, timed, re-timed when unsteady, the fastest
+verified chosen; the peers as the design describes them."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from opsched.cli import main
+from opsched.pipeline import Candidate, evaluate
+
+
+def _sleeper(seconds: float, value):
+    def run():
+        time.sleep(seconds)
+        return value
+    return run
+
+
+def test_evaluate_drops_wrong_and_failing_candidates_and_chooses_the_fastest_verified():
+    x = torch.ones(4)
+
+    def boom():
+        raise RuntimeError("The size of tensor a (28) must match the size of tensor b (56)\nmore lines")
+
+    ev = evaluate([Candidate("slow", _sleeper(0.004, x)), Candidate("fast", _sleeper(0.001, x)),
+                   Candidate("wrong", lambda: x + 1), Candidate("broken", boom),
+                   Candidate("eager", _sleeper(0.002, x), "peer", 1), Candidate("eager", _sleeper(0.003, x), "peer", 2)],
+                  reference=x, repeats=3)
+    assert ev.chosen == "fast"
+    assert set(ev.measured_ms) == {"slow", "fast", "eager"}
+    assert ev.threads["eager"] == 1 and ev.kinds["eager"] == "peer"
+    assert ev.fastest("peer") == "eager" and ev.fastest("schedule") == "fast"
+    assert "differ" in ev.dropped["wrong"]
+    assert ev.dropped["broken"] == "failed: RuntimeError: The size of tensor a (28) must match the size of tensor b (56)"
+    assert any("broken dropped" in w for w in ev.warnings)
+
+
+def test_evaluate_remeasures_a_timing_that_was_wildly_off():
+    x = torch.ones(2)
+    calls = {"n": 0}
+
+    def disturbed():  # the first timing round is hit by a burst of load on every sample
+        calls["n"] += 1
+        time.sleep(0.02 if 3 <= calls["n"] <= 7 else 0.001)
+        return x
+
+    ev = evaluate([Candidate("plan", disturbed, expected_ms=1.0), Candidate("eager", _sleeper(0.001, x), "peer")],
+                  reference=x, repeats=5)
+    assert ev.measured_ms["plan"] < 5.0 and not ev.warnings
+
+
+def test_evaluate_says_when_a_figure_cannot_be_trusted():
+    x = torch.ones(2)
+    ev = evaluate([Candidate("plan", _sleeper(0.005, x), expected_ms=0.1)], reference=x, repeats=3)
+    assert ev.measured_ms["plan"] > 4.0
+    assert any("its prediction" in w for w in ev.warnings)
+
+
+def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count():
+    from opsched.peers import torch_compile
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 64, 64)
+    one, two = torch_compile(model, (x,), 2)
+    assert (one.threads, two.threads) == (1, 2)
+    # inductor bakes the thread count into its OpenMP kernels: the 1-thread runner must not run 2-thread code
+    assert "num_threads(2)" in two.source and "num_threads(2)" not in one.source
+    with torch.inference_mode():
+        want = model(x)
+    assert torch.allclose(one.run(), want, atol=1e-4) and torch.allclose(two.run(), want, atol=1e-4)
+
+
+def test_onnxruntime_peer_verifies_against_eager_or_is_left_out_with_a_note():
+    from opsched.peers import onnxruntime
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    found, note = onnxruntime(model, (x,), 2)
+    try:
+        import onnxruntime as _  # noqa: F401
+    except ImportError:
+        assert not found and "not installed" in note
+        return
+    assert note is None and [c.label for c in found] == ["onnxruntime@1", "onnxruntime@2"]
+    ev = evaluate(found, reference=model(x).detach(), repeats=2)
+    assert ev.errors["onnxruntime"] < 1e-5 and ev.chosen == "onnxruntime"
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_optimize_drops_a_schedule_that_does_not_verify_and_hands_back_one_that_does(capsys, tmp_path, monkeypatch):
+    from opsched.runtime import kernels
+
+    merged = kernels.merged_operator
+
+    def corrupt(nodes):
+        fn = merged(nodes)
+        return lambda *args: [y + 1.0 for y in fn(*args)]
+
+    monkeypatch.setattr(kernels, "merged_operator", corrupt)
+    plan = tmp_path / "plan.json"
+    code, out, err = _run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out", str(plan),
+                          "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert "ios" in result["dropped"] and "differ" in result["dropped"]["ios"]
+    assert "ios dropped" in err
+    assert result["plan_method"] != "ios" and result["max_abs_error"] <= 1e-3
+    saved = json.loads(plan.read_text())
+    assert saved["method"] == result["plan_method"]
+    assert saved["options"]["chosen"]["name"] == result["chosen"]
+    assert result["chosen"] == min(result["measured_ms"], key=result["measured_ms"].get)
+
+
+def test_run_executes_the_configuration_the_plan_chose(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, _, err = _run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--method",
+                        "sequential", "--out", str(plan), "--json")
+    assert code == 0, err
+    doc = json.loads(plan.read_text())
+    doc["options"]["chosen"] = {"name": "eager", "kind": "peer", "threads": 1}
+    plan.write_text(json.dumps(doc))
+    code, out, err = _run(capsys, "run", "squeezenet", "--image-size", "48", "--plan", str(plan), "--repeats", "2",
+                          "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["chosen"] == "eager" and {"eager", "sequential"} <= set(result["measured_ms"])
+
+
+@pytest.mark.parametrize("streams", [None, 3])
+def test_lios_on_a_cpu_defaults_to_one_stream_per_core(capsys, tmp_path, streams):
+    extra = ["--streams", str(streams)] if streams else []
+    code, _, err = _run(capsys, "optimize", "squeezenet", "--image-size", "48", "--cost", "sim:v100", "--method",
+                          "lios", "--out", str(tmp_path / "p.json"), "--json", *extra)
+    assert code == 0, err
+    saved = json.loads((tmp_path / "p.json").read_text())
+    assert saved["options"]["streams"] == (streams or 8)  # a simulated GPU keeps LIOS's 8 streams
