@@ -46,6 +46,26 @@ def test_stream_program_has_events_only_on_cross_stream_edges():
     assert len(waits) == 2
 
 
+def test_stream_program_waits_once_where_the_order_is_already_implied():
+    # a -> b -> c and a -> c on three streams: c's stream waits for b, which waited for a, so not for a too
+    g = Graph([Node("a", args=("x",), latency=1.0), Node("b", args=("a",), latency=1.0),
+               Node("c", args=("a", "b"), latency=1.0)], inputs=["x"])
+    p = compile_program(from_streams(g, TableCost(g), "t", [[0], [1], [2]]), g, cores=2)
+    assert [type(step) for step in p.streams[2]] == [Wait, Run]
+    assert sum(isinstance(step, Wait) for steps in p.streams for step in steps) == 2
+
+
+def test_stream_threads_follow_predicted_concurrency_and_mapped_devices():
+    g = diamond()
+    s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [2]])
+    p = compile_program(s, g, cores=2)
+    threads = {g.nodes[run.units[0]].name: run.threads for run in p.runs()}
+    assert threads == {"a": 2, "b": 1, "c": 1, "d": 2}  # a and d run alone: every core
+    s.options["stream_threads"] = [1, 3]
+    threads = {g.nodes[run.units[0]].name: run.threads for run in compile_program(s, g, cores=2).runs()}
+    assert threads == {"a": 1, "b": 1, "c": 3, "d": 1}
+
+
 def test_every_intermediate_is_released_and_outputs_are_kept():
     g = diamond()
     s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [2]])

@@ -8,11 +8,16 @@ last reader has run; a slot read on several streams is released by whichever rea
 - A staged schedule puts group ``i`` of each stage on stream ``i`` and joins the streams between stages
   through stream 0: each other stream records an event at the end of its group and stream 0 waits for
   all of them; before the next stage, stream 0 records an event the other streams wait for.
-- A stream schedule runs each stream's units in order and has events only on edges that cross streams:
-  the producer's stream records once, each reading stream waits once.
+- A stream schedule runs each stream's units in order and synchronises only where an edge crosses
+  streams and the order is not already implied: a stream that waited for unit ``q`` of another stream
+  knows that everything ``q``'s stream had done or waited for before ``q`` is done too (a vector clock per
+  stream), so ``a -> b -> c`` and ``a -> c`` on three streams wait once for ``a``'s stream, not twice. The
+  producer's stream records one event, each reading stream waits at most once.
 
-The program says how many intra-op threads each run step uses (``cores`` shared by the streams that run
-at the same time), which the CPU backend applies inside each worker thread.
+The program says how many intra-op threads each run step uses, which the CPU backend applies inside each
+worker thread: in a staged schedule ``cores`` are shared by the groups of a stage; in a stream schedule
+by the streams whose predicted timelines overlap the unit's (a unit that runs alone gets every core), or,
+for a schedule mapped onto devices, the threads of the unit's device (``options["stream_threads"]``).
 
 >>> from opsched.graph.ir import Graph, Node
 >>> from opsched.cost.table import TableCost
@@ -28,6 +33,7 @@ at the same time), which the CPU backend applies inside each worker thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -158,26 +164,81 @@ def _streamed(schedule: Schedule, graph: Graph, cores: int) -> tuple[list[list[S
     order = [[graph.index[n] for n in units] for units in schedule.streams()]
     order = [units for units in order if units]
     stream_of = {u: k for k, units in enumerate(order) for u in units}
-    threads = max(1, cores // len(order))
-    event_of: dict[int, int] = {}  # producer unit -> its event, for producers read on another stream
-    for u, k in stream_of.items():
-        for v in indices(graph.succs[u]):
-            if stream_of[v] != k and u not in event_of:
-                event_of[u] = len(event_of)
+    position = {u: i for units in order for i, u in enumerate(units)}
+    threads = _stream_threads(schedule, graph, order, cores)
+    after: dict[int, list[int]] = {}  # unit -> per stream, the last position known done once it has run
+    known = [[-1] * len(order) for _ in order]  # per stream: what it knows done so far
+    waits: dict[int, list[int]] = {}  # unit -> producers its stream waits for right before it
+    for u in _run_order(graph, order):
+        k = stream_of[u]
+        needed = []
+        for p in indices(graph.preds[u]):
+            j = stream_of[p]
+            if j != k and known[k][j] < position[p]:
+                needed.append(p)
+        # the producer that knows most first: waiting for it may make the other waits unnecessary
+        for p in sorted(needed, key=lambda p: -sum(after[p])):
+            j = stream_of[p]
+            if known[k][j] < position[p]:
+                waits.setdefault(u, []).append(p)
+                known[k] = [max(a, b) for a, b in zip(known[k], after[p])]
+        known[k][k] = position[u]
+        after[u] = list(known[k])
+    event_of: dict[int, int] = {}
+    for u in sorted(p for ps in waits.values() for p in ps):
+        event_of.setdefault(u, len(event_of))
     streams: list[list[Step]] = []
     for k, units in enumerate(order):
         steps: list[Step] = []
-        waited: set[int] = set()
         for u in units:
-            for p in indices(graph.preds[u]):
-                if stream_of[p] != k and event_of[p] not in waited:
-                    steps.append(Wait(event_of[p]))
-                    waited.add(event_of[p])
-            steps.append(Run((u,), threads))
+            steps.extend(Wait(event_of[p]) for p in waits.get(u, ()))
+            steps.append(Run((u,), threads[u]))
             if u in event_of:
                 steps.append(Record(event_of[u]))
         streams.append(steps)
     return streams, len(event_of)
+
+
+def _run_order(graph: Graph, order: Sequence[Sequence[int]]) -> list[int]:
+    """The units in an order that respects both their dependencies and each stream's order."""
+    before: dict[int, set[int]] = {u: set(indices(graph.preds[u])) for units in order for u in units}
+    for units in order:
+        for a, b in itertools.pairwise(units):
+            before[b].add(a)
+    done: list[int] = []
+    ready = sorted(u for u, deps in before.items() if not deps)
+    waiting = {u: len(deps) for u, deps in before.items()}
+    users: dict[int, list[int]] = {}
+    for u, deps in before.items():
+        for d in deps:
+            users.setdefault(d, []).append(u)
+    while ready:
+        u = ready.pop()
+        done.append(u)
+        for v in users.get(u, ()):
+            waiting[v] -= 1
+            if not waiting[v]:
+                ready.append(v)
+    if len(done) != len(before):
+        raise ScheduleError("the stream order deadlocks: some stream waits on a unit placed later on another")
+    return done
+
+
+def _stream_threads(schedule: Schedule, graph: Graph, order: Sequence[Sequence[int]], cores: int) -> dict[int, int]:
+    """Each unit's intra-op threads: its device's, when the schedule maps streams onto devices; otherwise
+    ``cores`` shared by the streams whose predicted timelines overlap the unit's."""
+    per_stream = schedule.options.get("stream_threads")
+    if per_stream:
+        return {u: max(1, int(per_stream[k])) for k, units in enumerate(order) for u in units}
+    timing = {graph.index[o.name]: o for o in schedule.ops}
+    threads = {}
+    for k, units in enumerate(order):
+        for u in units:
+            mine = timing[u]
+            busy = {j for j, others in enumerate(order) if j != k and any(
+                timing[v].start < mine.finish and mine.start < timing[v].finish for v in others)}
+            threads[u] = max(1, cores // (1 + len(busy)))
+    return threads
 
 
 def _plan_release(program: StreamProgram) -> None:
