@@ -4,6 +4,8 @@ from torch import nn
 
 import opsched
 from opsched.errors import CaptureError
+from opsched.graph.capture import capture
+from opsched.graph.interpret import run_graph
 from opsched.graph.ir import can_merge
 
 
@@ -160,3 +162,28 @@ def test_output_that_ignores_the_inputs_is_refused():
 
     with pytest.raises(CaptureError, match="does not depend on the inputs"):
         opsched.capture(Const(), (torch.randn(2),))
+
+
+def test_units_read_weights_under_flat_names_and_activate_in_place_only_what_they_made():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)))
+            self.head = torch.nn.Conv2d(4, 4, 1)
+
+        def forward(self, x):
+            y = torch.relu(self.stem(x))
+            return torch.relu(self.head(y)) + torch.relu(y)  # relu(y): y is read twice, never overwritten
+
+    model = Net().eval()
+    x = torch.randn(1, 3, 8, 8)
+    g = capture(model, (x,))
+    code = "\n".join(n.run.code for n in g.nodes)
+    assert "self.stem." not in code and "self.stem_0_0_weight" in code  # one lookup per weight, not per level
+    assert "aten.relu_.default" in code
+    for n in g.nodes:  # never in place on a unit's input: another unit may read it at the same time
+        for node in n.run.graph.nodes:
+            if node.target is torch.ops.aten.relu_.default:
+                assert node.args[0].op != "placeholder"
+    with torch.inference_mode():
+        assert torch.allclose(run_graph(g, x), model(x))
