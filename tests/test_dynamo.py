@@ -1,0 +1,66 @@
+"""torch.compile(model, backend="opsched"): each graph dynamo captures is scheduled and verified."""
+
+import pytest
+import torch
+import torchvision
+
+from opsched.dynamo import OpschedBackendWarning, opsched_backend
+
+
+def test_the_backend_is_registered_with_dynamo():
+    assert "opsched" in torch._dynamo.list_backends()
+
+
+@pytest.mark.filterwarnings("error::opsched.dynamo.OpschedBackendWarning")  # scheduled, not run as given
+def test_googlenet_through_torch_compile_matches_eager():
+    torch._dynamo.reset()
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).eval()
+    x = torch.randn(1, 3, 64, 64)
+    fast = torch.compile(model, backend="opsched", options={"cost": "sim:v100"})
+    with torch.no_grad():
+        want = model(x)
+        got = fast(x)
+        again = fast(torch.ones_like(x))  # a second call reuses the compiled schedule on new inputs
+    assert torch.allclose(got, want, atol=1e-4)
+    with torch.no_grad():
+        assert torch.allclose(again, model(torch.ones_like(x)), atol=1e-4)
+
+
+class WithGraphBreak(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.left = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.right = torch.nn.Conv2d(3, 4, 1)
+        self.after = torch.nn.Conv2d(8, 2, 3)
+
+    def forward(self, x):
+        y = torch.cat([torch.relu(self.left(x)), torch.relu(self.right(x))], dim=1)
+        print("", end="")  # a graph break: dynamo hands the backend two graphs
+        return self.after(y).sigmoid()
+
+
+@pytest.mark.filterwarnings("error::opsched.dynamo.OpschedBackendWarning")
+def test_a_model_with_a_graph_break_is_scheduled_graph_by_graph(monkeypatch):
+    import opsched.dynamo as dynamo
+
+    torch._dynamo.reset()
+    scheduled = []
+    real = dynamo._schedule
+    monkeypatch.setattr(dynamo, "_schedule", lambda gm, inputs, options: scheduled.append(gm) or real(gm, inputs,
+                                                                                                       options))
+    model = WithGraphBreak().eval()
+    x = torch.randn(2, 3, 12, 12)
+    fast = torch.compile(model, backend="opsched", options={"cost": "sim:t4", "method": "lios"})
+    with torch.no_grad():
+        assert torch.allclose(fast(x), model(x), atol=1e-5)
+    assert len(scheduled) == 2
+
+
+def test_graphs_opsched_cannot_schedule_run_as_dynamo_gave_them():
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    x = torch.randn(1, 3, requires_grad=True)
+    with pytest.warns(OpschedBackendWarning, match="gradients"):
+        fn = opsched_backend(gm, [x])
+    assert torch.equal(fn(x), gm(x))
+    with pytest.raises(Exception, match="unknown opsched backend option"):
+        opsched_backend(gm, [x.detach()], options={"speed": "max"})
