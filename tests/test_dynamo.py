@@ -35,13 +35,13 @@ class WithGraphBreak(torch.nn.Module):
 
     def forward(self, x):
         y = torch.cat([torch.relu(self.left(x)), torch.relu(self.right(x))], dim=1)
-        print("", end="")  # a graph break: dynamo hands the backend two graphs
+        print(end="")  # a graph break: dynamo hands the backend two graphs
         return self.after(y).sigmoid()
 
 
 @pytest.mark.filterwarnings("error::opsched.dynamo.OpschedBackendWarning")
 def test_a_model_with_a_graph_break_is_scheduled_graph_by_graph(monkeypatch):
-    import opsched.dynamo as dynamo
+    from opsched import dynamo
 
     torch._dynamo.reset()
     scheduled = []
