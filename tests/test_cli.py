@@ -177,8 +177,11 @@ def test_optimize_on_a_simulated_gpu_predicts_and_labels_it_simulated(capsys, tm
     assert doc["predicted_ms"]["ios"] <= doc["predicted_ms"]["sequential"]
     plan = json.loads((tmp_path / doc["plan"]).read_text())
     assert plan["device"] == "sim:v100" and (tmp_path / doc["gantt"]).stat().st_size > 0
-    code, out, _ = run(capsys, "optimize", "squeezenet", "--image-size", "64", "--cost", "sim:v100")
-    assert code == 0 and "SIMULATED" in out  # the default plan name is ours: rewritten without asking
+    first = (tmp_path / doc["plan"]).read_text()
+    code, out, _ = run(capsys, "optimize", "squeezenet", "--image-size", "64", "--cost", "sim:v100", "--json")
+    again = json.loads(out)
+    assert code == 0 and again["plan"] == "opsched-squeezenet-b1-ios-2.json"  # the first run's files are kept
+    assert again["gantt"] == "opsched-squeezenet-b1-ios-2.png" and (tmp_path / doc["plan"]).read_text() == first
 
 
 def test_optimize_measured_runs_verifies_and_times_every_schedule(capsys, tmp_path):

@@ -281,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
     p.add_argument("--out", metavar="PLAN.json",
-                   help="where to write the plan (default opsched-MODEL-bB-METHOD.json)")
+                   help="where to write the plan (default opsched-MODEL-bB-METHOD.json, numbered -2, -3, ... "
+                        "rather than overwrite an earlier run's files)")
     p.add_argument("--gantt", metavar="PNG", help="where to draw the Gantt chart (default: the plan's name, .png)")
     p.add_argument("--force", action="store_true", help="overwrite --out and --gantt if they exist")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

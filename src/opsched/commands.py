@@ -4,7 +4,6 @@ arguments and reports errors; ``graph`` and ``schedule`` live there)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -210,11 +209,12 @@ def show_command(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         batch = f"batch {plan.batch}, " if plan.batch else ""
         print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} ({batch}{plan.device})")
-        print(f"form        {plan.form}: {len(plan.ops)} units on {len(streams)} streams"
-              + (f" in {len(plan.stages)} stages" if plan.stages is not None else ""))
-        print(f"predicted   {plan.predicted_latency:.4g}  ({label})")
+        print(f"form        {plan.form}: {_count(len(plan.ops), 'unit')} on {_count(len(streams), 'stream')}"
+              + (f" in {_count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
+        unit = "" if plan.cost == "table" else " ms"  # a DAG JSON file's latencies have no unit
+        print(f"predicted   {plan.predicted_latency:.4g}{unit}  ({label})")
         for k, units in enumerate(streams):
-            print(f"stream {k:<3} {len(units)} units")
+            print(f"stream {k:<3} {_count(len(units), 'unit')}")
         for what, path in (("gantt", args.gantt), ("trace", args.trace)):
             if path:
                 print(f"{what:<11} {path}")
@@ -299,28 +299,24 @@ def _read_plan(path: str) -> Any:
 
 
 def _output_paths(args, model_spec: str) -> tuple[Path, Path]:
-    """The plan and Gantt paths. A file the user names is never overwritten without --force; the default
-    names are overwritten only when they hold an earlier opsched plan and its picture."""
+    """The plan and Gantt paths. Nothing is overwritten without --force: a file the user names that exists
+    is refused; the default names (opsched-MODEL-bB-METHOD.json and .png) take the first free number
+    (``-2``, ``-3``, ...) when an earlier run left its files there."""
     if args.out:
         plan = Path(args.out)
         if plan.exists() and not args.force:
             raise OpschedError(f"{plan} exists; pass --force to overwrite it")
     else:
         stem = "".join(c if c.isalnum() or c in "-_" else "_" for c in model_spec.split("/")[-1])
-        plan = Path(f"opsched-{stem}-b{args.batch or 1}-{args.method}.json")
-        if plan.exists() and not args.force and not _is_plan(plan):
-            raise OpschedError(f"{plan} exists and is not an opsched plan; pass --out or --force")
+        stem = f"opsched-{stem}-b{args.batch or 1}-{args.method}"
+        plan, number = Path(f"{stem}.json"), 1
+        while not args.force and (plan.exists() or (not args.gantt and plan.with_suffix(".png").exists())):
+            number += 1
+            plan = Path(f"{stem}-{number}.json")
     gantt = Path(args.gantt) if args.gantt else plan.with_suffix(".png")
     if args.gantt and gantt.exists() and not args.force:
         raise OpschedError(f"{gantt} exists; pass --force to overwrite it")
     return plan, gantt
-
-
-def _is_plan(path: Path) -> bool:
-    try:
-        return json.loads(path.read_text()).get("format", "").startswith("opsched.schedule/")
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _timeline_title(plan, name: str) -> str:
@@ -331,6 +327,10 @@ def _timeline_title(plan, name: str) -> str:
     unit = "" if plan.cost == "table" else " ms"  # a DAG JSON file's latencies have no unit
     batch = f", batch {plan.batch}" if plan.batch else ""
     return f"{name}, {plan.method}{batch}: {what}, {plan.predicted_latency:.3g}{unit}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _say(args, text: str) -> None:
