@@ -72,3 +72,15 @@ def test_a_unit_alone_runs_with_the_thread_count_it_was_faster_with(small):
     program = compile_program(plan, g, cores=2)
     assert [run.threads for run in program.runs()] == cost.best_threads
     assert plan.predicted_latency == pytest.approx(sum(cost.best))
+
+
+@pytest.mark.parametrize("method,options", [("lios", {"streams": 2}), ("nimble", {})])
+def test_stream_schedules_on_measured_costs_predict_their_measured_run(small, tmp_path, method, options, monkeypatch):
+    m, g = small
+    cost = MeasuredCost(g, m.inputs, cores=2, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=3)
+    measured = []
+    real = cost.measure_program
+    monkeypatch.setattr(cost, "measure_program", lambda program: measured.append(real(program)) or measured[-1])
+    s = search(g, cost, method, **options)
+    assert s.predicted_latency == measured[0] and "predicted_from_units" in s.stats
+    assert max(o.finish for o in s.ops) == pytest.approx(s.predicted_latency)  # the timeline, scaled to the run

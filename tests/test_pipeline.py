@@ -95,15 +95,15 @@ def _run(capsys, *argv):
 
 
 def test_optimize_drops_a_schedule_that_does_not_verify_and_hands_back_one_that_does(capsys, tmp_path, monkeypatch):
-    from opsched.runtime import kernels
+    from opsched.runtime.module import OptimizedModule
 
-    merged = kernels.merged_operator
+    forward = OptimizedModule.forward
 
-    def corrupt(nodes):
-        fn = merged(nodes)
-        return lambda *args: [y + 1.0 for y in fn(*args)]
+    def ios_goes_wrong(self, *inputs):  # as a wrong merge or a capture bug would make it
+        out = forward(self, *inputs)
+        return out + 1.0 if self.schedule.method == "ios" else out
 
-    monkeypatch.setattr(kernels, "merged_operator", corrupt)
+    monkeypatch.setattr(OptimizedModule, "forward", ios_goes_wrong)
     plan = tmp_path / "plan.json"
     code, out, err = _run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out", str(plan),
                           "--json")

@@ -212,6 +212,15 @@ class MeasuredCost:
         self._update_factors()
         self.profile_seconds += time.perf_counter() - started
 
+    def measure_program(self, program: Any) -> float:
+        """Median milliseconds of a whole program run in place, from the call's start to its last unit's
+        end: what a stream schedule's prediction is replaced by (its timeline from unit latencies knows
+        nothing of streams slowing each other on shared cores)."""
+        started = time.perf_counter()
+        runs = self._run_in_place([program], "measuring a stream schedule")[0]
+        self.profile_seconds += time.perf_counter() - started
+        return statistics.median(max(finish for *_, finish in timeline) * 1000.0 for timeline in runs)
+
     def _predict_with_priors(self, stage: StageKey) -> float:
         saved = self.contention, self.merge_factor
         self.contention, self.merge_factor = 1.0, 1.0
