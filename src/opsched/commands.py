@@ -69,9 +69,9 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         result.update(_measured_fields(outcome, plan, cores))
     plan.save(plan_path)
     result["gantt"] = str(gantt_path)
-    from opsched.report.gantt import write_gantt
+    from opsched.report.gantt import merged_units, write_gantt
 
-    write_gantt(gantt_path, plan.ops, graph, _timeline_title(plan, loaded.name))
+    write_gantt(gantt_path, plan.ops, graph, _timeline_title(plan, loaded.name), merges=merged_units(plan))
     for warning in result.get("warnings", []):
         print(f"opsched: warning: {warning}", file=sys.stderr)
     if not args.json:
@@ -193,9 +193,9 @@ def show_command(args: argparse.Namespace) -> dict[str, Any]:
             raise OpschedError(f"{path} exists; pass --force to overwrite it")
     label = _timeline_title(plan, plan.graph_name)
     if args.gantt:
-        from opsched.report.gantt import write_gantt
+        from opsched.report.gantt import merged_units, write_gantt
 
-        write_gantt(args.gantt, plan.ops, None, label)
+        write_gantt(args.gantt, plan.ops, None, label, merges=merged_units(plan))
     if args.trace:
         from opsched.report.trace import write_trace
 
