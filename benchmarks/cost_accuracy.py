@@ -24,6 +24,8 @@ from opsched.models import load_model
 from opsched.pipeline import evaluate, method_options, reference_outputs, schedule_candidates, search
 from opsched.schedulers import make_schedule
 
+PUBLISHED_LIOS_RTX3080 = {"inception_v3": "1.59x", "nasnet": "1.36x", "randwire": "1.13x",
+                          "squeezenet": "below 1x"}
 PUBLISHED_V100 = {"inception_v3": (6.51, 4.03), "randwire": (8.49, 6.02), "nasnet": (22.95, 16.04),
                   "squeezenet": (0.86, 0.73)}
 
@@ -53,6 +55,14 @@ def simulated(max_block_size: int) -> None:
         ios = make_schedule("ios", graph, sim, max_block_size=max_block_size).predicted_latency
         print(f"| {label} | {seq:.2f} | {ios:.2f} | {seq / ios:.2f}x |", flush=True)
     print("\n(published: K80 about 3.4x slower than V100 on Inception V3)\n")
+    print("## Held out: LIOS over sequential on the RTX 3080 (8 streams; opsched figures are SIMULATED)\n")
+    print("| model | published | simulated |\n|---|---|---|")
+    for name, published in PUBLISHED_LIOS_RTX3080.items():
+        sim = SimulatedGPU(graphs[name], "rtx3080")
+        seq = make_schedule("sequential", graphs[name], sim).predicted_latency
+        lios = make_schedule("lios", graphs[name], sim, streams=8).predicted_latency
+        print(f"| {name} | {published} | {seq / lios:.2f}x |", flush=True)
+    print()
 
 
 def measured(models: list[str], repeats: int, max_block_size: int) -> None:
