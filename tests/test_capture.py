@@ -187,3 +187,35 @@ def test_units_read_weights_under_flat_names_and_activate_in_place_only_what_the
                 assert node.args[0].op != "placeholder"
     with torch.inference_mode():
         assert torch.allclose(run_graph(g, x), model(x))
+
+
+def test_units_merge_only_when_the_operators_around_the_convolution_are_the_same():
+    # HRNet's fuse layers: 1x1 convolutions of one input, each upsampled by its own factor. Merged, the
+    # stacked output was upsampled by the first unit's factor for every unit (found by benchmarks/sweep.py).
+    class Fuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Conv2d(4, 2, 1), nn.Conv2d(4, 2, 1), nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            up = nn.functional.interpolate
+            return up(self.a(x), scale_factor=2.0), up(self.b(x), scale_factor=4.0), up(self.c(x), scale_factor=2.0)
+
+    g = capture(Fuse().eval(), (torch.randn(1, 4, 4, 4),))
+    a, b, c = (g.nodes[g.index[n]] for n in ("a", "b", "c"))
+    assert not can_merge([a, b]) and can_merge([a, c])
+
+
+def test_a_convolution_whose_unit_output_is_smaller_is_costed_on_a_simulated_gpu():
+    from opsched.cost.simulate import SimulatedGPU
+
+    class Shrink(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x)[:, :1, :1, :1]  # the unit's output: one value of the convolution's
+
+    g = capture(Shrink().eval(), (torch.randn(1, 3, 16, 16),))
+    assert SimulatedGPU(g, "sim:v100").op_latency(0) > 0

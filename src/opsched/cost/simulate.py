@@ -225,14 +225,15 @@ def unit_kernels(node: Node, device: Device) -> list[Kernel]:
     kernels.extend(_elementwise(len(a.get("pre", ())), activation_in, size, peak, device))
     if node.kind == "sepconv" and "kernel" in a:
         # depthwise into its own channels at the output's spatial size, then a pointwise GEMM
-        spatial = out // node.shape[1]
+        spatial = max(1, out // node.shape[1])
         depthwise_out = spatial * a["out_channels"]
         kernels.append(_kernel(2.0 * depthwise_out * math.prod(a["kernel"]), activation_in + depthwise_out * size,
                                depthwise_out, peak, DEPTHWISE_EFFICIENCY, device))
         kernels.append(_gemm(spatial, node.shape[1], a["out_channels"],
                              depthwise_out * size + node.bytes_written + node.param_bytes, peak, device))
     elif node.kind == "conv" and "kernel" in a and a.get("groups", 1) == 1:
-        kernels.append(_gemm(out // a["out_channels"], a["out_channels"], a["in_channels"] * math.prod(a["kernel"]),
+        rows = max(1, a.get("out_elements", out) // a["out_channels"])
+        kernels.append(_gemm(rows, a["out_channels"], a["in_channels"] * math.prod(a["kernel"]),
                              activation_in + node.bytes_written + node.param_bytes, peak, device))
     elif node.kind == "linear" and node.shape:
         columns = node.shape[-1]
@@ -257,7 +258,7 @@ def merged_kernels(nodes: Sequence[Node], device: Device) -> list[Kernel]:
     activation_in = max(0, first.bytes_read - first.param_bytes)
     window = max(math.prod(n.attrs["kernel"]) for n in nodes)
     channels = sum(n.attrs["out_channels"] for n in nodes)
-    rows = math.prod(first.shape) // first.attrs["out_channels"]
+    rows = max(1, first.attrs.get("out_elements", math.prod(first.shape)) // first.attrs["out_channels"])
     written = sum(n.bytes_written for n in nodes)
     params = channels * first.attrs["in_channels"] * window * size
     kernels = _elementwise(len(first.attrs.get("pre", ())), activation_in, size, peak, device)

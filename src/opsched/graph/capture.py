@@ -317,8 +317,13 @@ def _make_node(unit: list[fx.Node], heavy: fx.Node | None, is_sepconv: bool, ext
         if hname in ops.CONV:
             attrs.update(ops.conv_attrs(heavy, hname, gm))
         hpos = unit.index(heavy)
+        post = [m for m in unit[hpos + 1:] if not (is_sepconv and op_names[m] in ops.CONV)]
         attrs["pre"] = tuple(op_names[m] for m in unit[:hpos])
-        attrs["post"] = tuple(op_names[m] for m in unit[hpos + 1:] if not (is_sepconv and op_names[m] in ops.CONV))
+        attrs["post"] = tuple(op_names[m] for m in post)
+        # What the operators do besides their names (an upsampling's scale, a clamp's bounds): units merge
+        # only if they apply the very same operators around the convolution.
+        attrs["pre_args"] = tuple(_constant_args(m) for m in unit[:hpos])
+        attrs["post_args"] = tuple(_constant_args(m) for m in post)
     else:
         kind = "elementwise"
         attrs["post"] = tuple(op_names[m] for m in unit)
@@ -330,6 +335,14 @@ def _make_node(unit: list[fx.Node], heavy: fx.Node | None, is_sepconv: bool, ext
         param_bytes=param_bytes, attrs=attrs, ops=tuple(op_names[m] for m in unit),
         run=_unit_module(unit, external, const, gm, name),
     )
+
+
+def _constant_args(node: fx.Node) -> str:
+    """An operator's arguments other than the values it reads, as text (values read are ``*``)."""
+    def plain(a: Any) -> Any:
+        return "*" if isinstance(a, fx.Node) else a
+
+    return repr((fx.node.map_aggregate(node.args, plain), fx.node.map_aggregate(dict(node.kwargs), plain)))
 
 
 def _unit_module(unit: Sequence[fx.Node], external: Sequence[fx.Node], const: set, gm: fx.GraphModule,

@@ -256,9 +256,12 @@ def _topological(nodes: Sequence[Node], by_name: Mapping[str, Node]) -> list[Nod
 _FOLDABLE = {"batch_norm", "_native_batch_norm_legit_no_training", "getitem", "dropout", "identity"}
 
 
-def activation_of(node: Node) -> tuple[str, ...]:
-    """The operators after a unit's heavy op that a merged unit must apply identically."""
-    return tuple(op for op in node.attrs.get("post", ()) if op not in _FOLDABLE)
+def activation_of(node: Node) -> tuple[tuple[str, str], ...]:
+    """The operators after a unit's heavy op that a merged unit must apply identically, each with its
+    constant arguments (an upsampling by 2 is not an upsampling by 4)."""
+    post = node.attrs.get("post", ())
+    args = node.attrs.get("post_args", ("",) * len(post))
+    return tuple((op, a) for op, a in zip(post, args) if op not in _FOLDABLE)
 
 
 def can_merge(nodes: Sequence[Node]) -> bool:
@@ -282,6 +285,7 @@ def can_merge(nodes: Sequence[Node]) -> bool:
                 or any(d != 1 for d in a.get("dilation", (1,))) or "kernel" not in a):
             return False
         if (n.args != first.args or n.dtype != first.dtype or a.get("pre", ()) != first.attrs.get("pre", ())
+                or a.get("pre_args", ()) != first.attrs.get("pre_args", ())
                 or tuple(a["stride"]) != tuple(first.attrs["stride"]) or activation_of(n) != activation_of(first)
                 or len(a["kernel"]) != len(first.attrs["kernel"])):
             return False

@@ -118,9 +118,10 @@ def conv_attrs(node: fx.Node, name: str, root: torch.nn.Module) -> dict[str, Any
         padding = tuple((d * (k - 1)) // 2 for k, d in zip(kernel, dilation)) if padding == "same" else (0,) * spatial
     in_channels = int(w_shape[0] if transposed else w_shape[1] * int(groups))
     out_channels = int(w_shape[1] * int(groups) if transposed else w_shape[0])
+    # the convolution's own output size: the unit's output may be smaller (a split or a pool after it)
     return {"kernel": kernel, "stride": _pair(stride, spatial), "padding": _pair(padding, spatial),
             "dilation": dilation, "groups": int(groups), "transposed": transposed,
-            "in_channels": in_channels, "out_channels": out_channels}
+            "in_channels": in_channels, "out_channels": out_channels, "out_elements": numel(node)}
 
 
 def flops(node: fx.Node, name: str, root: torch.nn.Module) -> float:
