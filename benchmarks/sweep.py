@@ -41,11 +41,17 @@ def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:
     from opsched.models import load_model
     from opsched.pipeline import Job, method_options, run_job
 
-    row: dict = {"model": spec}
+    row: dict = {"model": spec, "image_size": image_size}
     began = time.perf_counter()
-    loaded = load_model(spec, batch=1, image_size=image_size)
-    loaded.model.eval()
-    graph = capture(loaded.model, loaded.inputs, name=loaded.name)
+    try:
+        loaded = load_model(spec, batch=1, image_size=image_size)
+        loaded.model.eval()
+        graph = capture(loaded.model, loaded.inputs, name=loaded.name)
+    except Exception as e:  # noqa: BLE001 - some models take only their own size (ViT's patch grid): retry at it
+        row.update(image_size=None, smaller_size_failed=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        loaded = load_model(spec, batch=1)
+        loaded.model.eval()
+        graph = capture(loaded.model, loaded.inputs, name=loaded.name)
     row.update(units=len(graph), width=graph.width, capture_seconds=round(time.perf_counter() - began, 1))
     methods = {m: (m, method_options(m)) for m in ("sequential", "ios")}
     outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, repeats=repeats,
@@ -109,13 +115,14 @@ HEADER = ("| model | units | width | verified | max abs error | eager ms | torch
 def _line(r: dict) -> str:
     if "failed" in r:
         return f"| {r['model']} | - | - | FAILED: {r['failed']} | | | | | | | | | {r.get('seconds', '')} |"
+    size = "" if r.get("image_size") else " (own input size)"
     ms = r["measured_ms"]
 
     def cell(name: str) -> str:
         return f"{ms[name]:.1f}" if name in ms else ("dropped" if name in r["dropped"] else "-")
 
     chosen = r["chosen"]
-    return (f"| {r['model']} | {r['units']} | {r['width']} | {'yes' if r['verified'] else 'NO'} | "
+    return (f"| {r['model']}{size} | {r['units']} | {r['width']} | {'yes' if r['verified'] else 'NO'} | "
             f"{_error(r['max_abs_error'])} | {cell('eager')} | {cell('torch_compile')} | {cell('onnxruntime')} | "
             f"{cell('sequential')} | {cell('ios')} | {chosen} | {ms['eager'] / ms[chosen]:.2f}x | {r['seconds']} |")
 
