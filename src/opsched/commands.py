@@ -85,7 +85,8 @@ def _measured_fields(outcome, plan, cores: int) -> dict[str, Any]:
     ev = outcome.evaluation
     out: dict[str, Any] = {
         "measured_ms": dict(ev.measured_ms), "threads": {n: t for n, t in ev.threads.items() if t is not None},
-        "chosen": ev.chosen, "plan_method": plan.method, "max_abs_error": ev.errors[plan.method],
+        "chosen": ev.chosen, "plan_method": plan.options["measured_as"],
+        "max_abs_error": ev.errors[plan.options["measured_as"]],
         "max_abs_errors": dict(ev.errors), "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes,
         "cost_model": outcome.cost.describe(),
     }
@@ -138,7 +139,8 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.options.get("kernels", "eager")
-    chosen = plan.options.get("chosen") or {"name": plan.method, "kind": "schedule"}
+    label = plan.options.get("measured_as", plan.method)  # "ios", or "ios+regions" for compiled regions
+    chosen = plan.options.get("chosen") or {"name": label, "kind": "schedule"}
     inputs = tuple(loaded.inputs)
     operator = None
     if kernels != "eager":
@@ -146,37 +148,38 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.runtime.kernels import operator_for
 
         operator = operator_for(kernels, all_values(graph, _flat(inputs)).__getitem__)
-    candidates, modules = schedule_candidates(graph, {plan.method: plan}, operator, inputs, cores)
+    candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores)
     peers = ["eager"] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != "eager" else [])
     found, notes = peer_candidates(loaded.model, inputs, cores, peers)
     ev = evaluate(candidates + found, reference_outputs(loaded.model, inputs, cores), args.tolerance, args.repeats)
-    if plan.method not in ev.measured_ms:
-        raise VerificationFailed(f"the plan does not run as it should: {ev.dropped.get(plan.method)}")
-    ran = chosen["name"] if chosen["name"] in ev.measured_ms else plan.method
+    if label not in ev.measured_ms:
+        raise VerificationFailed(f"the plan does not run as it should: {ev.dropped.get(label)}")
+    ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
               "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
               "warnings": ev.warnings + notes}
     for warning in result["warnings"]:
         print(f"opsched: warning: {warning}", file=sys.stderr)
-    module = modules[plan.method]
+    module = modules[label]
     if args.trace:
         from opsched.report.trace import write_trace
         from opsched.schedule import OpTiming
 
         module.executor(*_flat(inputs), record_timeline=True)
-        ops = [OpTiming(graph.nodes[u].name, stream, start * 1000.0, finish * 1000.0)
+        ran_graph = module.program.graph  # with compiled regions, the fused graph
+        ops = [OpTiming(ran_graph.nodes[u].name, stream, start * 1000.0, finish * 1000.0)
                for stream, units, start, finish in module.executor.timeline for u in units]
         write_trace(args.trace, ops, f"measured on this CPU: {loaded.name} {plan.method}")
         result["trace"] = args.trace
     if not args.json:
         eager = ev.measured_ms["eager"]
         print(f"plan          {args.plan} ({plan.method}, batch {plan.batch}, {kernels} kernels)")
-        print(f"verified      max abs error {ev.errors[plan.method]:.3g}")
+        print(f"verified      max abs error {ev.errors[label]:.3g}")
         print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads['eager']})")
-        ms = ev.measured_ms[plan.method]
-        print(f"{plan.method:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager; predicted {plan.predicted_latency:.2f} ms)")
-        if ran != plan.method:
+        ms = ev.measured_ms[label]
+        print(f"{label:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager; predicted {plan.predicted_latency:.2f} ms)")
+        if ran != label:
             ms = ev.measured_ms[ran]
             print(f"{ran:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager): the configuration the plan chose")
         if args.trace:

@@ -13,6 +13,7 @@ capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> run, verif
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -351,6 +352,7 @@ class Outcome:
         if best is None:
             return None
         plan = self.schedules[best]
+        plan.options["measured_as"] = best
         plan.options["chosen"] = {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]}
         plan.options["measured_ms"] = {n: round(ms, 4) for n, ms in ev.measured_ms.items()}
         return plan
@@ -378,6 +380,12 @@ def run_job(job: Job) -> Outcome:
     outcome = Outcome(cost, schedules, operator)
     if simulated:
         return outcome
+    if job.kernels != "eager":
+        # Compiled regions beside compiled units, for every staged schedule: which pays is measured.
+        for name, schedule in list(schedules.items()):
+            if schedule.stages is not None:
+                schedules[f"{name}+regions"] = dataclasses.replace(
+                    schedule, options={**schedule.options, "regions": True}, stats=dict(schedule.stats))
     sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)
     job.say("compiling the schedules ...")
     candidates, outcome.modules = schedule_candidates(job.graph, schedules, operator, job.inputs, cores, job.device,

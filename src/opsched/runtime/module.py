@@ -28,7 +28,7 @@ from opsched.graph.ir import Graph
 from opsched.runtime import make_executor
 from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import StreamProgram, compile_program
-from opsched.schedule import Schedule
+from opsched.schedule import Schedule, validate
 
 
 class VerificationError(OpschedError):
@@ -40,7 +40,8 @@ class OptimizedModule(torch.nn.Module):
     streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
     replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`). Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
-    replace it)."""
+    replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
+    (:mod:`opsched.runtime.regions`)."""
 
     def __init__(self, graph: Graph, schedule: Schedule, cores: int | None = None,
                  operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False):
@@ -50,6 +51,12 @@ class OptimizedModule(torch.nn.Module):
             raise GraphError(f"unit {missing[0]!r} has no operator to run (graphs from DAG JSON cannot run)")
         self.graph = graph
         self.schedule = schedule
+        if schedule.options.get("regions"):
+            # the units it runs back to back fused into regions that a compiler sees whole (see regions.py)
+            from opsched.runtime.regions import compiled_regions
+
+            validate(schedule, graph)
+            graph, schedule = compiled_regions(graph, schedule)
         self.program: StreamProgram = compile_program(schedule, graph, cores or torch.get_num_threads())
         self.units = torch.nn.ModuleList(n.run for n in graph.nodes if isinstance(n.run, torch.nn.Module))
         self.executor = make_executor(self.program, operator, device, cuda_graph)

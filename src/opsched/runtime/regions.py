@@ -1,0 +1,163 @@
+"""Compiled regions: the units a staged schedule runs back to back on one stream, fused into one unit, so
+that a compiler (``--kernels inductor``) sees them whole and fuses across their boundaries, where compiling
+unit by unit stops at every unit.
+
+A *run* is a maximal sequence of consecutive one-group stages. It is cut into regions so that every value a
+region makes for the outside is its last unit's (the graph of units has one output per unit): after any
+unit read by a later stage outside its region, or returned by the graph. A region of two or more units
+becomes one :class:`~opsched.graph.ir.Node` whose ``run`` is a GraphModule with the units' operators
+inlined and named after its last unit (whose value it returns); concurrent and merge stages keep their
+units. The result is a new graph and the same schedule on it, run by the usual backends;
+:class:`~opsched.runtime.module.OptimizedModule` applies it to a plan whose ``options["regions"]`` is set.
+
+>>> import torch
+>>> from opsched.graph.capture import capture
+>>> from opsched.cost.table import TableCost
+>>> from opsched.schedulers import make_schedule
+>>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 1)).eval()
+>>> x = torch.randn(1, 3, 8, 8)
+>>> graph = capture(model, (x,))
+>>> for n in graph.nodes: n.latency = 1.0
+>>> fused, plan = compiled_regions(graph, make_schedule("sequential", graph, TableCost(graph)))
+>>> len(graph), len(fused), [st.groups for st in plan.stages]
+(2, 1, [[['2']]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from torch import fx
+
+from opsched.cost.table import TableCost
+from opsched.graph.ir import Graph, Node, indices
+from opsched.schedule import Schedule, from_stages
+
+
+def compiled_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
+    """The graph with each region of ``schedule`` fused into one unit, and the schedule on that graph (see
+    the module docstring). A stream schedule is returned unchanged."""
+    if schedule.stages is None:
+        return graph, schedule
+    index = graph.index
+    stages = [(st.strategy, [[index[u] for u in g] for g in st.groups], st.threads) for st in schedule.stages]
+    regions = _regions(graph, stages)
+    fused_of = {u: k for k, region in enumerate(regions) for u in region}
+    durations = {o.name: o.finish - o.start for o in schedule.ops}
+    # A region is named after its last unit, whose value it returns: readers, the graph's outputs and the
+    # example values compilers are given keep their names.
+    name_of = {k: graph.nodes[region[-1]].name if len(region) > 1 else None for k, region in enumerate(regions)}
+    nodes: list[Node] = []
+    for u, node in enumerate(graph.nodes):
+        k = fused_of.get(u)
+        if k is None or name_of[k] is None:
+            nodes.append(dataclasses.replace(node, latency=durations[node.name]))
+        elif u == regions[k][0]:
+            nodes.append(_fused_node(graph, regions[k], durations))
+    fused = Graph(nodes, inputs=graph.inputs, outputs=graph.outputs, name=graph.name, out_spec=graph.out_spec)
+    new_stages: list[tuple[str, list[list[int]]]] = []
+    threads: list[Any] = []
+    for strategy, groups, stage_threads in stages:
+        if strategy == "concurrent" and len(groups) == 1:  # part of a run: unit by unit, a region at its start
+            for position, u in enumerate(groups[0]):
+                k = fused_of[u]
+                if name_of[k] is None:
+                    new_stages.append(("concurrent", [[fused.index[graph.nodes[u].name]]]))
+                    threads.append([[stage_threads[0][position]]] if stage_threads else None)
+                elif u == regions[k][0]:  # the region runs where its first unit did, on every core
+                    new_stages.append(("concurrent", [[fused.index[name_of[k]]]]))
+                    threads.append(None)
+            continue
+        new_stages.append((strategy, [[fused.index[graph.nodes[u].name] for u in g] for g in groups]))
+        threads.append(stage_threads)
+    plan = from_stages(fused, _CarriedCost(fused), schedule.method, new_stages)
+    for stage, chosen in zip(plan.stages, threads):
+        stage.threads = chosen
+    plan.cost, plan.device, plan.batch = schedule.cost, schedule.device, schedule.batch
+    plan.options = {**schedule.options, "regions": True}
+    return fused, plan
+
+
+class _CarriedCost(TableCost):
+    """The schedule's own predicted durations, carried over to the fused graph (as unit latencies): a
+    merge stage keeps the duration its units were predicted to share."""
+
+    def merge_latency(self, units: Sequence[int]) -> float:
+        return max(self.op_latency(u) for u in units)
+
+
+def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]]) -> list[list[int]]:
+    """The regions of the runs of one-group stages, each cut after a unit read outside its region."""
+    runs: list[list[int]] = []
+    current: list[int] = []
+    for strategy, groups, _ in stages:
+        if strategy == "concurrent" and len(groups) == 1:
+            current.extend(groups[0])
+        elif current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    returned = {graph.index[o] for o in graph.outputs if o in graph.index}
+    regions = []
+    for run in runs:
+        cuts = {len(run) - 1}
+        changed = True
+        while changed:  # a cut can put a reader in another region than its producer: cut there too
+            changed = False
+            region_of = _region_of(run, cuts)
+            for position, u in enumerate(run):
+                if position in cuts:
+                    continue
+                readers = list(indices(graph.succs[u]))
+                if u in returned or any(region_of.get(v) != region_of[u] for v in readers):
+                    cuts.add(position)
+                    changed = True
+        start = 0
+        for position in sorted(cuts):
+            regions.append(run[start:position + 1])
+            start = position + 1
+    return regions
+
+
+def _region_of(run: Sequence[int], cuts: set[int]) -> dict[int, int]:
+    region, out = 0, {}
+    for position, u in enumerate(run):
+        out[u] = region
+        if position in cuts:
+            region += 1
+    return out
+
+
+def _fused_node(graph: Graph, region: Sequence[int], durations: dict[str, float]) -> Node:
+    """One unit running the operators of ``region``'s units in order, reading what they read outside it."""
+    inside = {graph.nodes[u].name for u in region}
+    args = list(dict.fromkeys(a for u in region for a in graph.nodes[u].args if a not in inside))
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {a: g.placeholder(f"in{k}") for k, a in enumerate(args)}
+    attributes: dict[str, Any] = {}
+    for u in region:
+        unit = graph.nodes[u]
+        module = unit.run
+        inputs = iter(unit.args)
+        mapping: dict[fx.Node, fx.Node] = {}
+        for node in module.graph.nodes:
+            if node.op == "placeholder":
+                mapping[node] = env[next(inputs)]
+            elif node.op == "output":
+                env[unit.name] = mapping[node.args[0]]
+            else:
+                if node.op in ("get_attr", "call_module"):
+                    attributes[str(node.target)] = getattr(module, str(node.target))
+                mapping[node] = g.node_copy(node, mapping.__getitem__)
+    g.output(env[graph.nodes[region[-1]].name])
+    last = graph.nodes[region[-1]]
+    members = [graph.nodes[u] for u in region]
+    return Node(name=last.name, kind="region", args=tuple(args), shape=last.shape,
+                dtype=last.dtype, flops=sum(n.flops for n in members),
+                bytes_read=sum(n.bytes_read for n in members), bytes_written=last.bytes_written,
+                param_bytes=sum(n.param_bytes for n in members), ops=tuple(op for n in members for op in n.ops),
+                latency=sum(durations[n.name] for n in members),
+                run=fx.GraphModule(attributes, g, class_name="Region"))
