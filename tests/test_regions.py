@@ -81,3 +81,17 @@ def test_regions_compiled_by_inductor_match_eager():
     module = OptimizedModule(graph, schedule, 2, operator)
     assert len(module.program.runs()) == 1  # the whole graph compiled as one region
     assert verify(module, model, (x,)).max_abs_error < 1e-5
+
+
+def test_one_compiler_serves_units_and_the_regions_named_after_them():
+    # a region is named after its last unit: compiled code must be looked up by operator, not by name
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.kernels import operator_for
+
+    model, x, graph = _graph()
+    operator = operator_for("inductor", all_values(graph, [x]).__getitem__)
+    schedule = make_schedule("sequential", graph, TableCost(graph))
+    units = OptimizedModule(graph, schedule, 2, operator)
+    schedule.options["regions"] = True
+    regions = OptimizedModule(graph, schedule, 2, operator)
+    assert verify(units, model, (x,)).ok and verify(regions, model, (x,)).ok

@@ -46,12 +46,13 @@ class InductorOperator:
 
     def __init__(self, example: Callable[[str], Any]):
         self.example = example
-        self.compiled: dict[tuple[tuple[str, ...], int], Callable[..., Any]] = {}
+        self.compiled: dict[tuple[tuple[Any, ...], int], Callable[..., Any]] = {}
         self.compile_seconds = 0.0
         self._lock = threading.Lock()
 
     def __call__(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
-        key = (tuple(n.name for n in nodes), threads)
+        # by the units' own operators, not their names: a compiled region is named after its last unit
+        key = (tuple(n.run for n in nodes), threads)
         with self._lock:
             if key not in self.compiled:
                 self.compiled[key] = self._compile(nodes, threads)
