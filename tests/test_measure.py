@@ -59,14 +59,17 @@ def test_the_default_cache_lives_where_the_environment_says(tmp_path, monkeypatc
     assert default_path() == tmp_path / "xdg" / "opsched" / "costs.sqlite"
 
 
-def test_a_unit_alone_runs_with_the_thread_count_it_was_faster_with(small):
+def test_units_alone_all_run_with_the_thread_count_the_graph_was_fastest_with(small):
+    # one count for every lone unit: switching the OpenMP team size from unit to unit costs more than a
+    # unit gains from its own best count (GoogLeNet's sequential plan ran 1.33x slower than eager so)
     from opsched.runtime.program import compile_program
     from opsched.schedulers import make_schedule
 
     m, g = small
     cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
-    for u in range(len(g)):
-        assert cost.op_latency(u) == min(cost.latency[t][u] for t in (1, 2))
+    fastest = min((1, 2), key=lambda t: sum(cost.latency[t]))
+    assert set(cost.best_threads) == {fastest}
+    assert [cost.op_latency(u) for u in range(len(g))] == cost.latency[fastest]
     plan = make_schedule("sequential", g, cost)
     assert [st.threads for st in plan.stages] == [[[cost.best_threads[u]]] for u in range(len(g))]
     program = compile_program(plan, g, cores=2)
