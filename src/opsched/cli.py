@@ -309,6 +309,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_lazy("show_command"))
 
+    p = sub.add_parser("map", help="map a model or DAG JSON graph onto several devices (DiviML / MILP-SPLIT)",
+                       description="Place every unit on a device of a platform and order it there, for latency or "
+                                   "throughput, with a lower bound beside the answer (see docs/mapping.md).")
+    p.add_argument("model", metavar="MODEL|DAG.json", help=MODEL_HELP)
+    p.add_argument("--platform", required=True, metavar="NAME|PLATFORM.json",
+                   help="a built-in platform (diviml, cpu2) or a PLATFORM.json file")
+    p.add_argument("--method", required=True,
+                   choices=["best-device", "met", "greedy", "heft", "sa", "ea", "milp", "milp-split"])
+    p.add_argument("--objective", default="latency", choices=["latency", "throughput"])
+    _add_model_options(p)
+    p.add_argument("--time-limit", type=_non_negative_float, default=30.0, metavar="S",
+                   help="seconds for sa, ea, milp and milp-split (default 30)")
+    p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="random seed of sa and ea (default 0)")
+    p.add_argument("--symmetry", default="none", choices=["none", "batch", "task", "time"],
+                   help="milp: order identical devices by pieces, units or busy time (default none)")
+    p.add_argument("--out", metavar="PLAN.json", help="write the mapped plan (opsched.schedule/1) here")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=_map_command)
+
     p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
                        description="Run a benchmark preset: for each model x method x cost x batch, the predicted "
                                    "latency, the measured one where the device is real (interleaved with eager), "
@@ -336,6 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_lazy("cache_command"))
     return parser
+
+
+def _map_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.mapping.command import map_command
+
+    return map_command(args)
 
 
 def _lazy(name: str):

@@ -1,0 +1,134 @@
+"""What the list-scheduling heuristics and the searches share: the ways a unit's batch can be placed
+(``patterns``), the breadth-first topological order, the time a job's inputs arrive, a device's free slots,
+and the memory left on each device.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> from opsched.mapping.platform import platform_from_dict
+>>> from opsched.mapping.problem import build_problem
+>>> g = Graph([Node("a", latency=1.0), Node("b", latency=1.0), Node("c", args=("a", "b"), latency=1.0)])
+>>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+>>> prob = build_problem(g, p)
+>>> patterns(prob), breadth_first_order(prob)
+([(0,), (1,)], [0, 1, 2])
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from functools import lru_cache
+
+import networkx as nx
+
+from opsched.graph.ir import indices
+from opsched.mapping import MappingError
+from opsched.mapping.plan import Job
+from opsched.mapping.problem import Problem
+
+
+def patterns(problem: Problem) -> list[tuple[int, ...]]:
+    """Each way to place one unit: the device of each piece, the pieces cut into consecutive runs on distinct
+    devices (for 4 pieces on 3 devices: whole on one, 3+1, 1+3, 2+2, 2+1+1, ... 39 in all)."""
+    return _patterns(problem.pieces, problem.devices)
+
+
+@lru_cache(maxsize=64)
+def _patterns(pieces: int, devices: int) -> list[tuple[int, ...]]:
+    out = []
+    for parts in range(1, min(pieces, devices) + 1):
+        for cuts in itertools.combinations(range(1, pieces), parts - 1):
+            sizes = [b - a for a, b in zip((0, *cuts), (*cuts, pieces))]
+            for devs in itertools.permutations(range(devices), parts):
+                out.append(tuple(d for d, s in zip(devs, sizes) for _ in range(s)))
+    return out
+
+
+def jobs_of(unit: int, pattern: Sequence[int]) -> list[Job]:
+    on: dict[int, list[int]] = {}
+    for q, d in enumerate(pattern):
+        on.setdefault(d, []).append(q)
+    return [Job(unit, d, tuple(qs)) for d, qs in sorted(on.items())]
+
+
+def breadth_first_order(problem: Problem) -> list[int]:
+    """Units by topological generation (all sources, then what depends only on them, ...), each generation
+    in graph order: the order of DiviML's device strings."""
+    g = nx.DiGraph()
+    g.add_nodes_from(range(problem.n))
+    g.add_edges_from(problem.graph.edges)
+    return [u for generation in nx.topological_generations(g) for u in sorted(generation)]
+
+
+def arrival(problem: Problem, job: Job, placed: dict[tuple[int, int], Job], finish: dict[Job, float]) -> float:
+    """When every input of ``job`` is on its device, its producers' jobs placed (``placed[(unit, piece)]``)
+    and timed (``finish``)."""
+    ready = 0.0
+    for a in indices(problem.graph.preds[job.unit]):
+        for q in job.pieces:
+            src = placed[(a, q)]
+            ready = max(ready, finish[src] + problem.comm(a, job.unit, src.device, job.device, 1))
+    return ready
+
+
+class Slots:
+    """The busy intervals of each device, for insertion-based list scheduling (HEFT)."""
+
+    def __init__(self, devices: int):
+        self.busy: list[list[tuple[float, float]]] = [[] for _ in range(devices)]
+
+    def earliest(self, d: int, ready: float, duration: float) -> float:
+        """The earliest start >= ``ready`` of an idle gap of ``duration`` on device ``d``."""
+        t = ready
+        for s, f in self.busy[d]:
+            if t + duration <= s + 1e-12:
+                return t
+            t = max(t, f)
+        return t
+
+    def book(self, d: int, start: float, finish: float) -> None:
+        bisect.insort(self.busy[d], (start, finish))
+
+
+class Memory:
+    """Bytes left on each device as units are placed."""
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.left = [d.memory for d in problem.platform.devices]
+
+    def fits(self, jobs: Sequence[Job]) -> bool:
+        need: dict[int, float] = {}
+        for j in jobs:
+            need[j.device] = need.get(j.device, 0.0) + self.problem.memory(j.unit, len(j.pieces))
+        return all(v <= self.left[d] * (1 + 1e-9) for d, v in need.items())
+
+    def take(self, jobs: Sequence[Job]) -> None:
+        for j in jobs:
+            self.left[j.device] -= self.problem.memory(j.unit, len(j.pieces))
+
+
+def duration(problem: Problem, job: Job) -> float:
+    return problem.time(job.unit, job.device, len(job.pieces))
+
+
+def nothing_fits(problem: Problem, unit: int) -> MappingError:
+    return MappingError(f"unit {problem.graph.nodes[unit].name!r} fits in no device's remaining memory: the memory "
+                        "budget is too small for this mapping")
+
+
+def fitness(problem: Problem, device_of: Sequence[Sequence[int]], order: Sequence[int]) -> float:
+    """The replayed makespan of a device string (``inf`` when it breaks a memory budget)."""
+    from opsched.mapping.plan import Mapping
+    from opsched.mapping.replay import replay
+
+    mapping = Mapping.from_pieces(problem, device_of, order)
+    used = [0.0] * problem.devices
+    for j in mapping.jobs():
+        used[j.device] += problem.memory(j.unit, len(j.pieces))
+        if math.isinf(duration(problem, j)):
+            return math.inf
+    if any(u > d.memory * (1 + 1e-9) for u, d in zip(used, problem.platform.devices)):
+        return math.inf
+    return replay(problem, mapping).makespan

@@ -1,0 +1,260 @@
+"""The exact mapping of DiviML's MILP (Section IV-A), solved with OR-Tools CP-SAT.
+
+Variables and constraints, in the paper's numbering:
+
+- (1) each unit (each piece of the batch, for throughput) on exactly one device: ``x[u][d]`` / ``x[u][q][d]``;
+- (2) every job finishes by the makespan ``C``, which is minimised (latency; throughput is ``B / C``);
+- (3) precedence with communication: a reader starts after its producer finishes, plus the transfer when
+  the two are on different devices (enforced on the pair of placements);
+- (4, 5) batching: the pieces of a unit on one device form one job of 1..4 pieces (B/4, B/2, 3B/4, B), one
+  indicator ``b[u][d][k]`` per size, only sizes the device accepts; the job's duration is that size's cost;
+- (6) memory: weights of every job plus its share of inputs and output within each device's budget;
+- (7) no overlap on a device: for the latency objective, a disjunction only for pairs of units on no common
+  path (pairs on a path are ordered by (3)), as the paper prunes with the transitive closure; CP-SAT's
+  global no-overlap over the same intervals is added as a redundant constraint (implied by the
+  disjunctions, it lets the solver reason about a device's whole load at once). For throughput, pieces of units on one path can overlap on a
+  device, so every pair of jobs is covered, by the global constraint.
+- symmetry (``none|batch|task|time``): devices on one node with the same kind are interchangeable, so the
+  earlier of two identical devices gets at least as many pieces / units / busy time (DiviML Section VI).
+
+Times are scaled to integers (``scale`` steps per time unit, chosen so the horizon is about 10^7 steps);
+the bound CP-SAT proves is reported less the largest rounding error, so it stays a lower bound.
+CP-SAT rather than HiGHS: the model is scheduling (intervals, no-overlap, implications on pairs of
+placements), which CP-SAT states directly (and it is already a dependency); a MILP solver needs big-M rows
+for each, whose LP relaxations are weak. HiGHS was not measured (``docs/mapping.md``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from collections.abc import Mapping as MappingType
+from dataclasses import dataclass
+
+from opsched.mapping import MappingError
+from opsched.mapping.plan import Job, Mapping
+from opsched.mapping.problem import Problem
+from opsched.mapping.replay import replay
+
+SYMMETRIES = ("none", "batch", "task", "time")
+HORIZON_STEPS = 1e7
+
+
+@dataclass
+class MilpResult:
+    mapping: Mapping
+    status: str
+    optimal: bool        # CP-SAT proved the optimum (of the integer-scaled times)
+    bound: float         # a lower bound on the makespan
+    solver_makespan: float
+    seconds: float
+
+
+def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None, symmetry: str = "none",
+         pinned: MappingType[int, int] | None = None, workers: int = 2,
+         progress: Callable[[float], None] | None = None) -> MilpResult:
+    """The optimal mapping of ``problem`` (or the best found within ``time_limit`` seconds). ``hint`` starts
+    the search from a known mapping; ``pinned`` fixes some units (all their pieces) on a device.
+
+    >>> from opsched.graph.ir import Graph, Node
+    >>> from opsched.mapping.platform import platform_from_dict
+    >>> from opsched.mapping.problem import build_problem
+    >>> g = Graph([Node("a", latency=1.0), Node("b", args=("a",), latency=4.0), Node("c", args=("a",), latency=4.0)])
+    >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+    >>> r = milp(build_problem(g, p, edge_bytes={(0, 1): 2.0, (0, 2): 2.0}))
+    >>> r.optimal, replay(build_problem(g, p, edge_bytes={(0, 1): 2.0, (0, 2): 2.0}), r.mapping).makespan
+    (True, 7.0)
+    """
+    from ortools.sat.python import cp_model
+
+    if symmetry not in SYMMETRIES:
+        raise MappingError(f"unknown symmetry {symmetry!r}; choose from {', '.join(SYMMETRIES)}")
+    started = time.perf_counter()
+    n, k, pieces = problem.n, problem.devices, problem.pieces
+    scale = _scale(problem)
+
+    def steps(t: float) -> int:
+        return round(t * scale)
+
+    dur = [[[steps(problem.time(u, d, c)) if math.isfinite(problem.time(u, d, c)) else None
+             for c in range(1, pieces + 1)] for d in range(k)] for u in range(n)]
+    comm = {(a, b, da, db): steps(problem.comm(a, b, da, db, 1))
+            for a, b in problem.graph.edges for da in range(k) for db in range(k) if da != db}
+    horizon = sum(max(x for row in dur[u] for x in row if x is not None) for u in range(n))
+    horizon += sum(max([comm[(a, b, da, db)] for da in range(k) for db in range(k) if da != db] or [0])
+                   for a, b in problem.graph.edges) + 1
+    m = cp_model.CpModel()
+    makespan = m.NewIntVar(0, horizon, "C")
+    mem_unit = max(1.0, max((d.memory for d in problem.platform.devices if math.isfinite(d.memory)), default=1.0) / 1e6)
+    usage: list[list[tuple[cp_model.LinearExprT, int]]] = [[] for _ in range(k)]
+    intervals: list[list] = [[] for _ in range(k)]
+    busy: list[list] = [[] for _ in range(k)]
+    pinned = pinned or {}
+    if pieces == 1:
+        x = [[m.NewBoolVar(f"x{u}_{d}") for d in range(k)] for u in range(n)]
+        for u in range(n):
+            for d in range(k):
+                if dur[u][d][0] is None or pinned.get(u, d) != d:
+                    m.Add(x[u][d] == 0)
+        start = [m.NewIntVar(0, horizon, f"s{u}") for u in range(n)]
+        end = [m.NewIntVar(0, horizon, f"e{u}") for u in range(n)]
+        for u in range(n):
+            m.AddExactlyOne(x[u])
+            m.Add(makespan >= end[u])
+            for d in range(k):
+                if dur[u][d][0] is None or pinned.get(u, d) != d:
+                    continue
+                iv = m.NewOptionalIntervalVar(start[u], dur[u][d][0], end[u], x[u][d], f"i{u}_{d}")
+                intervals[d].append(iv)
+                busy[d].append((x[u][d], dur[u][d][0]))
+                usage[d].append((x[u][d], math.ceil(problem.memory(u) / mem_unit)))
+        for a, b in problem.graph.edges:
+            m.Add(start[b] >= end[a])
+            for (aa, bb, da, db), c in comm.items():
+                if (aa, bb) == (a, b) and c > 0:
+                    m.Add(start[b] >= end[a] + c).OnlyEnforceIf([x[a][da], x[b][db]])
+        related = [problem.graph.ancestors[u] | problem.graph.descendants[u] for u in range(n)]
+        for i in range(n):
+            for j in range(i + 1, n):
+                if related[i] >> j & 1:
+                    continue  # on a common path: ordered by precedence already
+                before = m.NewBoolVar(f"o{i}_{j}")
+                for d in range(k):
+                    if dur[i][d][0] is None or dur[j][d][0] is None:
+                        continue
+                    m.Add(end[i] <= start[j]).OnlyEnforceIf([before, x[i][d], x[j][d]])
+                    m.Add(end[j] <= start[i]).OnlyEnforceIf([before.Not(), x[i][d], x[j][d]])
+        placed = [[x[u][d]] for u in range(n) for d in range(k)]
+        pieces_on = [[x[u][d] for u in range(n)] for d in range(k)]
+    else:
+        x = [[[m.NewBoolVar(f"x{u}_{q}_{d}") for d in range(k)] for q in range(pieces)] for u in range(n)]
+        for u in range(n):
+            for d in range(k):
+                if all(c is None for c in dur[u][d]) or pinned.get(u, d) != d:
+                    m.AddBoolAnd([x[u][q][d].Not() for q in range(pieces)])
+        size = [[[m.NewBoolVar(f"b{u}_{d}_{c}") for c in range(pieces + 1)] for d in range(k)] for u in range(n)]
+        start = [[m.NewIntVar(0, horizon, f"s{u}_{d}") for d in range(k)] for u in range(n)]
+        end = [[m.NewIntVar(0, horizon, f"e{u}_{d}") for d in range(k)] for u in range(n)]
+        for u in range(n):
+            for q in range(pieces):
+                m.AddExactlyOne(x[u][q])
+            for d in range(k):
+                m.AddExactlyOne(size[u][d])
+                m.Add(sum(c * size[u][d][c] for c in range(pieces + 1)) == sum(x[u][q][d] for q in range(pieces)))
+                m.Add(makespan >= end[u][d]).OnlyEnforceIf(size[u][d][0].Not())
+                for c in range(1, pieces + 1):
+                    if dur[u][d][c - 1] is None:
+                        m.Add(size[u][d][c] == 0)
+                        continue
+                    iv = m.NewOptionalIntervalVar(start[u][d], dur[u][d][c - 1], end[u][d], size[u][d][c],
+                                                  f"i{u}_{d}_{c}")
+                    intervals[d].append(iv)
+                    busy[d].append((size[u][d][c], dur[u][d][c - 1]))
+                    usage[d].append((size[u][d][c], math.ceil(problem.memory(u, c) / mem_unit)))
+        for a, b in problem.graph.edges:
+            for q in range(pieces):
+                for da in range(k):
+                    for db in range(k):
+                        gap = comm.get((a, b, da, db), 0)
+                        m.Add(start[b][db] >= end[a][da] + gap).OnlyEnforceIf([x[a][q][da], x[b][q][db]])
+        placed = [[x[u][q][d] for q in range(pieces)] for u in range(n) for d in range(k)]
+        pieces_on = [[x[u][q][d] for u in range(n) for q in range(pieces)] for d in range(k)]
+    for d, device in enumerate(problem.platform.devices):
+        m.AddNoOverlap(intervals[d])
+        if math.isfinite(device.memory):
+            m.Add(sum(c * lit for lit, c in usage[d]) <= math.floor(device.memory / mem_unit))
+    _break_symmetry(m, problem, symmetry, pieces_on, busy, placed)
+    if hint is not None:
+        _hint(m, problem, hint, x)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    solver.parameters.num_workers = workers
+    m.Minimize(makespan)
+    callback = _Progress(progress, makespan, scale) if progress else None
+    status = solver.Solve(m, callback) if callback else solver.Solve(m)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        if status == cp_model.INFEASIBLE:
+            raise MappingError("no mapping fits the devices' memory budgets")
+        raise MappingError(f"CP-SAT found no mapping within {time_limit:g} s")
+    jobs: list[tuple[int, int, int, tuple[int, ...]]] = []
+    for u in range(n):
+        for d in range(k):
+            if pieces == 1:
+                if solver.Value(x[u][d]):
+                    jobs.append((solver.Value(start[u]), u, d, (0,)))
+            else:
+                qs = tuple(q for q in range(pieces) if solver.Value(x[u][q][d]))
+                if qs:
+                    jobs.append((solver.Value(start[u][d]), u, d, qs))
+    order: list[list[Job]] = [[] for _ in range(k)]
+    for _, u, d, qs in sorted(jobs):
+        order[d].append(Job(u, d, qs))
+    mapping = Mapping(order)
+    slack = (n * pieces + len(problem.graph.edges)) / scale  # rounding of durations and transfers
+    solver_makespan = solver.Value(makespan) / scale
+    replayed = replay(problem, mapping).makespan
+    optimal = status == cp_model.OPTIMAL and replayed <= solver_makespan + slack
+    if hint is not None and not optimal and _fits_pins(hint, pinned) and replay(problem, hint).makespan < replayed:
+        mapping = hint  # stopped by the time limit before it got back to where it started
+    return MilpResult(mapping, solver.StatusName(status), optimal,
+                      max(0.0, solver.BestObjectiveBound() / scale - slack), solver_makespan,
+                      time.perf_counter() - started)
+
+
+def _fits_pins(mapping: Mapping, pinned: MappingType[int, int]) -> bool:
+    return all(j.device == pinned.get(j.unit, j.device) for j in mapping.jobs())
+
+
+def _scale(problem: Problem) -> float:
+    """Integer steps per time unit: a power of ten putting the largest possible schedule near 10^7 steps."""
+    total = sum(max(t for row in problem.times[u] for t in row if math.isfinite(t)) for u in range(problem.n))
+    total += sum(problem.comm(a, b, 0, 1, 1) if problem.devices > 1 else 0.0 for a, b in problem.graph.edges)
+    if total <= 0:
+        return 1.0
+    return 10.0 ** math.floor(math.log10(HORIZON_STEPS / total))
+
+
+def _break_symmetry(m, problem: Problem, symmetry: str, pieces_on, busy, placed) -> None:
+    if symmetry == "none":
+        return
+    k = problem.devices
+    for a in range(k):
+        b = next((b for b in range(a + 1, k) if problem.platform.identical(a, b)), None)
+        if b is None:
+            continue
+        if symmetry == "batch":
+            m.Add(sum(pieces_on[a]) >= sum(pieces_on[b]))
+        elif symmetry == "task":
+            units_a = [m.NewBoolVar("") for _ in range(problem.n)]
+            units_b = [m.NewBoolVar("") for _ in range(problem.n)]
+            for u in range(problem.n):
+                m.AddMaxEquality(units_a[u], placed[u * k + a])
+                m.AddMaxEquality(units_b[u], placed[u * k + b])
+            m.Add(sum(units_a) >= sum(units_b))
+        else:
+            m.Add(sum(lit * c for lit, c in busy[a]) >= sum(lit * c for lit, c in busy[b]))
+
+
+def _hint(m, problem: Problem, hint: Mapping, x) -> None:
+    """Hint the devices of a known mapping (its times follow; hinting them too, rounded, misled CP-SAT)."""
+    for job in hint.jobs():
+        u, d = job.unit, job.device
+        for q in job.pieces:
+            row = x[u] if problem.pieces == 1 else x[u][q]
+            for dd in range(problem.devices):
+                m.AddHint(row[dd], int(dd == d))
+
+
+class _Progress:
+    """Reports each better makespan CP-SAT finds."""
+
+    def __new__(cls, report: Callable[[float], None], makespan, scale: float):
+        from ortools.sat.python import cp_model
+
+        class Callback(cp_model.CpSolverSolutionCallback):
+            def on_solution_callback(self) -> None:
+                report(self.Value(makespan) / scale)
+
+        return Callback()
+

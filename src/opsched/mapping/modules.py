@@ -1,0 +1,166 @@
+"""Cutting a graph into modules for MILP-SPLIT and the lower bound (DiviML Section IV-B).
+
+- Single channel: a *cut unit* is one every other unit is an ancestor or a descendant of (an articulation
+  point all paths pass through; DiviML turns it into a bridge with a dummy node, which is the same as the
+  module owning its exit and the next module reading it). Modules run from one cut to the next, the cut
+  included; consecutive small modules are joined (the join of consecutive modules is still cut-bounded).
+- Several channels: the modules are the k-edge-connected components (k = channels + 1) of the undirected
+  graph in which each value read by several units is first a hub node (so a value crossing a boundary is
+  one edge, as DiviML counts channels), components smaller than ``min_size`` joined to the neighbour they
+  share most edges with, and components on a cycle of the module graph joined, so the modules form a DAG
+  taken in topological order.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> chain = Graph([Node("a"), Node("b", args=("a",)), Node("c", args=("a",)), Node("d", args=("b", "c")),
+...                Node("e", args=("d",)), Node("f", args=("d",)), Node("g", args=("e", "f"))])
+>>> cut_units(chain)
+[0, 3, 6]
+>>> single_channel_modules(chain, min_size=1)
+[[0], [1, 2, 3], [4, 5, 6]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from opsched.graph.ir import Graph, indices
+
+
+@dataclass
+class Decomposition:
+    modules: list[list[int]]
+    channels: int            # the most values crossing a boundary between consecutive modules
+    single_channel: bool     # every boundary is a cut unit (MILP-SPLIT is then exact)
+
+
+def cut_units(graph: Graph) -> list[int]:
+    """Units that every other unit reaches or is reached from, in topological order."""
+    n = len(graph)
+    return [u for u in range(n) if (graph.ancestors[u] | graph.descendants[u]).bit_count() == n - 1]
+
+
+def single_channel_modules(graph: Graph, min_size: int = 4) -> list[list[int]]:
+    """Consecutive runs of the topological order ending at cut units (see the module docstring)."""
+    modules: list[list[int]] = []
+    current: list[int] = []
+    cuts = set(cut_units(graph))
+    for u in range(len(graph)):
+        current.append(u)
+        if u in cuts:
+            if modules and len(modules[-1]) < min_size:
+                modules[-1].extend(current)
+            else:
+                modules.append(current)
+            current = []
+    if current:
+        modules.append(current)
+    if len(modules) > 1 and len(modules[-1]) < min_size:
+        modules[-2].extend(modules.pop())
+    return modules
+
+
+def edge_connected_modules(graph: Graph, channels: int, min_size: int = 4) -> list[list[int]]:
+    """Modules linked by at most ``channels`` values: k-edge-connected components, k = channels + 1."""
+    h = nx.Graph()
+    h.add_nodes_from(range(len(graph)))
+    for u in range(len(graph)):
+        readers = list(indices(graph.succs[u]))
+        if len(readers) == 1:
+            h.add_edge(u, readers[0])
+        elif readers:
+            h.add_edges_from([(u, ("hub", u))] + [(("hub", u), v) for v in readers])
+    component = {}
+    for k, comp in enumerate(nx.k_edge_components(h, k=channels + 1)):
+        for x in comp:
+            if isinstance(x, int):
+                component[x] = k
+    return _tidy(graph, component, min_size)
+
+
+def _tidy(graph: Graph, component: dict[int, int], min_size: int) -> list[list[int]]:
+    """Join small components to their most-connected neighbour, then cycles of the module graph, and return
+    the modules in topological order (units in graph order)."""
+    while True:
+        members: dict[int, list[int]] = {}
+        for u, c in component.items():
+            members.setdefault(c, []).append(u)
+        small = [c for c, us in members.items() if len(us) < min_size]
+        if small and len(members) > 1:
+            c = min(small, key=lambda c: (len(members[c]), min(members[c])))
+            links: dict[int, int] = {}
+            for a, b in graph.edges:
+                if (component[a] == c) != (component[b] == c):
+                    other = component[b] if component[a] == c else component[a]
+                    links[other] = links.get(other, 0) + 1
+            if links:
+                target = max(links, key=lambda o: (links[o], -o))
+                for u in members[c]:
+                    component[u] = target
+                continue
+        quotient = nx.DiGraph()
+        quotient.add_nodes_from(members)
+        quotient.add_edges_from((component[a], component[b]) for a, b in graph.edges if component[a] != component[b])
+        try:
+            cycle = nx.find_cycle(quotient)
+        except nx.NetworkXNoCycle:
+            order = nx.lexicographical_topological_sort(quotient, key=lambda c: min(members[c]))
+            return [sorted(members[c]) for c in order]
+        target = cycle[0][0]
+        for a, _ in cycle:
+            for u in members[a]:
+                component[u] = target
+
+
+def frontier_modules(graph: Graph, channels: int, min_size: int = 4, max_module: int = 24) -> list[list[int]]:
+    """Consecutive runs of the topological order cut where at most ``channels`` values are live (made before
+    the cut, read after it): from each cut, the next is the position in the following ``min_size`` to
+    ``max_module`` units with the fewest live values (the nearest among equals)."""
+    n = len(graph)
+    live = []
+    for i in range(n):
+        before = (1 << (i + 1)) - 1
+        live.append(sum(1 for u in range(i + 1) if graph.succs[u] & ~before))
+    modules, start = [], 0
+    while n - start > max_module:
+        window = range(start + min_size - 1, min(n - 1, start + max_module))
+        cut = min(window, key=lambda i: (max(live[i], channels), i))
+        modules.append(list(range(start, cut + 1)))
+        start = cut + 1
+    modules.append(list(range(start, n)))
+    return modules
+
+
+def crossing(graph: Graph, modules: list[list[int]]) -> list[int]:
+    """For each boundary between consecutive modules, how many values cross it."""
+    position = {u: t for t, units in enumerate(modules) for u in units}
+    counts = []
+    for t in range(len(modules) - 1):
+        counts.append(sum(1 for u in range(len(graph)) if position[u] <= t
+                          and any(position[v] > t for v in indices(graph.succs[u]))))
+    return counts
+
+
+def decompose(graph: Graph, channels: int | None = None, max_module: int = 24, min_size: int = 4) -> Decomposition:
+    """The modules MILP-SPLIT solves one by one: the cut units when they give modules of at most
+    ``max_module`` units (exact), else the edge-connected components for the fewest channels (2..4, or
+    ``channels``) whose largest module has at most ``max_module`` units (else whichever decomposition has
+    the smallest largest module)."""
+    single = single_channel_modules(graph, min_size)
+    if channels == 1 or (channels is None and max(map(len, single)) <= max_module):
+        return Decomposition(single, 1, True)
+    best, best_single = single, True
+    for c in ([channels] if channels else range(2, 5)):
+        modules = edge_connected_modules(graph, c, min_size)
+        if max(map(len, modules)) > max_module:
+            # Sparse modules (ER(0.2) of 10 units has units of degree 1) are not k-edge-connected inside:
+            # the components fall apart; cut the topological order where few values are live instead.
+            modules = frontier_modules(graph, c, min_size, max_module)
+        if max(map(len, modules)) < max(map(len, best)):
+            best, best_single = modules, False
+        if len(modules) > 1 and max(map(len, modules)) <= max_module and max(crossing(graph, modules)) <= c:
+            break
+    if len(best) == 1 or best_single:  # the MILP itself, or cut units: exact
+        return Decomposition(best, 1 if len(best) > 1 else 0, True)
+    return Decomposition(best, max(crossing(graph, best)), False)

@@ -1,0 +1,168 @@
+"""A mapping: which device runs each unit (each piece of the batch, for throughput) and in what order.
+
+A :class:`Job` is a unit run on one device for some of the batch's pieces at once (for the latency
+objective, the one piece: the whole batch). A :class:`Mapping` lists each device's jobs in the order it runs
+them; the simulator (``replay.py``) gives the times. :func:`to_schedule` makes the plan a stream-form
+:class:`~opsched.schedule.Schedule`, one stream per device, the mapping's own data in ``options``.
+
+>>> m = Mapping.from_devices(3, [0, 1, 0], [0, 1, 2], devices=2)
+>>> [[j.unit for j in jobs] for jobs in m.order]
+[[0, 2], [1]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opsched.mapping import MappingError
+from opsched.mapping.problem import Problem
+from opsched.schedule import OpTiming, Schedule
+
+
+@dataclass(frozen=True)
+class Job:
+    unit: int
+    device: int
+    pieces: tuple[int, ...] = (0,)
+
+
+@dataclass
+class Mapping:
+    order: list[list[Job]]
+
+    @classmethod
+    def from_devices(cls, n: int, device_of: Sequence[int], order: Sequence[int], devices: int) -> Mapping:
+        """Each unit whole on ``device_of[u]``, every device running its units in the global ``order``."""
+        jobs: list[list[Job]] = [[] for _ in range(devices)]
+        for u in order:
+            jobs[device_of[u]].append(Job(u, device_of[u]))
+        if sum(map(len, jobs)) != n:
+            raise MappingError("the order must hold every unit once")
+        return cls(jobs)
+
+    @classmethod
+    def from_pieces(cls, problem: Problem, device_of: Sequence[Sequence[int]], order: Sequence[int]) -> Mapping:
+        """``device_of[u][q]`` runs piece ``q`` of unit ``u``; the pieces of a unit on one device are one job;
+        every device runs its jobs in the units' ``order``."""
+        jobs: list[list[Job]] = [[] for _ in range(problem.devices)]
+        for u in order:
+            on: dict[int, list[int]] = {}
+            for q, d in enumerate(device_of[u]):
+                on.setdefault(d, []).append(q)
+            for d in sorted(on):
+                jobs[d].append(Job(u, d, tuple(on[d])))
+        return cls(jobs)
+
+    def jobs(self) -> list[Job]:
+        return [j for jobs in self.order for j in jobs]
+
+    def device_of(self) -> list[dict[int, int]]:
+        """For each unit, piece -> device (indexed by unit)."""
+        n = 1 + max((j.unit for j in self.jobs()), default=-1)
+        out: list[dict[int, int]] = [{} for _ in range(n)]
+        for j in self.jobs():
+            for q in j.pieces:
+                out[j.unit][q] = j.device
+        return out
+
+
+def check(problem: Problem, mapping: Mapping) -> None:
+    """Raise :class:`MappingError` unless every piece of every unit runs once, on a device that accepts its
+    batch, within every device's memory."""
+    seen: dict[tuple[int, int], Job] = {}
+    used = [0.0] * problem.devices
+    for d, jobs in enumerate(mapping.order):
+        for job in jobs:
+            name = problem.graph.nodes[job.unit].name
+            if job.device != d:
+                raise MappingError(f"unit {name!r} is listed on device {d} but placed on {job.device}")
+            if not job.pieces or math.isinf(problem.time(job.unit, d, len(job.pieces))):
+                raise MappingError(f"device {problem.platform.devices[d].name!r} cannot run unit {name!r} "
+                                   f"for {len(job.pieces)} of {problem.pieces} pieces of the batch")
+            for q in job.pieces:
+                if (job.unit, q) in seen or not 0 <= q < problem.pieces:
+                    raise MappingError(f"piece {q} of unit {name!r} is placed twice or does not exist")
+                seen[(job.unit, q)] = job
+            used[d] += problem.memory(job.unit, len(job.pieces))
+    if len(seen) != problem.n * problem.pieces:
+        missing = next(u for u in range(problem.n) for q in range(problem.pieces) if (u, q) not in seen)
+        raise MappingError(f"unit {problem.graph.nodes[missing].name!r} is not placed")
+    for d, device in enumerate(problem.platform.devices):
+        if used[d] > device.memory * (1 + 1e-9):
+            raise MappingError(f"the mapping puts {used[d]:.4g} bytes on {device.name!r}, more than its "
+                               f"memory ({device.memory:.4g})")
+
+
+def placements(problem: Problem, timeline: Any) -> list[dict[str, Any]]:
+    """The design's ``placements``: each job with its inputs of the batch as ``[first, count]`` (a job of
+    pieces that are not consecutive is one entry per run of consecutive pieces)."""
+    per_piece = problem.batch // problem.pieces if problem.pieces > 1 else problem.batch
+    out = []
+    for job in sorted(timeline.start, key=lambda j: (timeline.start[j], j.device, j.unit)):
+        for first, count in _runs(job.pieces):
+            out.append({"name": problem.graph.nodes[job.unit].name, "device": problem.platform.devices[job.device].name,
+                        "start": timeline.start[job], "finish": timeline.finish[job],
+                        "inputs": [first * per_piece, count * per_piece]})
+    return out
+
+
+def transfers(problem: Problem, timeline: Any) -> list[dict[str, Any]]:
+    """The design's ``transfers``: each value moved between devices (once per target device and piece)."""
+    per_piece = problem.batch // problem.pieces if problem.pieces > 1 else problem.batch
+    names = problem.platform.names
+    seen = set()
+    out = []
+    for t in sorted(timeline.transfers, key=lambda t: (t.start, t.value, t.to_device)):
+        key = (t.value, t.to_device, t.pieces, t.start, t.finish)
+        if key in seen:
+            continue
+        seen.add(key)
+        first = t.pieces[0]
+        out.append({"value": problem.graph.nodes[t.value].name, "from_device": names[t.from_device],
+                    "to_device": names[t.to_device], "start": t.start, "finish": t.finish,
+                    "inputs": [first * per_piece, len(t.pieces) * per_piece]})
+    return out
+
+
+def _runs(pieces: Sequence[int]) -> list[tuple[int, int]]:
+    runs: list[tuple[int, int]] = []
+    for q in sorted(pieces):
+        if runs and runs[-1][0] + runs[-1][1] == q:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((q, 1))
+    return runs
+
+
+def to_schedule(problem: Problem, mapping: Mapping, timeline: Any, method: str, lower_bound: float,
+                optimal: bool, stats: dict[str, Any]) -> Schedule:
+    """The mapping as a stream-form Schedule: stream ``d`` is device ``d``; each unit's op is its job with
+    the most pieces (all of them unless the batch is split); ``options`` holds the platform, each stream's
+    device, the threads of CPU devices (``stream_threads``, which the CPU backend applies), the objective
+    and the full placements and transfers."""
+    by_unit: dict[int, Job] = {}
+    for job in timeline.start:
+        if job.unit not in by_unit or len(job.pieces) > len(by_unit[job.unit].pieces):
+            by_unit[job.unit] = job
+    graph = problem.graph
+    ops = [OpTiming(graph.nodes[u].name, by_unit[u].device, timeline.start[by_unit[u]], timeline.finish[by_unit[u]])
+           for u in range(problem.n)]
+    devices = problem.platform.devices
+    split = any(len(j.pieces) < problem.pieces for j in timeline.start)
+    options = {
+        "mapping": True, "platform": problem.platform.to_dict(), "objective": problem.objective,
+        "stream_devices": [d.name for d in devices], "stream_kinds": [d.kind for d in devices],
+        "stream_threads": [d.threads for d in devices], "pieces": problem.pieces, "split_batch": split,
+        "predicted": problem.objective_value(timeline.makespan), "lower_bound": lower_bound, "optimal": optimal,
+        "time_unit": problem.time_unit,
+        "placements": placements(problem, timeline), "transfers": transfers(problem, timeline),
+    }
+    simulated = any(d.simulated for d in devices)
+    return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
+                    predicted_latency=timeline.makespan, stages=None,
+                    cost="sim:" + problem.platform.name if simulated else "measured",
+                    device=f"{'sim:' if simulated else ''}platform:{problem.platform.name}",
+                    batch=problem.batch, stats=stats, bounds={"lower_bound": lower_bound}, options=options)

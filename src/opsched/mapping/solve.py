@@ -1,0 +1,101 @@
+"""One entry point for every mapping algorithm: ``solve(problem, method)`` -> the mapping, whether it is
+proven optimal, the lower bound beside it and the search statistics.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> from opsched.mapping.platform import platform_from_dict
+>>> from opsched.mapping.problem import build_problem
+>>> g = Graph([Node("a", latency=2.0), Node("b", latency=2.0)])
+>>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+>>> s = solve(build_problem(g, p), "milp", time_limit=5)
+>>> s.makespan, s.optimal, s.lower_bound
+(2.0, True, 2.0)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opsched.mapping import MappingError
+from opsched.mapping.plan import Mapping, check
+from opsched.mapping.problem import Problem
+from opsched.mapping.replay import Timeline, replay
+
+METHODS = ("best-device", "met", "greedy", "heft", "sa", "ea", "milp", "milp-split")
+
+
+@dataclass
+class Solved:
+    mapping: Mapping
+    timeline: Timeline
+    optimal: bool
+    lower_bound: float
+    seconds: float
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def makespan(self) -> float:
+        return self.timeline.makespan
+
+
+def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0, symmetry: str = "none",
+          progress: Callable[[int, int], None] | None = None, bound: bool = True) -> Solved:
+    """Map ``problem`` with ``method`` within ``time_limit`` seconds (the searches; the list heuristics take
+    milliseconds). ``lower_bound`` is DiviML's recursive bound, raised to what a solver proved."""
+    from opsched.mapping.bound import lower_bound
+
+    started = time.perf_counter()
+    stats: dict[str, Any] = {}
+    optimal = False
+    proven_bound = 0.0
+    if method == "best-device":
+        from opsched.mapping.best_device import best_device
+
+        mapping = best_device(problem)
+    elif method == "met":
+        from opsched.mapping.met import met
+
+        mapping = met(problem)
+    elif method == "greedy":
+        from opsched.mapping.greedy import greedy
+
+        mapping = greedy(problem)
+    elif method == "heft":
+        from opsched.mapping.heft import heft
+
+        mapping = heft(problem)
+    elif method == "sa":
+        from opsched.mapping.anneal import anneal
+
+        mapping = anneal(problem, seed=seed, time_limit=time_limit, progress=progress)
+    elif method == "ea":
+        from opsched.mapping.evolve import evolve
+
+        mapping = evolve(problem, seed=seed, time_limit=time_limit, progress=progress)
+    elif method == "milp":
+        from opsched.mapping.heft import heft
+        from opsched.mapping.milp import milp
+
+        result = milp(problem, time_limit=time_limit, hint=heft(problem), symmetry=symmetry)
+        mapping, optimal, proven_bound = result.mapping, result.optimal, result.bound
+        stats.update(status=result.status, solver_makespan=result.solver_makespan)
+    elif method == "milp-split":
+        from opsched.mapping.split import milp_split
+
+        result = milp_split(problem, time_limit=time_limit, symmetry=symmetry, progress=progress)
+        mapping, optimal = result.mapping, result.optimal
+        stats.update(modules=len(result.decomposition.modules), channels=result.decomposition.channels,
+                     single_channel=result.decomposition.single_channel, solves=result.solves,
+                     module_sizes=[len(m) for m in result.decomposition.modules])
+    else:
+        raise MappingError(f"unknown mapping method {method!r}; choose from {', '.join(METHODS)}")
+    check(problem, mapping)
+    timeline = replay(problem, mapping)
+    seconds = time.perf_counter() - started
+    lb = max(lower_bound(problem) if bound else 0.0, proven_bound)
+    if optimal:
+        lb = max(lb, timeline.makespan)  # proven: the optimum is its own best bound
+    stats["solve_seconds"] = seconds
+    return Solved(mapping, timeline, optimal, min(lb, timeline.makespan), seconds, stats)

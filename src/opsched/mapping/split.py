@@ -1,0 +1,218 @@
+"""MILP-SPLIT (DiviML Section IV-B): cut the graph into modules, solve each module's MILP for every pair
+(device its inputs come from, device its outputs go out on), and join the modules with a dynamic program.
+
+dp[t][w] is the best latency of modules 1..t with module t's outputs on device w:
+``dp[t][w] = min over v of dp[t - 1][v] + OPT(module t, inputs on v, outputs on w)``.
+
+How channel endpoints are fixed: the values a module reads from earlier modules enter as zero-cost units
+pinned on the input device v (their transfers to the module's units are costed as usual), and every unit of
+the module read by a later module is pinned on the output device w. With one channel (modules bounded by
+cut units, see ``modules.py``) every unit of module t + 1 waits for the cut, which waits for all of module t,
+so the modules run one after another, the devices all free at each cut: the DP is exact and, when every
+module MILP is proven, so is the mapping (``optimal``). With several channels the pinning (all of a
+boundary's outputs on one device) and the modules' one-after-another timing are approximations; the joined
+mapping is replayed as a whole, so later modules may start early where the data allows. For throughput the
+modules' batch pieces may overlap across a boundary in the replay; the DP's sum is then an estimate only.
+A memory budget that can bind (smaller than the whole graph needs) is shared between modules in
+proportion to what each needs; MILP-SPLIT is then not exact.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from opsched.graph.ir import Graph, Node, indices
+from opsched.mapping import MappingError
+from opsched.mapping.heft import heft
+from opsched.mapping.milp import milp
+from opsched.mapping.modules import Decomposition, decompose
+from opsched.mapping.plan import Job, Mapping
+from opsched.mapping.platform import Platform
+from opsched.mapping.problem import Problem
+from opsched.mapping.replay import replay
+
+
+@dataclass
+class SplitResult:
+    mapping: Mapping
+    optimal: bool
+    decomposition: Decomposition
+    solves: int
+    seconds: float
+
+
+def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None = None, symmetry: str = "none",
+               min_module: int = 4, progress: Callable[[int, int], None] | None = None) -> SplitResult:
+    """
+    >>> from opsched.graph.ir import Graph, Node
+    >>> from opsched.mapping.platform import platform_from_dict
+    >>> from opsched.mapping.problem import build_problem
+    >>> g = Graph([Node("a", latency=1.0), Node("b", args=("a",), latency=4.0), Node("c", args=("a",), latency=4.0),
+    ...            Node("d", args=("b", "c"), latency=1.0), Node("e", args=("d",), latency=4.0),
+    ...            Node("f", args=("d",), latency=4.0), Node("g", args=("e", "f"), latency=1.0)])
+    >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+    >>> r = milp_split(build_problem(g, p), time_limit=10, min_module=1)
+    >>> r.decomposition.modules, r.optimal, replay(build_problem(g, p), r.mapping).makespan
+    ([[0], [1, 2, 3], [4, 5, 6]], True, 11.0)
+    """
+    started = time.perf_counter()
+    deadline = started + time_limit
+    parts = decompose(problem.graph, channels, min_size=min_module)
+    if not parts.single_channel:
+        mapping, proven, solves = _chained(problem, parts.modules, deadline, symmetry, progress)
+        return SplitResult(mapping, False, parts, solves, time.perf_counter() - started)
+    modules = parts.modules
+    k = problem.devices
+    position = {u: t for t, units in enumerate(modules) for u in units}
+    outputs = [[u for u in units if any(position[v] > t for v in indices(problem.graph.succs[u]))]
+               for t, units in enumerate(modules)]
+    entries = [sorted({a for u in units for a in indices(problem.graph.preds[u]) if position[a] < t})
+               for t, units in enumerate(modules)]
+    total_solves = sum((k if entries[t] else 1) * (k if outputs[t] else 1) for t in range(len(modules)))
+    solves = 0
+    proven = True
+    dp: dict[int | None, tuple[float, list[Mapping]]] = {None: (0.0, [])}  # exit device -> (latency, per module)
+    for t, units in enumerate(modules):
+        nxt: dict[int | None, tuple[float, list[Mapping]]] = {}
+        ins = list(dp) if entries[t] else [None]
+        outs = list(range(k)) if outputs[t] else [None]
+        for v in ins:
+            for w in outs:
+                solves += 1
+                left = max(0.05, (deadline - time.perf_counter()) / max(1, total_solves - solves + 1))
+                solved = _solve_module(problem, units, entries[t], outputs[t], v, w, left, symmetry, len(modules))
+                if progress:
+                    progress(solves, total_solves)
+                if solved is None:
+                    continue
+                latency, mapping, optimal = solved
+                proven &= optimal
+                base = dp[v][0] if v in dp else dp[None][0]
+                chain = dp[v][1] if v in dp else dp[None][1]
+                if w not in nxt or base + latency < nxt[w][0]:
+                    nxt[w] = (base + latency, chain + [mapping])
+        if not nxt:
+            raise MappingError(f"module {t} of the graph fits on no device with its inputs and outputs pinned")
+        dp = nxt
+    _, chain = min(dp.values(), key=lambda item: item[0])
+    order: list[list[Job]] = [[] for _ in range(k)]
+    for mapping in chain:
+        for d in range(k):
+            order[d].extend(mapping.order[d])
+    mapping = Mapping(order)
+    exact = parts.single_channel and problem.objective == "latency" and not memory_binds(problem)
+    return SplitResult(mapping, proven and exact, parts, solves, time.perf_counter() - started)
+
+
+def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmetry: str,
+             progress: Callable[[int, int], None] | None) -> tuple[Mapping, bool, int]:
+    """Several channels: each module in turn, the values it reads pinned where the modules before put them,
+    its outputs free; the modules' jobs follow one another on each device."""
+    k = problem.devices
+    device_of: dict[int, int] = {}
+    order: list[list[Job]] = [[] for _ in range(k)]
+    proven = True
+    position = {u: t for t, units in enumerate(modules) for u in units}
+    for t, units in enumerate(modules):
+        entries = sorted({a for u in units for a in indices(problem.graph.preds[u]) if position[a] < t})
+        sub, back = module_problem(problem, units, entries, len(modules))
+        pinned = {i: device_of[entries[i]] for i, u in enumerate(back) if u is None}
+        left = max(0.05, (deadline - time.perf_counter()) / (len(modules) - t))
+        result = milp(sub, time_limit=left, hint=_pinned(heft(sub), pinned, k), pinned=pinned, symmetry="none")
+        proven &= result.optimal
+        for d in range(k):
+            for j in result.mapping.order[d]:
+                if back[j.unit] is not None:
+                    order[d].append(Job(back[j.unit], d, j.pieces))
+                    device_of[back[j.unit]] = d
+        if progress:
+            progress(t + 1, len(modules))
+    return Mapping(order), proven, len(modules)
+
+
+def _solve_module(problem: Problem, units: list[int], entries: list[int], outputs: list[int], v: int | None,
+                  w: int | None, time_limit: float, symmetry: str, modules: int):
+    """OPT(module, inputs on v, outputs on w): (latency, the module's jobs in global units, proven)."""
+    sub, back = module_problem(problem, units, entries, modules)
+    pinned = {i: v for i, u in enumerate(back) if u is None and v is not None}
+    if w is not None:
+        pinned.update({i: w for i, u in enumerate(back) if u in set(outputs)})
+    for i, d in pinned.items():
+        if math.isinf(sub.time(i, d)):
+            return None
+    hint = _pinned(heft(sub), pinned, sub.devices)
+    try:
+        result = milp(sub, time_limit=time_limit, hint=hint, symmetry=symmetry if not pinned else "none",
+                      pinned=pinned)
+    except MappingError:  # an infeasible pinning is one DP option fewer, not a failure
+        return None
+    latency = replay(sub, result.mapping).makespan
+    order = [[Job(back[j.unit], j.device, j.pieces) for j in jobs if back[j.unit] is not None]
+             for jobs in result.mapping.order]
+    return latency, Mapping(order), result.optimal
+
+
+def _pinned(mapping: Mapping, pinned: dict[int, int], devices: int) -> Mapping:
+    """``mapping`` with the pinned units moved to their devices (each device keeps its jobs' order)."""
+    jobs = sorted(((i, j) for d in range(devices) for i, j in enumerate(mapping.order[d])),
+                  key=lambda item: (item[0], item[1].unit))
+    order: list[list[Job]] = [[] for _ in range(devices)]
+    for _, job in sorted(jobs, key=lambda item: item[1].unit):
+        d = pinned.get(job.unit, job.device)
+        order[d].append(Job(job.unit, d, job.pieces))
+    return Mapping(order)
+
+
+def module_problem(problem: Problem, units: list[int], entries: list[int], modules: int = 1
+                   ) -> tuple[Problem, list[int | None]]:
+    """The sub-problem of one module: a zero-cost unit for each value it reads from earlier modules, then
+    its units; and, per sub-problem unit, the global unit (None for the entries)."""
+    graph = problem.graph
+    inside = set(units)
+    nodes: list[Node] = []
+    back: list[int | None] = []
+    for a in entries:
+        nodes.append(Node(f"in:{graph.nodes[a].name}", latency=0.0))
+        back.append(None)
+    for u in units:
+        node = graph.nodes[u]
+        args = tuple((a if graph.index.get(a) in inside else f"in:{a}") for a in node.args
+                     if graph.index.get(a) in inside or graph.index.get(a) in set(entries))
+        nodes.append(replace(node, args=args))
+        back.append(u)
+    sub_graph = Graph(nodes, name=f"{graph.name}/module")
+    local = {sub_graph.nodes[i].name: i for i in range(len(sub_graph))}
+    index_of = [local[n.name] for n in nodes]  # Graph keeps this order (it is topological)
+    assert index_of == list(range(len(nodes)))
+    zero = [[0.0] * problem.pieces for _ in range(problem.devices)]
+    times = [zero if u is None else problem.times[u] for u in back]
+    position = {u: i for i, u in enumerate(back) if u is not None}
+    entry_at = {a: i for i, a in enumerate(entries)}
+    edge_bytes = {}
+    for (a, b), nbytes in problem.edge_bytes.items():
+        if b in position and (a in position or a in entry_at):
+            edge_bytes[(position[a] if a in position else entry_at[a], position[b])] = nbytes
+    activation = [0.0 if u is None else problem.activation_bytes[u] for u in back]
+    weights = [0.0 if u is None else problem.weight_bytes[u] for u in back]
+    platform = _shared_memory(problem, units)
+    return Problem(sub_graph, platform, times, edge_bytes, activation, weights, problem.objective, problem.batch,
+                   problem.pieces, problem.time_unit, problem.simulated), back
+
+
+def memory_binds(problem: Problem) -> bool:
+    """Whether some device's memory is too small for the whole graph (else no budget can bind)."""
+    need = sum(problem.memory(u) for u in range(problem.n))
+    return any(d.memory < need for d in problem.platform.devices)
+
+
+def _shared_memory(problem: Problem, units: list[int]) -> Platform:
+    devices = problem.platform.devices
+    if not memory_binds(problem):
+        return problem.platform
+    need = sum(problem.memory(u) for u in range(problem.n)) or 1.0
+    share = sum(problem.memory(u) for u in units) / need
+    return replace(problem.platform, devices=[replace(d, memory=d.memory * share) if math.isfinite(d.memory) else d
+                                              for d in devices])
