@@ -227,3 +227,11 @@ def test_inductor_units_compute_what_the_eager_units_do():
         assert torch.allclose(compiled(x), model(x), atol=1e-5)
         assert isinstance(g.nodes[0].run(x), torch.Tensor)
     assert operator.compile_seconds > 0
+
+
+def test_a_device_with_no_units_does_not_shift_the_threads_of_the_next():
+    g = diamond()
+    s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [], [2]])
+    s.options["stream_threads"] = [1, 5, 3]
+    threads = {g.nodes[run.units[0]].name: run.threads for run in compile_program(s, g, cores=2).runs()}
+    assert threads == {"a": 1, "b": 1, "c": 3, "d": 1}

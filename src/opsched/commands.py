@@ -122,8 +122,10 @@ def explain(schedule, graph, cost) -> str:
 
 def run_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched import schedule as schedule_module
+    from opsched.mapping.execute import check_runnable, is_mapping
 
     plan = schedule_module.from_dict(_read_plan(args.plan), args.plan)
+    devices = check_runnable(plan) if is_mapping(plan) else None  # refuses simulated devices in one line
     if plan.device.startswith("sim:"):
         raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
                            "(opsched show) but not run here")
@@ -158,7 +160,9 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
               "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
-              "warnings": ev.warnings + notes}
+              "warnings": ev.warnings + notes, "engine": "local"}
+    if devices is not None:
+        result["devices"] = devices
     for warning in result["warnings"]:
         print(f"opsched: warning: {warning}", file=sys.stderr)
     module = modules[label]
@@ -195,7 +199,12 @@ def show_command(args: argparse.Namespace) -> dict[str, Any]:
         if path and Path(path).exists() and not args.force:
             raise OpschedError(f"{path} exists; pass --force to overwrite it")
     label = _timeline_title(plan, plan.graph_name)
-    if args.gantt:
+    mapping = plan.options.get("mapping")
+    if args.gantt and mapping:
+        from opsched.report.mapping import write_mapping_gantt
+
+        write_mapping_gantt(args.gantt, plan)
+    elif args.gantt:
         from opsched.report.gantt import merged_units, write_gantt
 
         write_gantt(args.gantt, plan.ops, None, label, merges=merged_units(plan))
@@ -209,15 +218,23 @@ def show_command(args: argparse.Namespace) -> dict[str, Any]:
               "streams": len(streams), "stages": len(plan.stages) if plan.stages is not None else None,
               "predicted_latency": plan.predicted_latency, "timeline": label,
               "gantt": args.gantt, "trace": args.trace}
+    if mapping:
+        result.update(devices=plan.options.get("stream_devices"), lower_bound=plan.options.get("lower_bound"),
+                      optimal=plan.options.get("optimal"), transfers=len(plan.options.get("transfers") or []))
     if not args.json:
         batch = f"batch {plan.batch}, " if plan.batch else ""
         print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} ({batch}{plan.device})")
         print(f"form        {plan.form}: {_count(len(plan.ops), 'unit')} on {_count(len(streams), 'stream')}"
               + (f" in {_count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
-        unit = "" if plan.cost == "table" else " ms"  # a DAG JSON file's latencies have no unit
-        print(f"predicted   {plan.predicted_latency:.4g}{unit}  ({label})")
+        unit = "" if plan.cost == "table" else plan.options.get("time_unit", "ms")
+        print(f"predicted   {plan.predicted_latency:.4g}{' ' + unit if unit else ''}  ({label})")
+        names = plan.options.get("stream_devices") if mapping else None
         for k, units in enumerate(streams):
-            print(f"stream {k:<3} {_count(len(units), 'unit')}")
+            print(f"{'device ' + names[k] if names else f'stream {k}':<11} {_count(len(units), 'unit')}")
+        if mapping:
+            print(f"bound       {result['lower_bound']:.4g} (lower bound; "
+                  f"{'proven optimal' if result['optimal'] else 'not proven optimal'}), "
+                  f"{_count(result['transfers'], 'transfer')}")
         for what, path in (("gantt", args.gantt), ("trace", args.trace)):
             if path:
                 print(f"{what:<11} {path}")
@@ -327,7 +344,9 @@ def _timeline_title(plan, name: str) -> str:
         what = f"SIMULATED on {plan.cost[4:]} (predicted, not measured)"
     else:
         what = f"predicted by the {plan.cost} cost model"
-    unit = "" if plan.cost == "table" else " ms"  # a DAG JSON file's latencies have no unit
+    # a DAG JSON file's latencies have no unit; a mapping says which it has
+    unit = "" if plan.cost == "table" else plan.options.get("time_unit", "ms")
+    unit = f" {unit}" if unit else ""
     batch = f", batch {plan.batch}" if plan.batch else ""
     return f"{name}, {plan.method}{batch}: {what}, {plan.predicted_latency:.3g}{unit}"
 

@@ -161,11 +161,11 @@ def _finish(graph: Graph, streams: list[list[Step]], events: int, cores: int) ->
 
 
 def _streamed(schedule: Schedule, graph: Graph, cores: int) -> tuple[list[list[Step]], int]:
-    order = [[graph.index[n] for n in units] for units in schedule.streams()]
-    order = [units for units in order if units]
+    every = [[graph.index[n] for n in units] for units in schedule.streams()]
+    threads = _stream_threads(schedule, graph, every, cores)
+    order = [units for units in every if units]
     stream_of = {u: k for k, units in enumerate(order) for u in units}
     position = {u: i for units in order for i, u in enumerate(units)}
-    threads = _stream_threads(schedule, graph, order, cores)
     after: dict[int, list[int]] = {}  # unit -> per stream, the last position known done once it has run
     known = [[-1] * len(order) for _ in order]  # per stream: what it knows done so far
     waits: dict[int, list[int]] = {}  # unit -> producers its stream waits for right before it
@@ -225,8 +225,9 @@ def _run_order(graph: Graph, order: Sequence[Sequence[int]]) -> list[int]:
 
 
 def _stream_threads(schedule: Schedule, graph: Graph, order: Sequence[Sequence[int]], cores: int) -> dict[int, int]:
-    """Each unit's intra-op threads: its device's, when the schedule maps streams onto devices; otherwise
-    ``cores`` shared by the streams whose predicted timelines overlap the unit's."""
+    """Each unit's intra-op threads: its device's, when the schedule maps streams onto devices (``order``
+    has every stream, empty ones too, so that stream k is device k); otherwise ``cores`` shared by the
+    streams whose predicted timelines overlap the unit's."""
     per_stream = schedule.options.get("stream_threads")
     if per_stream:
         return {u: max(1, int(per_stream[k])) for k, units in enumerate(order) for u in units}
@@ -235,7 +236,7 @@ def _stream_threads(schedule: Schedule, graph: Graph, order: Sequence[Sequence[i
     for k, units in enumerate(order):
         for u in units:
             mine = timing[u]
-            busy = {j for j, others in enumerate(order) if j != k and any(
+            busy = {j for j, others in enumerate(order) if j != k and others and any(
                 timing[v].start < mine.finish and mine.start < timing[v].finish for v in others)}
             threads[u] = max(1, cores // (1 + len(busy)))
     return threads

@@ -1,0 +1,48 @@
+"""A mapped plan drawn as a Gantt chart (PNG): one row per device, one bar per job (a unit, or the pieces
+of the batch it runs there), and each transfer as an arrow from the producing device's row to the reading
+device's row over the time it takes. The title says whether the times are simulated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opsched.schedule import Schedule
+
+
+def write_mapping_gantt(path: str | Path, plan: Schedule) -> None:
+    """Draw ``plan`` (a plan from ``opsched map``: ``plan.options["mapping"]`` is true) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    options = plan.options
+    devices = list(options["stream_devices"])
+    row = {name: k for k, name in enumerate(devices)}
+    placements, moves = options["placements"], options["transfers"]
+    end = max([p["finish"] for p in placements] + [t["finish"] for t in moves] + [1e-9])
+    fig, ax = plt.subplots(figsize=(14, 1.6 + 0.7 * len(devices)))
+    colours = plt.get_cmap("tab20")
+    for k, p in enumerate(placements):
+        y = row[p["device"]]
+        width = max(p["finish"] - p["start"], end * 1e-4)
+        ax.broken_barh([(p["start"], width)], (y - 0.35, 0.7), facecolors=colours(k % 20), edgecolors="white",
+                       linewidth=0.3)
+        label = p["name"].split(".")[-1]
+        if width > end * 0.005 * len(label):
+            ax.text(p["start"] + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
+    for t in moves:
+        a, b = row[t["from_device"]], row[t["to_device"]]
+        ax.annotate("", xy=(t["finish"], b + (0.4 if b < a else -0.4) * -1),
+                    xytext=(t["start"], a + (0.4 if b > a else -0.4)),
+                    arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.6, "alpha": 0.6})
+    ax.set_yticks(range(len(devices)), devices)
+    ax.invert_yaxis()
+    ax.set_xlim(0, end * 1.01)
+    ax.set_xlabel(options.get("time_unit") or "time")
+    simulated = "SIMULATED" if plan.device.startswith("sim:") else "predicted from measured costs"
+    ax.set_title(f"{plan.graph_name}: {plan.method} on {options['platform']['name']} ({simulated}), "
+                 f"{options['objective']} {options['predicted']:.4g}; {len(moves)} transfers (arrows)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
