@@ -10,7 +10,8 @@
   1-thread runner does not run the all-thread runner's kernels.
 - ``onnxruntime`` (when installed): the model exported to ONNX, run by ONNX Runtime with every graph
   optimisation, sequential execution (its parallel mode does not overlap CPU kernels, see
-  docs/benchmarks.md) and 1 and all intra-op threads.
+  docs/benchmarks.md) and 1 and all intra-op threads, its thread pool not spinning between calls (spinning,
+  it slows whatever runs next in the process: see docs/runtime.md).
 
 Each peer is a list of :class:`opsched.pipeline.Candidate` (one per thread count) for
 :func:`opsched.pipeline.evaluate`.
@@ -96,6 +97,9 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
         options.intra_op_num_threads = threads
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # ORT's worker threads spin while the session lives, holding the core the next candidate needs
+        # (measured here: eager GoogLeNet 2.2x slower after an ORT call); timed beside others, they must not.
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
         feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
         candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
