@@ -115,7 +115,7 @@ HEADER = ("| model | units | width | verified | max abs error | eager ms | torch
 def _line(r: dict) -> str:
     if "failed" in r:
         return f"| {r['model']} | - | - | FAILED: {r['failed']} | | | | | | | | | {r.get('seconds', '')} |"
-    size = "" if r.get("image_size") else " (own input size)"
+    size = " (own input size)" if "smaller_size_failed" in r else ""
     ms = r["measured_ms"]
 
     def cell(name: str) -> str:
