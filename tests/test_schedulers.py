@@ -203,3 +203,21 @@ def test_bad_options():
         TableCost(g, capacity=0.5)
     with pytest.raises(OpschedError, match="latency"):
         TableCost(Graph([Node("a")]))
+
+
+def test_the_lower_bound_holds_for_schedules_with_merges_priced_below_their_longest_unit():
+    from opsched.graph.ir import Graph as G
+
+    conv = {"kernel": (1, 1), "stride": (1, 1), "padding": (0, 0)}
+    g = G([Node("a", kind="conv", args=("x",), attrs=conv, latency=4.0),
+           Node("b", kind="conv", args=("x",), attrs=conv, latency=4.0),
+           Node("c", args=("a", "b"), latency=1.0)], inputs=["x"])
+
+    class CheapMerges(TableCost):
+        def merge_latency(self, units):
+            return 3.0  # the merged convolution runs faster than either alone
+
+    cost = CheapMerges(g)
+    s = make_schedule("ios", g, cost)
+    assert any(st.strategy == "merge" for st in s.stages) and s.predicted_latency == pytest.approx(4.0)
+    assert s.bounds["lower_bound"] <= s.predicted_latency  # was 5 (4 + 1) against a 4 schedule
