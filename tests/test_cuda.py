@@ -1,8 +1,14 @@
-"""The CUDA backend. These tests run where PyTorch sees a CUDA device and are skipped elsewhere."""
+"""The CUDA backend on a real GPU (skipped where PyTorch sees none), and the default device interface's
+mapping onto torch.cuda. On a machine without a GPU the backend runs through the stand-in instead: see
+tests/test_cuda_executor.py and tests/cuda_standin.py."""
+
+from unittest import mock
 
 import pytest
 import torch
 
+import opsched
+from opsched.cost.measure import MeasuredCost
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import load_model
@@ -19,6 +25,39 @@ def test_the_cuda_executor_says_when_there_is_no_cuda():
         pytest.skip("CUDA is present")
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         cuda.CUDAExecutor(None, unit_operator)
+
+
+def test_the_default_interface_is_torch_cuda_called_as_documented():
+    assert isinstance(cuda.current_api(), cuda.TorchCuda) and cuda.current_api().api is torch.cuda
+    api = mock.MagicMock()
+    api.current_device.return_value = 0
+    api.get_device_capability.return_value = (8, 0)
+    api.get_device_name.return_value = "A100"
+    gpu = cuda.TorchCuda(api)
+    stream, event, end, tensor, graph = (mock.MagicMock() for _ in range(5))
+    assert gpu.available() is api.is_available.return_value
+    assert gpu.describe().startswith("cuda|A100|sm_80|cuda ")
+    assert gpu.current_stream() is api.current_stream.return_value
+    assert gpu.new_stream() is api.Stream.return_value
+    assert gpu.use_stream(stream) is api.stream.return_value
+    api.stream.assert_called_with(stream)
+    assert gpu.new_event(timing=True) is api.Event.return_value
+    api.Event.assert_called_with(enable_timing=True)
+    gpu.record(event, stream)
+    event.record.assert_called_with(stream)
+    gpu.wait(stream, event)
+    stream.wait_event.assert_called_with(event)
+    gpu.record_stream(tensor, stream)
+    tensor.record_stream.assert_called_with(stream)
+    gpu.synchronize()
+    api.synchronize.assert_called_once_with()
+    assert gpu.elapsed_ms(event, end) is event.elapsed_time.return_value
+    event.elapsed_time.assert_called_with(end)
+    assert gpu.new_graph() is api.CUDAGraph.return_value
+    assert gpu.capture(graph) is api.graph.return_value
+    api.graph.assert_called_with(graph)
+    gpu.replay(graph)
+    graph.replay.assert_called_once_with()
 
 
 @pytest.fixture(scope="module")
@@ -51,4 +90,33 @@ def test_timeline_from_cuda_events(on_gpu):
     executor = cuda.CUDAExecutor(compile_program(schedule, g, 1), unit_operator)
     executor(*inputs, record_timeline=True)
     assert len({u for _, units, _, _ in executor.timeline for u in units}) == len(g)
+    assert all(0.0 <= start <= finish for _, _, start, finish in executor.timeline)
     assert cuda.time_cuda(lambda: executor(*inputs), repeats=3) > 0
+
+
+@needs_cuda
+def test_a_cuda_graph_verified_in_inference_mode_then_called_normally(on_gpu):
+    model, inputs, g = on_gpu
+    plan = make_schedule("ios", g, SimulatedGPU(g, "v100"))
+    plan.device = "cuda"
+    module = opsched.compile(g, plan, cuda_graph=True)
+    assert opsched.verify(module, model, inputs).ok
+    with torch.no_grad():
+        got = module(*inputs).clone()
+        assert (got - model(*inputs)).abs().max().item() <= 1e-3
+
+
+@needs_cuda
+def test_measured_costs_on_the_gpu(on_gpu):
+    _, inputs, g = on_gpu
+    cost = MeasuredCost(g, inputs, device="cuda", cache=False, repeats=3)
+    assert cost.thread_options == [1] and cost.capacity >= 1.0
+    assert cost.device.startswith("cuda|")
+
+
+def test_cuda_graph_without_a_cuda_device_is_bad_input(capsys):
+    from opsched.cli import main
+
+    assert main(["optimize", "squeezenet", "--image-size", "32", "--cuda-graph"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graph needs --device cuda" in err and len(err.strip().splitlines()) == 1

@@ -12,6 +12,14 @@ stages for Inception V3). This model measures what is cheap and predicts the res
 - a stage is *predicted* from those: the longest group at its thread count, no shorter than the stage's
   work spread over the cores, times a contention factor, plus the hand-off per extra group; a merged
   stage is the units' time alone times a merge factor;
+- on a GPU (``device="cuda"``) threads do not apply: the units are profiled once, timed with CUDA events, and
+  concurrent kernels share the SMs instead of cores. How much of the device a unit fills is measured: the
+  unit run as ``SHARING_COPIES`` copies on as many streams at once, in place, against the unit alone; a unit
+  that fills a fraction f of the SMs takes about ``max(1, copies * f)`` times as long that way. A concurrent
+  stage is predicted as its longest group, no shorter than the device time its units fill (each unit's
+  latency times its fraction), times the contention factor, plus the hand-off per extra group; the
+  capacity (how many units' worth of work the GPU does at once, which bounds every schedule) is one over
+  the smallest fraction;
 - :meth:`MeasuredCost.measure_schedule` runs a whole staged schedule and keeps the latency of each of its
   concurrent and merge stages as measured in place; from then on the measured latency is used, and the contention and merge factors
   become the median ratio of measured to predicted. The pipeline (:func:`opsched.pipeline.search_measured`)
@@ -28,6 +36,7 @@ search of the same model re-measures nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -52,6 +61,7 @@ StageKey = tuple[str, tuple[tuple[int, ...], ...]]  # (strategy, groups of unit 
 MIN_SAMPLE_SECONDS = 0.002  # a sample of the hand-off probe repeats it until it lasts this long
 CONTENTION_PRIOR = 1.0
 MERGE_PRIOR = 0.85  # optimistic, so that searches try merges and measurement settles them
+SHARING_COPIES = 4  # copies of a unit run at once on a GPU to see how much of the device it fills
 
 
 def cpu_fingerprint(cores: int) -> str:
@@ -68,10 +78,9 @@ def cpu_fingerprint(cores: int) -> str:
 
 def cuda_fingerprint() -> str:
     """What makes GPU timings comparable: the GPU, its compute capability, CUDA and PyTorch versions."""
-    index = torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    return (f"cuda|{torch.cuda.get_device_name(index)}|sm_{major}{minor}|cuda {torch.version.cuda}|"
-            f"torch {torch.__version__}")
+    from opsched.runtime.cuda import current_api
+
+    return current_api().describe()
 
 
 class MeasuredCost:
@@ -80,7 +89,8 @@ class MeasuredCost:
     feeding the graph. ``operator`` gives the callable of a run step (the kernels the schedule will run
     with); ``kernels`` names them for the cache. ``cache=None`` uses the default cache file; ``False``
     turns caching off. ``values`` (every unit's output on ``inputs``, see
-    :func:`opsched.graph.interpret.all_values`) saves computing them again when the caller has them."""
+    :func:`opsched.graph.interpret.all_values`) saves computing them again when the caller has them.
+    On a GPU ``cores`` does not apply (see the module docstring)."""
 
     name = "measured"
 
@@ -89,8 +99,10 @@ class MeasuredCost:
                  cache: LatencyCache | bool | None = None, repeats: int = 9,
                  progress: Callable[[str, int], Any] | None = None, values: dict[str, Any] | None = None):
         self.graph = graph
-        self.cores = cores or torch.get_num_threads()
+        self.gpu = device == "cuda"
+        self.cores = 1 if self.gpu else cores or torch.get_num_threads()
         self.capacity = float(self.cores)
+        self.fill: list[float] | None = None  # on a GPU: the fraction of the device each unit fills
         self.kernels = kernels
         self.operator = operator
         self.repeats = repeats
@@ -118,6 +130,9 @@ class MeasuredCost:
         self.best_threads = [lone] * len(graph)
         self.best = list(self.latency[lone])
         self.sync_overhead = self._measure_handoff()
+        if self.gpu:
+            self.fill = self._measure_fill()
+            self.capacity = 1.0 / min(self.fill, default=1.0)
         self.profile_seconds += time.perf_counter() - started
 
     # -- the cost-model interface --
@@ -142,14 +157,20 @@ class MeasuredCost:
         return measured if measured is not None else self.predict(key)
 
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
+        if self.gpu:  # streams share the SMs: no faster than the device time their units fill
+            return max(makespan, self._device_time(u for s in streams for u in s))
         # Streams of a stream schedule share the cores: it cannot beat its work spread over them.
         return max(makespan, sum(self.latency[1][u] for s in streams for u in s) / self.cores)
 
     def describe(self) -> dict:
-        return {"name": self.name, "unit": "ms", "device": self.device, "kernels": self.kernels,
-                "cores": self.cores, "sync_overhead_ms": self.sync_overhead, "contention": self.contention,
-                "merge_factor": self.merge_factor, "profile_seconds": round(self.profile_seconds, 3),
-                **self.counts}
+        described = {"name": self.name, "unit": "ms", "device": self.device, "kernels": self.kernels,
+                     "cores": self.cores, "sync_overhead_ms": self.sync_overhead, "contention": self.contention,
+                     "merge_factor": self.merge_factor, "profile_seconds": round(self.profile_seconds, 3),
+                     **self.counts}
+        if self.gpu:
+            del described["cores"]
+            described["capacity"] = self.capacity
+        return described
 
     # -- prediction --
 
@@ -160,6 +181,10 @@ class MeasuredCost:
             return self.merge_factor * sum(self.latency[self.cores][u] for g in groups for u in g)
         if len(groups) == 1:
             return sum(self.best[u] for u in groups[0])
+        if self.gpu:
+            longest = max(sum(self.best[u] for u in g) for g in groups)
+            filled = self._device_time(u for g in groups for u in g)
+            return self.contention * max(longest, filled) + self.sync_overhead * (len(groups) - 1)
         threads = max(1, self.cores // len(groups))
         alone = self.latency[threads]
         longest = max(sum(alone[u] for u in g) for g in groups)
@@ -311,7 +336,8 @@ class MeasuredCost:
         finally:
             for executor in executors:
                 executor.close()
-            torch.set_num_threads(self.cores)
+            if not self.gpu:
+                torch.set_num_threads(self.cores)
         return timelines
 
     def _measure_handoff(self) -> float:
@@ -323,17 +349,57 @@ class MeasuredCost:
             return cached
         nodes = [Node("a", args=("x",), run=_identity), Node("b", args=("x",), run=_identity)]
         tiny = Graph(nodes, inputs=["x"])
-        x = torch.zeros(1, device=self.where)
         one = make_executor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores), unit_operator, self.where)
         two = make_executor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores), unit_operator, self.where)
-        sync = torch.cuda.synchronize if self.where == "cuda" else (lambda: None)
-        t_one, t_two = interleaved_medians([lambda: (one(x), sync()), lambda: (two(x), sync())], self.repeats,
-                                           min_sample_seconds=MIN_SAMPLE_SECONDS)
+        if self.gpu:  # the device's time, from events: the host's clock would count launches, not the GPU
+            from opsched.runtime.cuda import current_api, time_cuda
+
+            x = torch.zeros(1, device=current_api().device)
+            t_one, t_two = (time_cuda(lambda run=run: run(x), repeats=self.repeats) for run in (one, two))
+        else:
+            x = torch.zeros(1)
+            t_one, t_two = interleaved_medians([lambda: one(x), lambda: two(x)], self.repeats,
+                                               min_sample_seconds=MIN_SAMPLE_SECONDS)
         one.close()
         two.close()
         handoff = max(0.0, t_two - t_one)
         self._store(key, f"cores={self.cores}", handoff, self.repeats)
         return handoff
+
+    def _measure_fill(self) -> list[float]:
+        """GPU: the fraction of the device each unit fills, from the unit run as ``SHARING_COPIES`` copies
+        on as many streams at once, in place (a stage per unit), against the unit alone: k copies of a unit
+        filling f of the SMs take ``max(1, k * f)`` times as long as one. Below 1 / k the copies all fit and
+        f cannot be told apart from 1 / k, which is the figure kept."""
+        copies = SHARING_COPIES
+        key = f"copies={copies}"
+        together = [self._cached(self.signatures[u], key) for u in range(len(self.graph))]
+        if any(t is None for t in together):
+            n = len(self.graph)
+            nodes = list(self.graph.nodes) + [dataclasses.replace(node, name=f"{node.name}~copy{c}")
+                                              for c in range(1, copies) for node in self.graph.nodes]
+            side_by_side = Graph(nodes, inputs=self.graph.inputs, name=f"{self.graph.name}~copies")
+            stages = [("concurrent", [[u + c * n] for c in range(copies)]) for u in range(n)]
+            runs = self._run_in_place([staged_program(side_by_side, stages, 1)],
+                                      f"profiling {n} units, {copies} copies at once")[0]
+            per_unit: list[list[float]] = [[] for _ in range(n)]
+            for timeline in runs:
+                spans: dict[int, tuple[float, float]] = {}
+                for _, units, start, finish in timeline:
+                    u = units[0] % n
+                    first, last = spans.get(u, (start, finish))
+                    spans[u] = (min(first, start), max(last, finish))
+                for u, (start, finish) in spans.items():
+                    per_unit[u].append((finish - start) * 1000.0)
+            together = [statistics.median(samples) for samples in per_unit]
+            for u, ms in enumerate(together):
+                self._store(self.signatures[u], key, ms, len(per_unit[u]))
+        return [min(1.0, max(1.0 / copies, t / (copies * alone))) if alone > 0 else 1.0
+                for t, alone in zip(together, self.best)]
+
+    def _device_time(self, units: Iterable[int]) -> float:
+        """GPU: the time the device is full with ``units`` (each unit's latency times the fraction it fills)."""
+        return sum(self.best[u] * self.fill[u] for u in units)
 
     # -- cache keys --
 

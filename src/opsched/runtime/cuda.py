@@ -1,12 +1,18 @@
-"""The CUDA backend: a StreamProgram on torch.cuda streams and events, optionally captured as one CUDA graph.
+"""The CUDA backend: a StreamProgram on CUDA streams and events, optionally captured as one CUDA graph.
 All CUDA-only code of opsched is in this module.
 
+The device interface: the executor, :func:`time_cuda` and the measured cost model touch CUDA only through
+one small object, a :class:`CudaApi` (streams, events, ``record_stream``, synchronisation, event timing,
+graph capture and replay). :class:`TorchCuda` implements it on ``torch.cuda`` and is the default;
+:func:`use_api` installs another one, such as the test suite's stand-in, which runs the same calls on CPU or
+``meta`` tensors and raises wherever a program breaks CUDA's rules, so that this code runs in CI on a
+machine without a GPU.
+
 Streams: stream 0 of the program is the caller's current stream; each other program stream gets its own
-``torch.cuda.Stream``. A run step launches its units on its stream; ``record`` records a
-``torch.cuda.Event`` on it and ``wait`` makes the stream wait for an event (``Stream.wait_event``): the
-host never blocks, the device orders the work. Before anything, every side stream waits for the current
-stream (so that the inputs it wrote are ready); at the end the current stream waits for every side stream
-(so that the caller sees finished outputs).
+stream. A run step launches its units on its stream; ``record`` records an event on it and ``wait`` makes
+the stream wait for an event: the host never blocks, the device orders the work. Before anything, every
+side stream waits for the current stream (so that the inputs it wrote are ready); at the end the current
+stream waits for every side stream (so that the caller sees finished outputs).
 
 Memory: the caching allocator ties each block to the stream that allocated it, and may hand it out again as
 soon as the tensor is freed *on the host*, while a kernel on another stream may still read it. So every
@@ -14,44 +20,185 @@ tensor read on a stream other than the one that made it is marked with ``Tensor.
 reading stream before the host drops it; the allocator then waits for that stream's pending work before
 reusing the block.
 
-CUDA graphs (``graph=True``): the whole program is captured once into one ``torch.cuda.CUDAGraph``. The
-side streams fork from the capture stream after capture begins (they wait on an event recorded on it) and
-join back (the capture stream waits on an event from each) before it ends, as multi-stream capture
-requires; inside the graph only those dependency edges remain, so replay has no launch or event overhead.
+CUDA graphs (``graph=True``): the whole program is captured once into one CUDA graph. The side streams fork
+from the capture stream after capture begins (they wait on an event recorded on it) and join back (the
+capture stream waits on an event from each) before it ends, as multi-stream capture requires; inside the
+graph only those dependency edges remain, so replay has no launch or event overhead. Every value stays
+alive until capture ends, so the graph's private pool never hands a block read on one stream to another.
 A graph reads and writes fixed addresses: the module keeps *static* input tensors, copies each call's
 inputs into them, replays, and returns the static outputs. Those outputs are overwritten by the next call:
-clone them to keep them.
+clone them to keep them. Whatever the graph keeps across calls (static inputs, intermediates, outputs) is
+made as ordinary tensors without autograd, never as inference tensors, even when the first call runs in
+inference mode (as :func:`opsched.verify` does): a later call outside inference mode copies its inputs
+into the static ones, which PyTorch refuses for an inference tensor.
 
-Timing (``record_timeline``): an event pair around every run step; ``timeline`` then holds
-(stream, units, start, finish) in seconds from the first event, read after a synchronise.
+Timing (``record_timeline``): an event pair around every run step and one origin event recorded on the
+current stream before the side streams fork; ``timeline`` then holds (stream, units, start, finish) in
+seconds from the origin, read after a synchronise. Events have no order of their own (the device decides
+when work on two streams runs), so every time is measured from that one origin, which precedes all the
+program's work on every stream.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import contextlib
+import statistics
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
+from opsched.errors import OpschedError
 from opsched.runtime.kernels import Operator
 from opsched.runtime.program import Record, Run, StreamProgram, Wait, store_outputs
 
 
+class CudaError(OpschedError, RuntimeError):
+    """CUDA asked for where there is none, or used in a way the CUDA backend does not support."""
+
+
+class CudaApi(Protocol):
+    """The device interface: everything the CUDA backend asks of CUDA. Streams, events and graphs are
+    opaque objects handed back to the same interface. Every call is asynchronous on the device except
+    :meth:`synchronize`."""
+
+    device: torch.device
+    """Where this interface's tensors live (``cuda``; the stand-in's are on ``cpu`` or ``meta``)."""
+
+    def available(self) -> bool: ...
+
+    def describe(self) -> str:
+        """What makes timings comparable: the GPU, its compute capability, CUDA and PyTorch versions."""
+
+    def current_stream(self) -> Any: ...
+
+    def new_stream(self) -> Any: ...
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """A context in which ``stream`` is the current stream (kernels launch on it)."""
+
+    def new_event(self, timing: bool = False) -> Any:
+        """An event; only ``timing`` events can be passed to :meth:`elapsed_ms`."""
+
+    def record(self, event: Any, stream: Any) -> None: ...
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Work queued on ``stream`` from now on starts after the work ``event`` was recorded behind."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until the work queued on ``stream`` when it is freed is done."""
+
+    def synchronize(self) -> None: ...
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Milliseconds between two recorded, completed timing events."""
+
+    def new_graph(self) -> Any: ...
+
+    def capture(self, graph: Any) -> contextlib.AbstractContextManager:
+        """A context whose work is captured into ``graph``; inside it the current stream is the capture
+        stream."""
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class TorchCuda:
+    """:class:`CudaApi` on ``torch.cuda`` (or on ``api``, any object with torch.cuda's names)."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, api: Any = None):
+        self.api = api if api is not None else torch.cuda
+
+    def available(self) -> bool:
+        return self.api.is_available()
+
+    def describe(self) -> str:
+        index = self.api.current_device()
+        major, minor = self.api.get_device_capability(index)
+        return (f"cuda|{self.api.get_device_name(index)}|sm_{major}{minor}|cuda {torch.version.cuda}|"
+                f"torch {torch.__version__}")
+
+    def current_stream(self) -> Any:
+        return self.api.current_stream()
+
+    def new_stream(self) -> Any:
+        return self.api.Stream()
+
+    def use_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.api.stream(stream)
+
+    def new_event(self, timing: bool = False) -> Any:
+        return self.api.Event(enable_timing=timing)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def synchronize(self) -> None:
+        self.api.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end)
+
+    def new_graph(self) -> Any:
+        return self.api.CUDAGraph()
+
+    def capture(self, graph: Any) -> contextlib.AbstractContextManager:
+        return self.api.graph(graph)
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+_installed: list[CudaApi] = []
+_torch_cuda = TorchCuda()
+
+
+def current_api() -> CudaApi:
+    """The device interface in use: the one :func:`use_api` installed last, else ``torch.cuda``."""
+    return _installed[-1] if _installed else _torch_cuda
+
+
+@contextlib.contextmanager
+def use_api(api: CudaApi) -> Iterator[CudaApi]:
+    """Run the CUDA backend (executors made inside, :func:`time_cuda`, the measured cost model) on ``api``.
+
+    >>> class NoGPU(TorchCuda):
+    ...     def available(self): return False
+    >>> with use_api(NoGPU()):
+    ...     available()
+    False
+    """
+    _installed.append(api)
+    try:
+        yield api
+    finally:
+        _installed.remove(api)
+
+
 def available() -> bool:
-    return torch.cuda.is_available()
+    return current_api().available()
 
 
 class CUDAExecutor:
-    """Execute ``program`` on the current CUDA device (see the module docstring)."""
+    """Execute ``program`` on the current CUDA device (see the module docstring) through ``api`` (default:
+    :func:`current_api`)."""
 
-    def __init__(self, program: StreamProgram, operator: Operator, graph: bool = False):
-        if not available():
-            raise RuntimeError("CUDA is not available")
+    def __init__(self, program: StreamProgram, operator: Operator, graph: bool = False, api: CudaApi | None = None):
+        self.cuda = api or current_api()
+        if not self.cuda.available():
+            raise CudaError("CUDA is not available")
         self.program = program
         g = program.graph
         self._inputs = len(g.inputs)
         self._slots = self._inputs + len(g)
-        self._streams: list[torch.cuda.Stream | None] = [None] + [torch.cuda.Stream() for _ in program.streams[1:]]
+        self._streams: list[Any] = [None] + [self.cuda.new_stream() for _ in program.streams[1:]]
         self._steps = []
         produced_on = {}
         for k, steps in enumerate(program.streams):
@@ -75,7 +222,7 @@ class CUDAExecutor:
                     compiled.append(("wait", s.event))
             self._steps.append(compiled)
         self._use_graph = graph
-        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph: Any = None
         self._static_inputs: list[torch.Tensor] = []
         self._static_outputs: list[Any] = []
         self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None
@@ -85,29 +232,43 @@ class CUDAExecutor:
             raise ValueError(f"the program takes {self._inputs} inputs, got {len(inputs)}")
         if not self._use_graph:
             return self._launch(list(inputs), record_timeline)
+        if record_timeline:
+            raise CudaError("a replayed CUDA graph has no per-unit timeline; record it without cuda_graph")
         if self._graph is None:
             self._capture(inputs)
         for static, x in zip(self._static_inputs, inputs):
             static.copy_(x, non_blocking=True)
-        self._graph.replay()
+        self.cuda.replay(self._graph)
         return list(self._static_outputs)
 
     def close(self) -> None:
         """Nothing to stop: streams are released with the executor."""
 
-    def _launch(self, inputs: list[Any], record_timeline: bool, capturing: bool = False) -> list[Any]:
-        current = torch.cuda.current_stream()
+    def _after(self, stream: Any, other: Any) -> None:
+        """Work queued on ``stream`` from now on starts after what is queued on ``other`` now."""
+        event = self.cuda.new_event()
+        self.cuda.record(event, other)
+        self.cuda.wait(stream, event)
+
+    def _launch(self, inputs: list[Any], record_timeline: bool, kept: list | None = None) -> list[Any]:
+        """Queue the program on the streams; while capturing a graph, ``kept`` receives every value, for
+        the caller to hold until capture has ended."""
+        cuda = self.cuda
+        capturing = kept is not None
+        current = cuda.current_stream()
         streams = [current] + self._streams[1:]
         values: list[Any] = [None] * self._slots
         values[:len(inputs)] = inputs
         remaining = list(self.program.readers)
-        events = [torch.cuda.Event() for _ in range(self.program.events)]
-        fork = torch.cuda.Event()
-        fork.record(current)
+        events = [cuda.new_event() for _ in range(self.program.events)]
+        origin = None
+        if record_timeline:
+            origin = cuda.new_event(timing=True)
+            cuda.record(origin, current)
         for s in streams[1:]:
-            s.wait_event(fork)  # side streams start after what the caller queued (the inputs)
+            self._after(s, current)  # side streams start after what the caller queued (the inputs)
         marks = []
-        with torch.inference_mode():
+        with _autograd_off(persistent=capturing):
             # Streams are walked in turn: a stream's steps are queued until it waits on an event that no
             # stream has recorded yet, then the next stream is served; the device does the ordering.
             position = [0] * len(streams)
@@ -115,34 +276,33 @@ class CUDAExecutor:
             while any(position[k] < len(self._steps[k]) for k in range(len(streams))):
                 progressed = False
                 for k, steps in enumerate(self._steps):
-                    with torch.cuda.stream(streams[k]):
+                    with cuda.use_stream(streams[k]):
                         while position[k] < len(steps):
                             step = steps[position[k]]
                             if step[0] == "wait":
                                 if step[1] not in recorded:
                                     break
-                                streams[k].wait_event(events[step[1]])
+                                cuda.wait(streams[k], events[step[1]])
                             elif step[0] == "record":
-                                events[step[1]].record(streams[k])
+                                cuda.record(events[step[1]], streams[k])
                                 recorded.add(step[1])
                             else:
                                 _, fn, args, outs, release, foreign, units = step
-                                for a in foreign:
-                                    if isinstance(values[a], torch.Tensor) and not capturing:
-                                        values[a].record_stream(streams[k])
+                                if not capturing:
+                                    for a in foreign:
+                                        if isinstance(values[a], torch.Tensor):
+                                            cuda.record_stream(values[a], streams[k])
                                 if record_timeline:
-                                    began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                                        enable_timing=True)
-                                    began.record(streams[k])
+                                    began, ended = cuda.new_event(timing=True), cuda.new_event(timing=True)
+                                    cuda.record(began, streams[k])
                                 result = fn(*[values[a] for a in args])
                                 if record_timeline:
-                                    ended.record(streams[k])
+                                    cuda.record(ended, streams[k])
                                     marks.append((k, units, began, ended))
                                 store_outputs(values, outs, result)
                                 for slot in release:
                                     remaining[slot] -= 1
-                                    # During capture every value stays alive until capture ends, so the
-                                    # graph's private pool never hands a block read on one stream to another.
+                                    # During capture every value stays alive until capture ends (see above).
                                     if remaining[slot] == 0 and not capturing:
                                         values[slot] = None
                             position[k] += 1
@@ -150,44 +310,62 @@ class CUDAExecutor:
                 if not progressed:
                     raise RuntimeError("the stream program deadlocks: a stream waits on an event never recorded")
         for s in streams[1:]:
-            join = torch.cuda.Event()
-            join.record(s)
-            current.wait_event(join)
+            self._after(current, s)
+        if capturing:
+            kept.append(values)
         if record_timeline:
-            torch.cuda.synchronize()
-            origin = min(b for _, _, b, _ in marks) if marks else None
-            self.timeline = [(k, units, origin.elapsed_time(b) / 1000.0, origin.elapsed_time(e) / 1000.0)
+            cuda.synchronize()
+            self.timeline = [(k, units, cuda.elapsed_ms(origin, b) / 1000.0, cuda.elapsed_ms(origin, e) / 1000.0)
                              for k, units, b, e in marks]
         return [values[s] for s in self.program.outputs]
 
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
         """Capture the program into one CUDA graph with static inputs (after a warm-up on a side stream,
         which CUDA graph capture needs so that lazy initialisation is not captured)."""
-        self._static_inputs = [x.clone() for x in inputs]
-        warmup = torch.cuda.Stream()
-        warmup.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(warmup):
+        cuda = self.cuda
+        with _autograd_off(persistent=True):
+            self._static_inputs = [x.detach().clone() for x in inputs]
+        caller = cuda.current_stream()
+        warmup = cuda.new_stream()
+        self._after(warmup, caller)
+        with cuda.use_stream(warmup):
             self._launch(list(self._static_inputs), False)
-        torch.cuda.current_stream().wait_stream(warmup)
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
+        self._after(caller, warmup)
+        graph = cuda.new_graph()
+        kept: list = []
+        with cuda.capture(graph):
             # Inside capture, the current stream is the capture stream: _launch forks the side streams from
             # it with an event and joins them back before capture ends.
-            self._static_outputs = self._launch(list(self._static_inputs), False, capturing=True)
+            self._static_outputs = self._launch(list(self._static_inputs), False, kept)
+        del kept  # every value lived until capture ended; their memory is the graph's now
+        self._graph = graph
 
 
-def time_cuda(fn, repeats: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` on the device, timed with CUDA events around each call."""
-    import statistics
+def _autograd_off(persistent: bool) -> contextlib.AbstractContextManager:
+    """No autograd while a program runs: inference mode for a call's own tensors; for the tensors a CUDA
+    graph keeps across calls (``persistent``), ordinary tensors under ``no_grad`` (see the module
+    docstring), even inside a caller's inference mode."""
+    if not persistent:
+        return torch.inference_mode()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
+
+def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, api: CudaApi | None = None) -> float:
+    """Median milliseconds of ``fn`` on the device, timed with events around each call on the current
+    stream (default interface: :func:`current_api`)."""
+    cuda = api or current_api()
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        began.record()
+        stream = cuda.current_stream()
+        began, ended = cuda.new_event(timing=True), cuda.new_event(timing=True)
+        cuda.record(began, stream)
         fn()
-        ended.record()
-        ended.synchronize()
-        samples.append(began.elapsed_time(ended))
+        cuda.record(ended, stream)
+        cuda.synchronize()
+        samples.append(cuda.elapsed_ms(began, ended))
     return statistics.median(samples)

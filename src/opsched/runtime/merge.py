@@ -100,7 +100,8 @@ def _take_apart(node: Node) -> _Conv:
     conv = convs[0]
     x, weight, bias, stride, padding = _conv_args(conv, gm)
     weight = weight.detach()
-    bias = torch.zeros(weight.shape[0], dtype=weight.dtype) if bias is None else bias.detach()
+    # on the weight's device: it meets the batch norm's statistics (on the model's device) when folded
+    bias = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if bias is None else bias.detach()
     current = conv
     tail: list[fx.Node] = []
     while True:

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
-from opsched.runtime import make_executor
+from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
@@ -46,6 +46,8 @@ class OptimizedModule(torch.nn.Module):
     def __init__(self, graph: Graph, schedule: Schedule, cores: int | None = None,
                  operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False):
         super().__init__()
+        if cuda_graph and device != "cuda":
+            raise OpschedError(f"a CUDA graph needs device 'cuda', not {device!r}")
         missing = [n.name for n in graph.nodes if n.run is None]
         if missing:
             raise GraphError(f"unit {missing[0]!r} has no operator to run (graphs from DAG JSON cannot run)")
@@ -72,18 +74,47 @@ class OptimizedModule(torch.nn.Module):
 
 
 def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
-            example_inputs: Sequence[Any] | None = None, cores: int | None = None) -> OptimizedModule:
+            example_inputs: Sequence[Any] | None = None, cores: int | None = None, device: str | None = None,
+            operator: Operator = unit_operator, cuda_graph: bool = False) -> OptimizedModule:
     """A module that runs ``schedule``. Give the captured graph, or the model and the example inputs to
-    capture it with (the schedule must have been made for that same graph)."""
+    capture it with (the schedule must have been made for that same graph).
+
+    ``device`` is where it runs, ``cpu`` or ``cuda``; by default the device the schedule was made for
+    (``cpu`` for a plan made for a simulated GPU or a table of latencies). The model's weights and the
+    inputs must already be there: a plan made for CUDA is never replayed on the CPU behind the caller's
+    back. ``cuda_graph`` replays the whole program as one CUDA graph; ``operator`` gives the callable of
+    each run step (see :mod:`opsched.runtime.kernels`).
+    """
+    device = device or (schedule.device if schedule.device in DEVICES else "cpu")
+    if device not in DEVICES:
+        raise OpschedError(f"unknown device {device!r}; choose from {', '.join(DEVICES)}")
     if isinstance(model_or_graph, Graph):
         graph = model_or_graph
     else:
         if example_inputs is None:
             raise OpschedError("compiling a model needs its example inputs (or pass the captured graph)")
+        _check_device(pytree.tree_leaves(tuple(example_inputs)), device, "the example inputs")
         from opsched.graph.capture import capture
 
         graph = capture(model_or_graph, tuple(example_inputs))
-    return OptimizedModule(graph, schedule, cores)
+    _check_device([t for n in graph.nodes if isinstance(n.run, torch.nn.Module)
+                   for t in (*n.run.parameters(), *n.run.buffers())], device, "the model's weights")
+    return OptimizedModule(graph, schedule, cores, operator, device=device, cuda_graph=cuda_graph)
+
+
+def _check_device(tensors: Sequence[Any], device: str, what: str) -> None:
+    """Refuse tensors that are not where ``device`` runs them (``meta`` tensors pass: they stand for any
+    device)."""
+    if device == "cuda":
+        from opsched.runtime.cuda import current_api
+
+        expected = current_api().device.type  # ``cuda``, or the CPU for a stand-in in tests
+    else:
+        expected = device
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type not in (expected, "meta"):
+            raise OpschedError(f"{what} are on {t.device.type}, but the module is to run on {device}: "
+                               f"move the model and its inputs there first (model.to({device!r}))")
 
 
 @dataclass
