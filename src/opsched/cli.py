@@ -212,6 +212,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="interleaved timing rounds for the final measurements (default 15)")
     p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
                    help="largest absolute difference from eager accepted (default 1e-3)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="on a CUDA device, replay each schedule as one CUDA graph (optimize records it in the "
+                        "plan; run uses it when the plan says so or this flag is given)")
 
 
 def build_parser() -> argparse.ArgumentParser:

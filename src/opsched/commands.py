@@ -34,6 +34,8 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
+    if args.cuda_graph and (simulated or args.device != "cuda"):
+        raise OpschedError("--cuda-graph needs --device cuda (and measured costs)")
     cores = args.threads or torch.get_num_threads()
     _say(args, f"loading and capturing {model_spec} ...")
     loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
@@ -47,7 +49,8 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
     peers = ("eager", "torch_compile", "onnxruntime") if args.peers or args.kernels == "inductor" else ("eager",)
     outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=args.cost, device=args.device,
                           kernels=args.kernels, cores=cores, peers=peers, tolerance=args.tolerance,
-                          repeats=args.repeats, cache=not args.no_cache, say=lambda text: _say(args, text),
+                          repeats=args.repeats, cache=not args.no_cache, cuda_graph=args.cuda_graph,
+                          say=lambda text: _say(args, text),
                           profile_progress=_progress_bar))
     schedules = outcome.schedules
     requested = schedules[args.method]
@@ -137,7 +140,14 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
 
     from opsched.pipeline import evaluate, peer_candidates, reference_outputs, schedule_candidates
 
-    loaded, graph, _, _ = load_and_capture(args, args.model, "cpu")
+    device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OpschedError(f"{args.plan} was made for cuda; PyTorch sees no CUDA device here")
+    cuda_graph = args.cuda_graph or bool(plan.options.get("cuda_graph"))
+    if cuda_graph and device != "cuda":
+        raise OpschedError(f"--cuda-graph needs a plan made for cuda; {args.plan} was made for {plan.device}")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    loaded, graph, _, _ = load_and_capture(args, args.model, device)
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.options.get("kernels", "eager")
@@ -150,9 +160,9 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.runtime.kernels import operator_for
 
         operator = operator_for(kernels, all_values(graph, _flat(inputs)).__getitem__)
-    candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores)
+    candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores, device, sync, cuda_graph)
     peers = ["eager"] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != "eager" else [])
-    found, notes = peer_candidates(loaded.model, inputs, cores, peers)
+    found, notes = peer_candidates(loaded.model, inputs, cores, peers, sync)
     ev = evaluate(candidates + found, reference_outputs(loaded.model, inputs, cores), args.tolerance, args.repeats)
     if label not in ev.measured_ms:
         raise VerificationFailed(f"the plan does not run as it should: {ev.dropped.get(label)}")
@@ -168,13 +178,18 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     module = modules[label]
     if args.trace:
         from opsched.report.trace import write_trace
+        from opsched.runtime.kernels import unit_operator
+        from opsched.runtime.module import OptimizedModule
         from opsched.schedule import OpTiming
 
+        if cuda_graph:  # a replayed graph has no per-step timeline: trace the same program on streams
+            module = OptimizedModule(graph, plan, cores, operator or unit_operator, device)
         module.executor(*_flat(inputs), record_timeline=True)
         ran_graph = module.program.graph  # with compiled regions, the fused graph
         ops = [OpTiming(ran_graph.nodes[u].name, stream, start * 1000.0, finish * 1000.0)
                for stream, units, start, finish in module.executor.timeline for u in units]
-        write_trace(args.trace, ops, f"measured on this CPU: {loaded.name} {plan.method}")
+        write_trace(args.trace, ops, f"measured on {'this CPU' if device == 'cpu' else 'the GPU'}: "
+                                     f"{loaded.name} {plan.method}")
         result["trace"] = args.trace
     if not args.json:
         eager = ev.measured_ms["eager"]

@@ -274,17 +274,19 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
 
 
 def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: Any, inputs: Sequence[Any],
-                        cores: int, device: str = "cpu",
-                        sync: Callable[[], Any] = lambda: None) -> tuple[list[Candidate], dict[str, Any]]:
-    """A candidate per schedule (its compiled module run on ``inputs``) and the modules by name. A schedule
-    whose module cannot be built becomes a candidate that raises, so it is dropped with the reason."""
+                        cores: int, device: str = "cpu", sync: Callable[[], Any] = lambda: None,
+                        cuda_graph: bool = False) -> tuple[list[Candidate], dict[str, Any]]:
+    """A candidate per schedule (its compiled module run on ``inputs``, replayed as one CUDA graph with
+    ``cuda_graph``) and the modules by name. A schedule whose module cannot be built becomes a candidate
+    that raises, so it is dropped with the reason."""
     from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
     candidates, modules = [], {}
     for name, schedule in schedules.items():
         try:
-            modules[name] = OptimizedModule(graph, schedule, cores, operator or unit_operator, device=device)
+            modules[name] = OptimizedModule(graph, schedule, cores, operator or unit_operator, device=device,
+                                            cuda_graph=cuda_graph)
         except Exception as e:  # noqa: BLE001 - reported by evaluate, like a schedule that fails to run
             candidates.append(Candidate(name, _raising(e)))
             continue
@@ -326,6 +328,7 @@ class Job:
     tolerance: float = 1e-3
     repeats: int = 15
     cache: bool = True
+    cuda_graph: bool = False
     say: Callable[[str], Any] = lambda text: None
     profile_progress: Callable[[str, int], Any] | None = None
 
@@ -375,6 +378,8 @@ def run_job(job: Job) -> Outcome:
         schedule = search(job.graph, cost, method, **options)
         schedule.device = job.cost if simulated else job.device
         schedule.options["kernels"] = job.kernels
+        if job.cuda_graph:
+            schedule.options["cuda_graph"] = True
         schedule.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         schedules[name] = schedule
     outcome = Outcome(cost, schedules, operator)
@@ -389,7 +394,7 @@ def run_job(job: Job) -> Outcome:
     sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)
     job.say("compiling the schedules ...")
     candidates, outcome.modules = schedule_candidates(job.graph, schedules, operator, job.inputs, cores, job.device,
-                                                      sync)
+                                                      sync, job.cuda_graph)
     peers, outcome.notes = peer_candidates(job.model, job.inputs, cores, job.peers, sync, job.say)
     job.say(f"verifying and measuring {len(candidates) + len(peers)} configurations, interleaved ...")
     outcome.evaluation = evaluate(candidates + peers, reference_outputs(job.model, job.inputs, cores),
