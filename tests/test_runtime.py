@@ -10,7 +10,7 @@ from opsched.cost.table import TableCost
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.models import load_model
-from opsched.runtime.cpu import CPUExecutor
+from opsched.runtime.cpu import CPUExecutor, UnitFailed
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.merge import MergeError, merged_operator
 from opsched.runtime.module import OptimizedModule, VerificationError, compile, verify
@@ -98,7 +98,7 @@ def test_executor_runs_streams_and_reports_a_failing_unit_without_hanging():
     ex2 = CPUExecutor(compile_program(from_stages(g2, TableCost(g2), "t", [("concurrent", [[0], [1]]),
                                                                           ("concurrent", [[2]])]), g2, 2),
                       unit_operator)
-    with pytest.raises(ValueError, match="unit failed"):
+    with pytest.raises(UnitFailed, match="unit 'b' failed: ValueError: unit failed"):
         ex2(x)
     assert torch.equal(ex(x)[0], torch.relu(x) - x)  # the other executor is unaffected
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,6 +104,9 @@ class Schedule:
 
 def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
     """Read a schedule from its JSON form, reporting the first problem in one line."""
+    if isinstance(doc, dict) and isinstance(doc.get("format"), str) and doc["format"].startswith("opsched.schedule/") \
+            and doc["format"] != FORMAT:
+        raise ScheduleError(f"{source}: plan format {doc['format']} is not supported (this opsched reads {FORMAT})")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ScheduleError(f"{source}: not an opsched schedule (expected \"format\": \"{FORMAT}\")")
     try:
@@ -139,8 +143,13 @@ def validate(schedule: Schedule, graph: Graph) -> None:
     names = [o.name for o in schedule.ops]
     _check_each_unit_once(names, graph, "the timeline")
     timing = {o.name: o for o in schedule.ops}
+    # one stream per unit at most, or per device of a mapping: a larger number (a hand edit) would make
+    # every stream up to it, empty
+    devices = schedule.options.get("stream_devices")
+    streams = max(len(graph), len(devices) if isinstance(devices, list) else 0)
     for o in schedule.ops:
-        if o.stream < 0 or o.finish < o.start - _EPS:
+        if (not 0 <= o.stream < streams or not math.isfinite(o.start) or not math.isfinite(o.finish)
+                or o.finish < o.start - _EPS):
             raise ScheduleError(f"unit {o.name!r} has a bad timeline entry (stream {o.stream}, {o.start}..{o.finish})")
     for i, node in enumerate(graph.nodes):
         for j in indices(graph.preds[i]):

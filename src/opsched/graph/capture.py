@@ -31,8 +31,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
-from collections.abc import Sequence
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,15 +56,47 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
     """Capture ``model`` run on ``example_inputs`` (a tensor or a tuple of arguments) as a unit graph.
 
     The model is put in eval mode. Raises :class:`~opsched.errors.CaptureError` naming the model and
-    the reason when neither torch.export nor torch.fx can capture it.
+    the reason when neither torch.export nor torch.fx can capture it. What PyTorch logs or prints while
+    trying (a partial graph, symbolic-shape warnings) is kept from the user unless the ``opsched`` logger is
+    enabled for DEBUG (``--verbose``); the reasons are in the error and its chain of causes.
     """
     label = name or type(model).__name__
     if not isinstance(model, torch.nn.Module):
         raise CaptureError(f"cannot capture {label}: expected a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     model.eval()
-    gm = _trace(model, args, label)
+    with _pytorch_quiet():
+        gm = _trace(model, args, label)
     return _group_units(gm, label)
+
+
+_QUIET = threading.Lock()
+
+
+@contextlib.contextmanager
+def _pytorch_quiet() -> Iterator[None]:
+    """Silence PyTorch's own output while a capture is attempted: torch.export prints the partial graph of a
+    failed export straight to stderr and logs symbolic-shape warnings, 27 lines before our one-line error.
+    Python warnings, the ``torch`` loggers and stderr are process-wide, so captures that silence them run
+    one at a time."""
+    if logging.getLogger("opsched").isEnabledFor(logging.DEBUG):
+        yield
+        return
+    with _QUIET:
+        loggers = [logging.getLogger("torch")] + [
+            logger for name, logger in logging.Logger.manager.loggerDict.items()
+            if name.startswith("torch.") and isinstance(logger, logging.Logger)]
+        levels = [logger.level for logger in loggers]
+        try:
+            # loggers torch creates meanwhile have no level of their own and inherit this one from ``torch``
+            for logger in loggers:
+                logger.setLevel(logging.CRITICAL + 1)
+            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -9,8 +9,10 @@ not reach the workers, and workers left at the default would oversubscribe the c
 Calls are serialised by a lock, so an executor is safe to share between threads: two calls interleaving on
 shared workers could otherwise wait on each other's streams.
 
-If a step fails, every event is set so that no stream waits forever, and the first error is raised in the
-calling thread.
+If a unit fails, the other streams stop at their next step (every event is set, so none waits forever), and
+the caller gets one :class:`UnitFailed` naming the unit, raised from the original exception; the workers
+are then free and the next call runs normally. The worker threads end when the executor is closed or
+garbage collected.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ class StreamFailed(RuntimeError):
     """Another stream failed; this one stopped."""
 
 
+class UnitFailed(RuntimeError):
+    """A unit raised while the program ran; ``unit`` names it (the units of a merge, joined by ``+``) and the
+    original exception is the ``__cause__``."""
+
+    def __init__(self, unit: str, error: Exception):
+        lines = str(error).strip().splitlines()
+        super().__init__(f"unit {unit!r} failed: {type(error).__name__}" + (f": {lines[0]}" if lines else ""))
+        self.unit = unit
+
+
 class CPUExecutor:
     """Execute ``program``; ``operator(nodes, threads)`` gives the callable for the units of a run step
     (see :mod:`opsched.runtime.kernels`): called with the values the first unit reads, it returns one
@@ -53,7 +65,8 @@ class CPUExecutor:
                     first = graph.nodes[s.units[0]]
                     compiled.append((_RUN, operator([graph.nodes[u] for u in s.units], s.threads),
                                      tuple(program.slot(a) for a in first.args),
-                                     tuple(self._inputs + u for u in s.units), s.release, s.threads, s.units))
+                                     tuple(self._inputs + u for u in s.units), s.release, s.threads, s.units,
+                                     "+".join(graph.nodes[u].name for u in s.units)))
                 elif isinstance(s, Record):
                     compiled.append((_RECORD, s.event))
                 elif isinstance(s, Wait):
@@ -89,13 +102,19 @@ class CPUExecutor:
             return [call.values[s] for s in self._outputs]
 
     def close(self) -> None:
-        """Stop the worker threads (a later call starts new ones)."""
-        for worker in getattr(self, "_workers", []):  # absent when __init__ failed
-            worker.stop()
-        self._workers = []
+        """Stop the worker threads and wait for them to end (a later call starts new ones)."""
+        with self._lock:  # a call in progress finishes first
+            workers, self._workers = self._workers, []
+            for worker in workers:
+                worker.stop()
+            for worker in workers:
+                worker.join()
 
     def __del__(self) -> None:
-        self.close()
+        # Collected: no call can be in progress. Only signal the workers; this may run on one of them (the last
+        # reference to a call, and through it to this executor, can be dropped there), which cannot join itself.
+        for worker in getattr(self, "_workers", []):  # absent when __init__ failed
+            worker.stop()
 
 
 class _Call:
@@ -132,15 +151,18 @@ class _Call:
         for step in self.executor._steps[k]:
             kind = step[0]
             if kind == _RUN:
-                _, fn, args, outs, release, threads, units = step
+                _, fn, args, outs, release, threads, units, name = step
+                if self.error is not None:  # another stream failed: the call's result is lost, stop now
+                    raise StreamFailed("another stream failed")
                 if threads != threads_now:
                     torch.set_num_threads(threads)
                     threads_now = threads
-                if self.timeline is None:
+                began = time.perf_counter() if self.timeline is not None else 0.0
+                try:
                     result = fn(*[values[a] for a in args])
-                else:
-                    began = time.perf_counter()
-                    result = fn(*[values[a] for a in args])
+                except Exception as e:
+                    raise UnitFailed(name, e) from e
+                if self.timeline is not None:
                     self.timeline.append((k, units, began - self.started, time.perf_counter() - self.started))
                 store_outputs(values, outs, result)
                 for slot in release:
@@ -172,10 +194,14 @@ class _Worker:
     def stop(self) -> None:
         self._queue.put(None)
 
+    def join(self) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
     def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
+        while (item := self._queue.get()) is not None:
             call, stream = item
             call.run_stream(stream)
+            # A call refers to its executor: held here while waiting for the next one, it would keep the
+            # executor, and so this thread, alive after its module was dropped.
+            del item, call

@@ -72,6 +72,11 @@ class OptimizedModule(torch.nn.Module):
             return pytree.tree_unflatten(outputs, self.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
+    def close(self) -> None:
+        """End the backend's worker threads now instead of when the module is garbage collected (a later call
+        starts them again)."""
+        self.executor.close()
+
 
 def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
             example_inputs: Sequence[Any] | None = None, cores: int | None = None, device: str | None = None,
