@@ -332,6 +332,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_map_command)
 
+    p = sub.add_parser("multi", help="several models as one fused, scheduled program (HiveMind), verified per model",
+                       description="Capture every MODEL (each --copies times, each copy with its own seeded random "
+                                   "weights) into one graph, compute shared work once and batch the same unit of "
+                                   "different models into one kernel where the cost model says it pays, schedule "
+                                   "it with sequential, LIOS, HiveMind and --method, verify every model's outputs "
+                                   "against its own forward, and time the plans interleaved with running the models "
+                                   "one after another (sequential_models), on threads, and with vmap (identical "
+                                   "architectures). The fastest verified configuration is chosen and recorded in the "
+                                   "plan (see docs/multi.md).")
+    p.add_argument("models", metavar="MODEL", nargs="+",
+                   help=RUNNABLE_MODEL_HELP + "; a model file's factory may return a list of (model, inputs) pairs")
+    p.add_argument("--copies", type=_positive, default=1, metavar="K", help="each MODEL K times (default 1)")
+    _add_model_options(p)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
+    p.add_argument("--cost", default="measured", metavar="measured|sim:NAME",
+                   help="measured on this CPU (default), or a simulated GPU (figures then are simulated)")
+    p.add_argument("--method", default="hivemind",
+                   choices=["sequential", "greedy", "lios", "nimble", "ios", "exact", "hivemind"],
+                   help="the scheduler whose plan is written when costs are simulated (default hivemind; measured, "
+                        "the fastest verified schedule is written)")
+    p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
+    p.add_argument("--kernels", default="eager", choices=["eager", "inductor"], help="how units run (default eager)")
+    p.add_argument("--threads", type=_positive, metavar="T", help="intra-op threads (default: PyTorch's count)")
+    p.add_argument("--repeats", type=_positive, default=15, metavar="N",
+                   help="interleaved timing rounds (default 15)")
+    p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
+                   help="largest absolute difference from each model's own forward accepted (default 1e-3)")
+    p.add_argument("--train", action="store_true",
+                   help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "
+                        "another, and compare time per step and parameters")
+    p.add_argument("--steps", type=_positive, default=20, metavar="N", help="--train: steps (default 20)")
+    p.add_argument("--lr", type=_learning_rates, default=[0.01], metavar="LR[,LR...]",
+                   help="--train: a learning rate per model, or one for all (default 0.01)")
+    p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
+    p.add_argument("--out", metavar="PLAN.json", help="where to write the plan (default opsched-multi-...json, "
+                                                        "numbered rather than overwrite)")
+    p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(handler=_multi_command)
+
     p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
                        description="Run a benchmark preset: for each model x method x cost x batch, the predicted "
                                    "latency, the measured one where the device is real (interleaved with eager), "
@@ -359,6 +399,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_lazy("cache_command"))
     return parser
+
+
+def _multi_command(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.multi.command import multi_command
+
+    return multi_command(args)
+
+
+def _learning_rates(text: str) -> list[float]:
+    try:
+        rates = [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected learning rates joined by commas, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"learning rates must be positive, got {text!r}")
+    return rates
 
 
 def _map_command(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,6 +13,15 @@
   docs/benchmarks.md) and 1 and all intra-op threads, its thread pool not spinning between calls (spinning,
   it slows whatever runs next in the process: see docs/runtime.md).
 
+For a model batch (:mod:`opsched.multi`), the ways a user runs several models today:
+
+- ``sequential_models``: each model's forward one after another (the batch module's own forward), with 1
+  and all threads;
+- ``threads``: each model's forward on a thread of its own, all at once (a pool made once), with 1 and all
+  intra-op threads;
+- ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
+  the same architecture and they read one input; its stacked outputs are split back into one per model.
+
 Each peer is a list of :class:`opsched.pipeline.Candidate` (one per thread count) for
 :func:`opsched.pipeline.evaluate`.
 """
@@ -24,14 +33,15 @@ from typing import Any
 
 from opsched.pipeline import Candidate
 
-PEERS = ("eager", "torch_compile", "onnxruntime")
+PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap")
 
 
 def thread_counts(cores: int) -> list[int]:
     return sorted({1, cores})
 
 
-def eager(model: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
+def eager(model: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None,
+          name: str = "eager") -> list[Candidate]:
     """The model's own forward with 1 and ``cores`` threads; ``sync`` waits for the device."""
     import torch
 
@@ -44,7 +54,7 @@ def eager(model: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any]
             return out
         return run
 
-    return [Candidate("eager", at(t), "peer", t) for t in thread_counts(cores)]
+    return [Candidate(name, at(t), "peer", t) for t in thread_counts(cores)]
 
 
 def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
@@ -105,6 +115,63 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
         candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
                                     "peer", threads))
     return candidates, None
+
+
+def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
+    """Each model of ``batch`` (a :class:`opsched.multi.ModelBatch`) on its own thread, all at once."""
+    import weakref
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    pool = ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer")
+    weakref.finalize(batch, pool.shutdown, wait=False)
+
+    def one(model: Any, args: tuple) -> Any:
+        with torch.inference_mode():
+            return model(*args)
+
+    def at(count: int) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.set_num_threads(count)
+            futures = [pool.submit(one, m, a) for m, a in zip(batch.models, batch.split(inputs))]
+            out = tuple(f.result() for f in futures)
+            sync()
+            return out
+        return run
+
+    return [Candidate("threads", at(t), "peer", t) for t in thread_counts(cores)]
+
+
+def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
+    """``torch.func.vmap`` over the stacked models of ``batch``; none when their architectures differ."""
+    import copy
+
+    import torch
+    import torch.utils._pytree as pytree
+
+    if not batch.same_architecture:
+        return []
+    params, buffers = torch.func.stack_module_state(list(batch.models))
+    base = copy.deepcopy(batch.models[0]).to("meta")
+
+    def one(p: Any, b: Any, *args: Any) -> Any:
+        return torch.func.functional_call(base, (p, b), args)
+
+    stacked = torch.func.vmap(one, in_dims=(0, 0, *[None] * len(inputs)))
+
+    def at(count: int) -> Callable[[], Any]:
+        def run() -> Any:
+            torch.set_num_threads(count)
+            # without the warning vmap prints for each operator it has no batching rule for (it then loops)
+            torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+            with torch.inference_mode():
+                out = stacked(params, buffers, *inputs)
+            sync()
+            return tuple(pytree.tree_map(lambda t, k=k: t[k], out) for k in range(len(batch.models)))
+        return run
+
+    return [Candidate("vmap", at(t), "peer", t) for t in thread_counts(cores)]
 
 
 def _source_of(module: Any) -> str:

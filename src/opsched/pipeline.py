@@ -249,15 +249,24 @@ def module_runner(module: Callable[..., Any], inputs: Sequence[Any], cores: int,
 def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequence[str] = ("eager",),
                     sync: Callable[[], Any] = lambda: None,
                     say: Callable[[str], Any] = lambda text: None) -> tuple[list[Candidate], list[str]]:
-    """The candidates of the peers named (see :mod:`opsched.peers`; eager is always one), and a note for
-    each peer that cannot run here."""
+    """The candidates of the peers named (see :mod:`opsched.peers`), and a note for each peer that cannot run
+    here."""
     from opsched import peers as peer_runners
 
     unknown = [p for p in peers if p not in peer_runners.PEERS]
     if unknown:
         raise OpschedError(f"unknown peer {unknown[0]!r}; choose from {', '.join(peer_runners.PEERS)}")
-    candidates = peer_runners.eager(model, inputs, cores, sync)
+    candidates = peer_runners.eager(model, inputs, cores, sync) if "eager" in peers else []
+    if "sequential_models" in peers:
+        candidates += peer_runners.eager(model, inputs, cores, sync, name="sequential_models")
+    if "threads" in peers:
+        candidates += peer_runners.threads(model, inputs, cores, sync)
     notes = []
+    if "vmap" in peers:
+        found = peer_runners.vmap(model, inputs, cores, sync)
+        candidates += found
+        if not found:
+            notes.append("vmap left out: the models' architectures differ")
     if "torch_compile" in peers:
         say("torch.compile of the whole model (freezing on), compiled for 1 and all threads ...")
         try:

@@ -71,6 +71,33 @@ def load_model(spec: str, *, batch: int | None = None, input_shapes: Sequence[Se
     return LoadedModel(spec, model.eval(), inputs)
 
 
+def load_models(spec: str, *, batch: int | None = None, input_shapes: Sequence[Sequence[int]] | None = None,
+                image_size: int | None = None) -> list[LoadedModel]:
+    """The models ``spec`` names: one, or, for a model file whose factory returns a list of ``(model,
+    example_inputs)`` pairs (a model batch; modules they share stay shared), one per pair, named
+    ``SPEC[k]``."""
+    prefix, sep, rest = spec.partition(":")
+    if not (sep and rest and prefix.endswith(".py")):
+        return [load_model(spec, batch=batch, input_shapes=input_shapes, image_size=image_size)]
+    result, _ = _from_file(Path(prefix), rest)
+    if result is None:
+        raise ModelSpecError(f"{spec} returned nothing: return a model, (model, example_inputs) or a list of pairs")
+    if not isinstance(result, list):
+        return [load_model(spec, batch=batch, input_shapes=input_shapes, image_size=image_size)]
+    if not result:
+        raise ModelSpecError(f"{spec} returned an empty list: a model batch needs at least one model")
+    loaded = []
+    for k, pair in enumerate(result):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], torch.nn.Module)):
+            raise ModelSpecError(f"{spec} returned a list whose entry {k} is not a (model, example_inputs) pair")
+        model, inputs = pair
+        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        if batch is not None:
+            inputs = tuple(_rebatch(t, batch) for t in inputs)
+        loaded.append(LoadedModel(f"{spec}[{k}]", model.eval(), inputs))
+    return loaded
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
     """``"1x3x224x224"`` -> ``(1, 3, 224, 224)``."""
     try:

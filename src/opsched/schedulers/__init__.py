@@ -16,6 +16,7 @@ from opsched.schedule import Schedule
 from opsched.schedulers.bounds import lower_bounds
 from opsched.schedulers.exact import exact
 from opsched.schedulers.greedy import greedy
+from opsched.schedulers.hivemind import hivemind
 from opsched.schedulers.ios import ios
 from opsched.schedulers.lios import lios
 from opsched.schedulers.nimble import nimble
@@ -23,6 +24,7 @@ from opsched.schedulers.sequential import sequential
 
 SCHEDULERS: dict[str, Callable[..., Schedule]] = {
     "sequential": sequential, "greedy": greedy, "lios": lios, "nimble": nimble, "ios": ios, "exact": exact,
+    "hivemind": hivemind,
 }
 
 
@@ -47,4 +49,4 @@ def make_schedule(method: str, graph: Graph, cost: CostModel, **options: Any) ->
     return schedule
 
 
-__all__ = ["SCHEDULERS", "exact", "greedy", "ios", "lios", "lower_bounds", "make_schedule", "nimble", "sequential"]
+__all__ = ["SCHEDULERS", "exact", "greedy", "hivemind", "ios", "lios", "lower_bounds", "make_schedule", "nimble", "sequential"]

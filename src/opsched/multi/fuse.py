@@ -1,0 +1,90 @@
+"""The rewrites of a model batch, each made only where the cost model says it pays.
+
+:func:`fuse_graph` combines the models into one Graph, computes shared work once (always: it only removes
+work) and batches units across models (``same_input``, ``same_shape``, see :mod:`opsched.multi.stack`).
+A batched unit is kept only when the cost model predicts it, with the units that select its members'
+outputs, faster than its members one after another; the decision for every group is recorded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from opsched.graph.ir import Graph
+from opsched.multi.combine import ModelBatch, combine
+from opsched.multi.shared import share_work
+from opsched.multi.stack import FUSIONS, batch_units, batchable_groups, batched_name, fusion_kind
+
+REWRITES = ("shared", *FUSIONS)
+
+
+@dataclass
+class Fusion:
+    """A model batch's graph after the rewrites that pay. ``combined`` is the graph before them; ``fused``
+    counts the units each rewrite removed or made (``shared``: units computed once instead of again;
+    ``same_input`` / ``same_shape``: batched units made); ``decisions`` holds, for every group of units that
+    could be batched, its name, kind, member count, the predicted milliseconds batched and apart (``None``
+    when no cost model was asked), and whether it was made."""
+
+    batch: ModelBatch
+    graph: Graph
+    combined: Graph
+    fused: dict[str, int] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+
+def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
+               latencies: Callable[[Graph], list[float]] | None = None) -> Fusion:
+    """The batch's graph with the ``rewrites`` named made; ``latencies(graph)`` (the predicted milliseconds
+    of each unit, from a cost model) decides which batched units pay. Without it, every batchable group is
+    batched."""
+    unknown = set(rewrites) - set(REWRITES)
+    if unknown:
+        raise ValueError(f"unknown rewrite {min(unknown)!r}; choose from {', '.join(REWRITES)}")
+    combined = combine(batch)
+    graph, shared = share_work(combined) if "shared" in rewrites else (combined, 0)
+    result = Fusion(batch, graph, combined, {"shared": shared, **{kind: 0 for kind in FUSIONS}})
+    groups = [g for g in batchable_groups(graph) if fusion_kind(graph, g) in rewrites]
+    if not groups:
+        return result
+    from opsched.graph.interpret import all_values
+
+    with torch.no_grad():
+        values = all_values(graph, pytree.tree_leaves(tuple(batch.inputs)))
+    batched = batch_units(graph, groups, values)
+    decisions = [{"name": batched_name(graph, g), "fusion": fusion_kind(graph, g), "members": len(g), "batched_ms": None, "apart_ms": None,
+                  "made": True} for g in groups]
+    if latencies is not None:
+        apart, together = latencies(graph), latencies(batched)
+        for d, members in zip(decisions, groups):
+            selects = [graph.nodes[i].name for i in members if graph.nodes[i].name in batched.index]
+            d["apart_ms"] = sum(apart[i] for i in members)
+            d["batched_ms"] = together[batched.index[d["name"]]] + sum(together[batched.index[s]] for s in selects)
+            d["made"] = d["batched_ms"] < d["apart_ms"]
+        paying = [g for g, d in zip(groups, decisions) if d["made"]]
+        if len(paying) != len(groups):
+            batched = batch_units(graph, paying, values) if paying else graph
+    result.graph = batched
+    result.decisions = decisions
+    for d in decisions:
+        result.fused[d["fusion"]] += d["made"]
+    return result
+
+
+def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
+                   cache: bool = True, progress: Any = None) -> Callable[[Graph], list[float]]:
+    """Each unit's predicted milliseconds under the cost model ``spec`` (see :func:`opsched.pipeline.cost_model`)."""
+    from opsched.pipeline import cost_model
+
+    flat = pytree.tree_leaves(tuple(inputs))
+
+    def latencies(graph: Graph) -> list[float]:
+        cost, _ = cost_model(graph, flat, spec, kernels=kernels, cores=cores, cache=cache, progress=progress)
+        return [cost.op_latency(u) for u in range(len(graph))]
+
+    return latencies

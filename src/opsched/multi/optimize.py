@@ -1,0 +1,130 @@
+"""A model batch through the one runner: rewrite (:mod:`opsched.multi.fuse`), schedule every method on the
+rewritten graph, compile, verify each model against its own eager forward, and time the plans interleaved
+with what a user runs today (``sequential_models``, ``threads``, ``vmap``); the fastest verified one is
+chosen, so the plan never promises less than the best alternative."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from opsched.multi.combine import ModelBatch, MultiError
+from opsched.multi.fuse import REWRITES, Fusion, cost_latencies, fuse_graph
+
+MULTI_PEERS = ("sequential_models", "threads", "vmap")
+DEFAULT_METHODS = ("sequential", "ios", "lios", "hivemind")
+
+
+def model_batch(models: Sequence[torch.nn.Module], inputs: Any) -> ModelBatch:
+    """The batch of ``models`` on ``inputs``: one tuple of arguments per model (a list as long as the models,
+    of tuples or lists), or arguments all the models take."""
+    models = list(models)
+    per_model = (isinstance(inputs, (list, tuple)) and len(inputs) == len(models)
+                 and all(isinstance(i, (list, tuple)) for i in inputs))
+    return ModelBatch(models, list(inputs) if per_model else [inputs] * len(models))
+
+
+@dataclass
+class MultiOutcome:
+    """What :func:`optimize` made: the fusion, the runner's outcome (schedules, modules, evaluation), each
+    model's largest output difference from its own eager forward under the plan, and the predicted
+    milliseconds of the models run one after another."""
+
+    fusion: Fusion
+    outcome: Any
+    model_errors: list[float] = field(default_factory=list)
+    predicted_sequential_ms: float | None = None
+
+    def plan(self):
+        plan = self.outcome.plan()
+        if plan is not None:
+            plan.options["multi"] = {"models": len(self.fusion.batch.models), "fused": dict(self.fusion.fused)}
+        return plan
+
+
+def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequence[str] = DEFAULT_METHODS,
+             cost: str = "measured", kernels: str = "eager", rewrites: Sequence[str] = REWRITES,
+             cores: int | None = None, tolerance: float = 1e-3, repeats: int = 15, cache: bool = True,
+             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> MultiOutcome:
+    """Fuse, schedule, verify and time a model batch against the ways users run one today.
+
+    >>> import torch
+    >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
+    >>> result = optimize(models, (torch.randn(2, 8),), methods=["sequential"], repeats=3, cache=False)
+    >>> sorted(result.outcome.evaluation.measured_ms), max(result.model_errors) < 1e-5
+    (['sequential', 'sequential_models', 'threads', 'vmap'], True)
+    """
+    from opsched.pipeline import Job, method_options, run_job
+
+    batch = model_batch(models, inputs)
+    for m in batch.models:
+        m.eval()
+    cores = cores or torch.get_num_threads()
+    simulated = cost.startswith("sim:")
+    say("combining the models and choosing the fusions that pay ...")
+    latencies = cost_latencies(cost, batch.inputs, kernels, cores, cache, progress)
+    fusion = fuse_graph(batch, rewrites, latencies)
+    sequential_ms = sum(latencies(fusion.combined))
+    default_streams = 8 if simulated else cores
+    jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
+    outcome = run_job(Job(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, kernels=kernels, cores=cores,
+                          peers=MULTI_PEERS, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
+                          profile_progress=progress))
+    result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
+    plan = outcome.plan()
+    if plan is not None:
+        module = outcome.modules[plan.options["measured_as"]]
+        result.model_errors = model_errors(module, batch, cores)
+    return result
+
+
+def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> list[float]:
+    """Each model's largest absolute output difference between ``module`` and the model's own forward."""
+    from opsched.runtime.module import output_error
+
+    torch.set_num_threads(cores)
+    with torch.inference_mode():
+        got = module(*batch.inputs)
+        want = [m(*args) for m, args in zip(batch.models, batch.per_model)]
+    return [output_error(g, w)[0] for g, w in zip(got, want)]
+
+
+def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "sequential", cost: str = "measured",
+         rewrites: Sequence[str] = REWRITES, cores: int | None = None, tolerance: float = 1e-3,
+         cache: bool = True) -> torch.nn.Module:
+    """One module running every model of the batch, fused where it pays and scheduled with ``method``:
+    called like the batch (the shared inputs, or every model's inputs in order), it returns a tuple with each
+    model's outputs. Raises :class:`MultiError` when some model's outputs differ from its own forward by more
+    than ``tolerance``.
+
+    >>> import torch
+    >>> models = [torch.nn.Conv2d(3, 4, 3) for _ in range(4)]
+    >>> x = torch.randn(1, 3, 8, 8)
+    >>> fused = fuse(models, (x,), cache=False)
+    >>> outputs = fused(x)
+    >>> len(outputs), all(torch.allclose(o, m(x), atol=1e-5) for o, m in zip(outputs, models))
+    (4, True)
+    """
+    from opsched.pipeline import cost_model, method_options, search
+    from opsched.runtime.kernels import unit_operator
+    from opsched.runtime.module import OptimizedModule
+
+    batch = model_batch(models, inputs)
+    for m in batch.models:
+        m.eval()
+    cores = cores or torch.get_num_threads()
+    fusion = fuse_graph(batch, rewrites, cost_latencies(cost, batch.inputs, cores=cores, cache=cache))
+    model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, cores=cores, cache=cache)
+    schedule = search(fusion.graph, model, method, **method_options(method, default_streams=cores))
+    module = OptimizedModule(fusion.graph, schedule, cores, unit_operator)
+    errors = model_errors(module, batch, cores)
+    worst = max(range(len(errors)), key=errors.__getitem__)
+    if not errors[worst] <= tolerance:
+        raise MultiError(f"model {worst}'s outputs differ from its own forward by {errors[worst]:.3g} "
+                         f"(tolerance {tolerance:g})")
+    module.fusion = fusion
+    return module

@@ -1,0 +1,283 @@
+"""Units of different models batched into one kernel (HiveMind's fusions): the same unit of several models,
+same code and weight layout, runs once over the models' weights stacked along a new leading dimension.
+
+- ``same_input``: the units read the same value (an ensemble's first layers). Batched, a convolution becomes
+  one convolution with the models' filters stacked along its output channels, a linear layer one matmul.
+- ``same_shape``: the units read different values of equal shapes (every later layer of an ensemble). The
+  convolution becomes one grouped convolution, a linear layer one batched matmul, the rest batched
+  element-wise operators.
+
+The batched unit is made by ``torch.func.vmap`` over the unit's own code with the stacked weights, traced
+with ``make_fx`` into plain ATen operators: vmap's batching rules do the rewriting (they are PyTorch's, and
+exact), and the traced graph runs without vmap's per-operator interpretation. Its output is the members'
+outputs stacked; a batched unit that reads a batched unit's output takes it stacked as it is, and a member
+whose value is read elsewhere (or returned) gets a unit of its own name that selects it (a view, or a
+contiguous copy where the batched layout interleaves the members).
+
+>>> import torch
+>>> from opsched.graph.interpret import all_values, run_graph
+>>> from opsched.multi.combine import ModelBatch, combine
+>>> models = [torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 2, 1))
+...           for _ in range(4)]
+>>> x = torch.randn(1, 3, 8, 8)
+>>> g = combine(ModelBatch(models, [(x,)] * 4))
+>>> groups = batchable_groups(g)
+>>> [(fusion_kind(g, members), len(members)) for members in groups]
+[('same_input', 4), ('same_shape', 4)]
+>>> fused = batch_units(g, groups, all_values(g, [x]))
+>>> [n.name for n in fused.nodes]
+['m0-3/0', 'm0-3/2', 'm0/2', 'm1/2', 'm2/2', 'm3/2']
+>>> with torch.no_grad():
+...     all(torch.allclose(a, b, atol=1e-5) for a, b in zip(run_graph(fused, x), run_graph(g, x)))
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from opsched.graph.ir import Graph, Node
+from opsched.multi.units import layout_key, local_name, model_of, tensors_of
+
+FUSIONS = ("same_input", "same_shape")
+
+
+def batchable_groups(graph: Graph) -> list[list[int]]:
+    """Groups of units (indices, ordered by model) that can run as one batched unit: the unit of the same
+    name in different models, with the same layout and equally shaped inputs, none a predecessor of another,
+    and no set of groups forming a cycle once each is one unit."""
+    buckets: dict[Any, list[int]] = {}
+    for i, node in enumerate(graph.nodes):
+        key = layout_key(node)
+        if key is None or model_of(node.name) is None:
+            continue
+        shapes = tuple(_shape_of(graph, a) for a in node.args)
+        buckets.setdefault((local_name(node.name), key, shapes), []).append(i)
+    groups = []
+    for members in buckets.values():
+        members = sorted(members, key=lambda i: model_of(graph.nodes[i].name))
+        chosen: list[int] = []
+        for i in members:
+            if all(not (graph.ancestors[i] >> j & 1 or graph.ancestors[j] >> i & 1) for j in chosen):
+                chosen.append(i)
+        if len(chosen) > 1:
+            groups.append(chosen)
+    groups.sort(key=lambda members: members[0])
+    return _acyclic(graph, groups)
+
+
+def _shape_of(graph: Graph, name: str) -> Any:
+    node = graph.nodes[graph.index[name]] if name in graph.index else None
+    return (node.shape, node.dtype) if node is not None else name
+
+
+def _acyclic(graph: Graph, groups: list[list[int]]) -> list[list[int]]:
+    """Drop groups, the latest first, until contracting each group to one unit leaves a DAG (two groups whose
+    members depend on each other across models would otherwise each wait for the other)."""
+    groups = list(groups)
+    while True:
+        owner = {i: ("g", k) for k, members in enumerate(groups) for i in members}
+        contracted = nx.DiGraph()
+        contracted.add_nodes_from(owner.get(i, i) for i in range(len(graph)))
+        contracted.add_edges_from((owner.get(j, j), owner.get(i, i)) for j, i in graph.edges
+                                  if owner.get(j, j) != owner.get(i, i))
+        try:
+            cycle = nx.find_cycle(contracted)
+        except nx.NetworkXNoCycle:
+            return groups
+        worst = max(k for edge in cycle for end in edge if isinstance(end, tuple) for k in [end[1]])
+        del groups[worst]
+
+
+def fusion_kind(graph: Graph, members: Sequence[int]) -> str:
+    """``same_input`` when every member reads the same values, else ``same_shape``."""
+    return "same_input" if len({graph.nodes[i].args for i in members}) == 1 else "same_shape"
+
+
+def batch_units(graph: Graph, groups: Sequence[Sequence[int]], values: Mapping[str, Any]) -> Graph:
+    """``graph`` with each group run as one batched unit; ``values`` holds an example value of every unit
+    and input (see :func:`opsched.graph.interpret.all_values`), what the batched code is traced on."""
+    group_of = {i: (g, k) for g, members in enumerate(groups) for k, i in enumerate(members)}
+    names = [batched_name(graph, members) for members in groups]
+    nodes: list[Node] = [n for i, n in enumerate(graph.nodes) if i not in group_of]
+    outputs: dict[str, Any] = {}  # each batched unit's output, as later batched units will read it
+    for g, members in enumerate(groups):
+        args, dims = _batched_args(graph, members, groups, group_of, names)
+        first = graph.nodes[members[0]]
+        module = batched_module([graph.nodes[i] for i in members], dims,
+                                [outputs[a] if a in outputs else values[a] for a in args])
+        with torch.no_grad():
+            outputs[names[g]] = module(*[outputs[a] if a in outputs else values[a] for a in args])
+        nodes.append(Node(
+            names[g], "batched", tuple(args), (len(members), *first.shape) if first.shape else None, first.dtype,
+            sum(graph.nodes[i].flops for i in members), sum(graph.nodes[i].bytes_read for i in members),
+            sum(graph.nodes[i].bytes_written for i in members), sum(graph.nodes[i].param_bytes for i in members),
+            {"fusion": fusion_kind(graph, members), "members": tuple(graph.nodes[i].name for i in members),
+             "op": first.attrs.get("op")}, first.ops, None, module))
+    read = {a for n in nodes for a in n.args} | set(graph.outputs)
+    for i, (g, k) in group_of.items():
+        member = graph.nodes[i]
+        if member.name in read:
+            nodes.append(Node(member.name, "elementwise", (names[g],), member.shape, member.dtype,
+                              attrs={"post": ("select",)}, ops=("select",), run=_select_module(k)))
+    return Graph(nodes, graph.inputs, graph.outputs, graph.name, graph.out_spec)
+
+
+def batched_name(graph: Graph, members: Sequence[int]) -> str:
+    models = [model_of(graph.nodes[i].name) for i in members]
+    span = f"m{models[0]}-{models[-1]}" if models == list(range(models[0], models[-1] + 1)) else \
+        "m" + ",".join(map(str, models))
+    return f"{span}/{local_name(graph.nodes[members[0]].name)}"
+
+
+def _batched_args(graph: Graph, members: Sequence[int], groups: Sequence[Sequence[int]],
+                  group_of: Mapping[int, tuple[int, int]], names: Sequence[str]) -> tuple[list[str], list[Any]]:
+    """The batched unit's arguments and how each of the unit's inputs is made from them: ``None`` (one value
+    every member reads), ``0`` (a batched unit's stacked output, member ``k`` at index ``k``) or ``"stack"``
+    (one value per member, stacked when the unit runs)."""
+    args: list[str] = []
+    dims: list[Any] = []
+    for p in range(len(graph.nodes[members[0]].args)):
+        read = [graph.nodes[i].args[p] for i in members]
+        producers = [group_of.get(graph.index[a]) if a in graph.index else None for a in read]
+        if len(set(read)) == 1:
+            args.append(read[0])
+            dims.append(None)
+        elif (producers[0] is not None and len(groups[producers[0][0]]) == len(members)
+              and producers == [(producers[0][0], k) for k in range(len(members))]):
+            args.append(names[producers[0][0]])
+            dims.append(0)
+        else:
+            args += read
+            dims.append("stack")
+    return args, dims
+
+
+def batched_module(members: Sequence[Node], dims: Sequence[Any], examples: Sequence[Any]) -> fx.GraphModule:
+    """One GraphModule computing every member's unit on the members' stacked weights: called with the
+    arguments ``dims`` describes (see :func:`_batched_args`), it returns the members' outputs stacked."""
+    count = len(members)
+    weights = list(tensors_of(members[0]))
+    stacked = {f"w{j}": torch.stack([tensors_of(m)[name].detach() for m in members])
+               for j, name in enumerate(weights)}
+    template = _batch_norm_decomposed(members[0].run)
+
+    def one(w: Sequence[torch.Tensor], *args: Any) -> Any:
+        return torch.func.functional_call(template, dict(zip(weights, w)), args, strict=True)
+
+    in_dims = (0, *[0 if d == "stack" else d for d in dims])
+    batched = torch.func.vmap(one, in_dims=in_dims)
+
+    def run(*flat: Any) -> Any:
+        w, rest = flat[:len(weights)], flat[len(weights):]
+        args, at = [], 0
+        for d in dims:
+            if d == "stack":
+                args.append(torch.stack(rest[at:at + count]))
+                at += count
+            else:
+                args.append(rest[at])
+                at += 1
+        return batched(w, *args)
+
+    with torch.no_grad(), _quiet_fallback():
+        traced = make_fx(run)(*stacked.values(), *examples)
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder"][:len(weights)]
+    for name, tensor in stacked.items():
+        traced.register_buffer(name, tensor)
+    if placeholders:
+        with traced.graph.inserting_before(placeholders[0]):
+            attributes = [traced.graph.get_attr(name) for name in stacked]
+        for p, attribute in zip(placeholders, attributes):
+            p.replace_all_uses_with(attribute)
+            traced.graph.erase_node(p)
+    traced.graph.eliminate_dead_code()  # first: the indices vmap's pooling returns are read by dead views
+    _plain_max_pool(traced.graph)
+    return fx.GraphModule(traced, traced.graph, class_name="Batched")
+
+
+@contextlib.contextmanager
+def _quiet_fallback() -> Iterator[None]:
+    """vmap warns on stderr for every operator without a batching rule (it then loops over the members, which
+    is still exact); the warning is PyTorch's note to itself, not something our user can act on."""
+    set_warning = torch._C._functorch._set_vmap_fallback_warning_enabled
+    set_warning(False)
+    try:
+        yield
+    finally:
+        set_warning(True)
+
+
+def _batch_norm_decomposed(unit: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``unit`` with inference batch norm as a scale and shift: torch.export captures it as
+    ``_native_batch_norm_legit_no_training``, which has no batching rule, and vmap would run it member by
+    member."""
+    op = torch.ops.aten._native_batch_norm_legit_no_training.default
+    if not any(n.target is op for n in unit.graph.nodes):
+        return unit
+    unit = copy.deepcopy(unit)
+    graph = unit.graph
+    for node in list(graph.nodes):
+        if node.target is not op:
+            continue
+        x, weight, bias, mean, var, _momentum, eps = node.args
+        with graph.inserting_before(node):
+            normalized = graph.call_function(batch_norm_inference, (x, weight, bias, mean, var, eps))
+        for user in list(node.users):
+            if user.target is _getitem and user.args[1] == 0:
+                user.replace_all_uses_with(normalized)
+    graph.eliminate_dead_code()
+    unit.recompile()
+    return unit
+
+
+def batch_norm_inference(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                         mean: torch.Tensor, var: torch.Tensor, eps: float) -> torch.Tensor:
+    """Batch norm with running statistics, as the element-wise operators vmap batches."""
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    return x * scale.reshape(shape) + shift.reshape(shape)
+
+
+def _plain_max_pool(graph: fx.Graph) -> None:
+    """Max pooling whose indices nobody reads, as plain max pooling: vmap's rule for it returns the indices
+    too, and computing them made a batched pooling slower than the models' own poolings one by one."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.target is not aten.max_pool2d_with_indices.default:
+            continue
+        users = list(node.users)
+        if any(u.target is not _getitem or u.args[1] != 0 for u in users if u.users):
+            continue
+        with graph.inserting_before(node):
+            plain = graph.call_function(aten.max_pool2d.default, node.args, node.kwargs)
+        for u in users:
+            if u.args[1] == 0:
+                u.replace_all_uses_with(plain)
+            graph.erase_node(u)
+        graph.erase_node(node)
+
+
+_getitem = __import__("operator").getitem
+
+
+def _select_module(k: int) -> fx.GraphModule:
+    """A unit returning member ``k`` of a batched unit's stacked output (a view where that is contiguous)."""
+    g = fx.Graph()
+    stacked = g.placeholder("stacked")
+    # contiguous: the readers' code was captured on contiguous values and may view them (a flatten)
+    g.output(g.call_method("contiguous", (g.call_function(torch.ops.aten.select.int, (stacked, 0, k)),)))
+    return fx.GraphModule({}, g, class_name="Select")

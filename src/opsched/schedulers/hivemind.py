@@ -1,0 +1,64 @@
+"""HiveMind's stream assignment: a depth-first walk of the graph puts the units it explores one after
+another on one stream, and every backtrack starts the next stream.
+
+The walk visits a unit only once all its inputs have been visited (so each stream's order, and the order of
+the walk as a whole, is topological), goes down to the first ready successor (the earliest in the graph's
+order), and when the unit it just placed has no ready successor, backtracks to the most recent unit that
+still has one: the units after a backtrack go on a new stream. With ``streams`` K > 0, stream ``s`` is
+folded onto ``s mod K``.
+
+Over a model batch, each model is one depth-first path and gets its own stream, which is what HiveMind
+wants: the models run side by side.
+"""
+
+from __future__ import annotations
+
+from opsched.cost.base import CostModel
+from opsched.graph.ir import Graph, indices
+from opsched.schedule import Schedule, from_streams
+
+
+def hivemind_streams(graph: Graph, streams: int = 0) -> list[list[int]]:
+    """The units of each stream, in order.
+
+    >>> from opsched.graph.ir import Node
+    >>> g = Graph([Node("a"), Node("b", args=("a",)), Node("c", args=("b",)), Node("d", args=("a",)),
+    ...            Node("e", args=("c", "d"))])
+    >>> hivemind_streams(g)
+    [[0, 1, 2], [3, 4]]
+    >>> hivemind_streams(g, streams=1)
+    [[0, 1, 2, 3, 4]]
+    """
+    waiting = [p.bit_count() for p in graph.preds]
+    placed: list[list[int]] = []
+    path: list[int] = []          # the walk's stack: units whose successors may still become ready
+    new_stream = True
+    roots = [u for u in range(len(graph)) if not waiting[u]]
+    while roots or path:
+        if path:
+            ready = [v for v in indices(graph.succs[path[-1]]) if not waiting[v]]
+            if not ready:
+                path.pop()
+                new_stream = True
+                continue
+            unit = ready[0]
+        else:
+            unit = roots.pop(0)
+        if new_stream:
+            placed.append([])
+            new_stream = False
+        placed[-1].append(unit)
+        waiting[unit] = -1  # visited
+        for v in indices(graph.succs[unit]):
+            waiting[v] -= 1
+        path.append(unit)
+    if streams > 0 and len(placed) > streams:
+        folded: list[list[int]] = [[] for _ in range(streams)]
+        for s, units in enumerate(placed):
+            folded[s % streams] += units
+        placed = folded
+    return placed
+
+
+def hivemind(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
+    return from_streams(graph, cost, "hivemind", hivemind_streams(graph, streams), options={"streams": streams})
