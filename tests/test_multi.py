@@ -1,0 +1,192 @@
+"""Several models at once (issue 10): every rewrite checked against the unfused units and each model's own
+eager forward; the hivemind scheduler's schedules valid; the command's bad input refused in one line."""
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from opsched.cli import main
+from opsched.cost.table import TableCost
+from opsched.graph.interpret import all_values, run_graph
+from opsched.multi import ModelBatch, MultiError, combine, fuse, fuse_graph
+from opsched.multi.shared import share_work
+from opsched.multi.stack import batch_units, batchable_groups
+from opsched.multi.train import FusedTraining, compare_training
+from opsched.schedule import validate
+from opsched.schedulers import make_schedule
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, channels=6, classes=5):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3, padding=1), torch.nn.BatchNorm2d(channels),
+                                        torch.nn.ReLU())
+        self.branch = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.pool = torch.nn.MaxPool2d(2)
+        self.head = torch.nn.Linear(channels * 4 * 4, classes)
+
+    def forward(self, x):
+        y = self.stem(x)
+        y = torch.relu(y + self.branch(y))
+        return self.head(torch.flatten(self.pool(y), 1)), y.mean()
+
+
+def _randomised(model, seed):
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.normal_()
+            m.running_var.uniform_(0.5, 2)
+    return model.eval()
+
+
+def _outputs_match(got, models, per_model, atol=1e-5):
+    for out, model, args in zip(got, models, per_model):
+        want = model(*args)
+        for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(want)):
+            assert torch.allclose(a, b, atol=atol), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("shared_input", [True, False])
+def test_batched_units_give_every_model_its_own_outputs(shared_input):
+    models = [_randomised(Residual(), k) for k in range(3)]
+    inputs = [(torch.randn(2, 3, 8, 8),) for _ in models]
+    batch = ModelBatch(models, [inputs[0]] * 3 if shared_input else inputs)
+    graph = combine(batch)
+    groups = batchable_groups(graph)
+    assert len(groups) == len(graph) // 3 and all(len(g) == 3 for g in groups)
+    flat = list(batch.inputs)
+    fused = batch_units(graph, groups, all_values(graph, flat))
+    assert len([n for n in fused.nodes if n.kind == "batched"]) == len(groups)
+    with torch.no_grad():
+        got = run_graph(fused, *flat)
+        _outputs_match(got, models, batch.per_model)
+
+
+def test_a_shared_backbone_is_computed_once_and_heads_batched():
+    backbone = _randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(),
+                                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), 0)
+    models = [torch.nn.Sequential(backbone, _randomised(torch.nn.Linear(8, 4), k)).eval() for k in range(4)]
+    x = torch.randn(1, 3, 10, 10)
+    fusion = fuse_graph(ModelBatch(models, [(x,)] * 4))
+    assert fusion.fused == {"shared": 6, "same_input": 1, "same_shape": 0}  # two backbone units, 3 times
+    assert len(fusion.graph) == 2 + 1 + 4  # the backbone once, the heads as one unit and its four selections
+    with torch.no_grad():
+        got = run_graph(fusion.graph, x)
+        _outputs_match(got, models, [(x,)] * 4)
+
+
+def test_share_work_keeps_units_whose_weights_are_equal_but_not_the_same():
+    a = torch.nn.Conv2d(3, 4, 3)
+    b = torch.nn.Conv2d(3, 4, 3)
+    b.load_state_dict(a.state_dict())  # equal numbers, different tensors: not shared work
+    x = torch.randn(1, 3, 6, 6)
+    _, removed = share_work(combine(ModelBatch([a, b], [(x,), (x,)])))
+    assert removed == 0
+    _, removed = share_work(combine(ModelBatch([a, a], [(x,), (x,)])))
+    assert removed == 1
+
+
+def test_a_fusion_that_does_not_pay_is_not_made():
+    models = [torch.nn.Linear(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4)
+    fusion = fuse_graph(ModelBatch(models, [(x,)] * 3), latencies=lambda g: [1.0] * len(g))
+    # batched: one unit plus three selections (4 ms) against three units (3 ms)
+    assert fusion.fused["same_input"] == 0 and not fusion.decisions[0]["made"]
+    assert fusion.graph is not None and len(fusion.graph) == 3
+
+
+def test_fuse_returns_a_verified_module():
+    models = [_randomised(Residual(), k) for k in range(2)]
+    x = torch.randn(1, 3, 8, 8)
+    module = fuse(models, (x,), method="lios", cache=False)
+    with torch.no_grad():
+        _outputs_match(module(x), models, [(x,)] * 2)
+
+
+def test_a_batch_on_two_devices_is_refused():
+    with pytest.raises(MultiError, match="one device"):
+        ModelBatch([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2).to("meta")], [(torch.randn(1, 2),)] * 2)
+
+
+@settings(deadline=None, database=None, derandomize=True, max_examples=40, suppress_health_check=list(HealthCheck))
+@given(n=st.integers(1, 14), p=st.floats(0.05, 0.6), seed=st.integers(0, 10_000), streams=st.integers(0, 3))
+def test_hivemind_places_every_unit_once_respecting_dependencies(make_dag, n, p, seed, streams):
+    graph = make_dag(n, p, seed)
+    schedule = make_schedule("hivemind", graph, TableCost(graph), streams=streams)
+    validate(schedule, graph)
+    if streams:
+        assert len({o.stream for o in schedule.ops}) <= streams
+
+
+def test_fused_training_gives_each_model_its_own_gradients():
+    models = [_randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                              torch.nn.Flatten(), torch.nn.Linear(4 * 36, 3)), k).train()
+              for k in range(3)]
+    x = torch.randn(4, 3, 8, 8)
+    result = compare_training(models, (x,), steps=5, lrs=[0.01, 0.05, 0.1], repeats=1)
+    assert result["max_param_diff"] <= 1e-5, result
+    with pytest.raises(MultiError, match="one architecture"):
+        FusedTraining([torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)], (torch.randn(1, 2),))
+
+
+BATCH_FILE = '''
+import torch
+torch.manual_seed(0)
+backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Flatten())
+def batch():
+    return [(torch.nn.Sequential(backbone, torch.nn.Linear(4 * 36, 2)), (torch.randn(1, 3, 8, 8),)) for _ in range(3)]
+def nothing():
+    return None
+def empty():
+    return []
+'''
+
+
+@pytest.fixture
+def batch_file(tmp_path):
+    path = tmp_path / "batch.py"
+    path.write_text(BATCH_FILE)
+    return path
+
+
+def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path, capsys):
+    plan = tmp_path / "plan.json"
+    assert main(["multi", f"{batch_file}:batch", "--copies", "2", "--repeats", "2", "--no-cache", "--out", str(plan),
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["models"]) == 6 and out["shared_input"]
+    assert out["fused"]["shared"] == 4  # in each copy, the three models share one backbone unit
+    assert {"sequential_models", "threads", "vmap"} <= set(out["measured_ms"]) | set(out["dropped"])
+    assert out["max_abs_error"] <= 1e-3 and len(out["model_errors"]) == 6
+    assert out["chosen"] in out["measured_ms"]
+    assert json.loads(plan.read_text())["options"]["multi"]["models"] == 6
+    assert main(["multi", f"{batch_file}:batch", "--out", str(plan), "--json"]) == 2  # never overwritten
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--copies", "0"], "positive"),
+    ([":nothing"], "returned nothing"),
+    ([":empty"], "empty list"),
+])
+def test_opsched_multi_refuses_bad_input_in_one_line(batch_file, capsys, argv, message):
+    spec = f"{batch_file}{argv[0]}" if argv[0].startswith(":") else f"{batch_file}:batch"
+    rest = argv if not argv[0].startswith(":") else []
+    with pytest.raises(SystemExit) if rest else _no_exit():
+        code = main(["multi", spec, *rest])
+        assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert message in err[-1]
+
+
+class _no_exit:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
