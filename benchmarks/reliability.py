@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import io
 import json
@@ -48,7 +49,7 @@ from opsched.schedule import ScheduleError, from_dict, validate
 from opsched.schedulers import SCHEDULERS, make_schedule
 
 METHOD_OPTIONS = {"sequential": {}, "greedy": {}, "lios": {"streams": 3}, "nimble": {"streams": 3},
-                  "ios": {"max_block_size": 8}, "exact": {"time_limit": 2.0}}
+                  "ios": {"max_block_size": 8}, "exact": {"time_limit": 2.0}, "hivemind": {"streams": 3}}
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 6e-2}
 HANG_SECONDS = 60.0
 
@@ -621,11 +622,28 @@ def suite_load(size: dict[str, int]) -> dict[str, Any]:
         results[method] = hammer(module, model, seeded_input(inputs[0].shape), threads=size["threads"],
                                  calls=size["calls"])
         module.close()
-    try:
-        from opsched.multi import fuse  # noqa: F401 - issue 10's fused multi-model module, when it exists
-    except ImportError:
-        results["multi"] = "skipped: opsched.multi.fuse does not exist yet"
+    module, batch = fused_batch()
+    results["multi"] = hammer(module, batch, seeded_input(batch.inputs[0].shape), threads=size["threads"],
+                              calls=size["calls"])
+    module.close()
     return results
+
+
+def fused_batch(count: int = 4) -> tuple[Any, Any]:
+    """Issue 10's fused multi-model module over ``count`` seeded copies of :func:`branchy`'s model (batched
+    units and their selections), and the batch it must agree with model by model."""
+    from opsched.multi import fuse, model_batch
+
+    model, _, inputs = branchy()
+    models = []
+    for k in range(count):
+        copy_k = copy.deepcopy(model)
+        torch.manual_seed(k)
+        for p in copy_k.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        models.append(copy_k.eval())
+    module = fuse(models, inputs, method="lios", cost="sim:v100", cache=False)
+    return module, model_batch(models, inputs)
 
 
 def suite_soak(size: dict[str, int]) -> dict[str, Any]:

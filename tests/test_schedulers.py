@@ -106,7 +106,7 @@ def test_ios_is_never_worse_than_sequential_or_greedy(n, p, seed, capacity, sync
 
 
 OPTIONS = {"sequential": {}, "greedy": {"max_streams": 2}, "lios": {"streams": 3}, "nimble": {"streams": 2},
-           "ios": {}, "exact": {"streams": 2, "time_limit": 10}}
+           "ios": {}, "exact": {"streams": 2, "time_limit": 10}, "hivemind": {"streams": 2}}
 
 
 @settings(max_examples=25, deadline=None)

@@ -1,0 +1,176 @@
+"""Several models at once (HiveMind), MEASURED on this machine through the one runner (every model verified
+against its own forward, configurations timed interleaved, medians), with SIMULATED GPU rows labelled as such.
+
+Cases: K in {2, 4, 8, 16} copies of a small CNN at batch 1 and 16; ResNet-18 copies at batch 2; eight models
+sharing a feature extractor (different heads, one input); the rewrites switched on one kind at a time (the
+IOS-style ablation) on sixteen copies; training eight small CNNs at batch 16, fused against one after another;
+HiveMind's scheduler on a simulated V100. Writes a JSON line per case to ``--out`` (default multi.jsonl), a
+markdown table to ``--markdown`` and a bar chart to ``--plot``.
+
+    python benchmarks/multi.py --out docs/multi.jsonl --plot docs/multi.png   (the table: multi-results.md)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from opsched.multi.optimize import optimize
+from opsched.multi.train import compare_training
+
+
+def small_cnn(classes: int = 10) -> torch.nn.Module:
+    """Conv-BN-ReLU-pool, conv-ReLU, global pool, linear: the kind of model HiveMind's sweeps train."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.Linear(32, classes)).eval()
+
+
+def copies(make, count: int, seed: int = 0) -> list[torch.nn.Module]:
+    torch.manual_seed(seed)
+    return [make().eval() for _ in range(count)]
+
+
+def shared_extractor(count: int = 8) -> list[torch.nn.Module]:
+    import torchvision
+
+    torch.manual_seed(0)
+    trunk = torchvision.models.resnet18()
+    extractor = torch.nn.Sequential(*list(trunk.children())[:-1], torch.nn.Flatten())
+    return [torch.nn.Sequential(extractor, torch.nn.Linear(512, 10)).eval() for _ in range(count)]
+
+
+def resnet18_copies(count: int = 4) -> list[torch.nn.Module]:
+    import torchvision
+
+    return copies(torchvision.models.resnet18, count)
+
+
+def measure(name: str, models, x, repeats: int, **options) -> dict:
+    started = time.perf_counter()
+    result = optimize(models, (x,), methods=options.pop("methods", ("sequential", "lios", "hivemind")),
+                      repeats=repeats, **options)
+    ev = result.outcome.evaluation
+    row = {"case": name, "models": len(models), "batch": int(x.shape[0]), "fused": result.fusion.fused,
+           "units": [len(result.fusion.combined), len(result.fusion.graph)],
+           "measured_ms": {k: round(v, 3) for k, v in ev.measured_ms.items()}, "chosen": ev.chosen,
+           "dropped": ev.dropped, "max_abs_error": max(result.model_errors) if result.model_errors else None,
+           "seconds": round(time.perf_counter() - started, 1)}
+    base = ev.measured_ms.get("sequential_models")
+    best_schedule = ev.fastest("schedule")
+    row["opsched_vs_sequential_models"] = round(base / ev.measured_ms[best_schedule], 2) if best_schedule else None
+    row["chosen_vs_sequential_models"] = round(base / ev.measured_ms[ev.chosen], 2)
+    if "vmap" in ev.measured_ms and best_schedule:
+        row["opsched_vs_vmap"] = round(ev.measured_ms["vmap"] / ev.measured_ms[best_schedule], 2)
+    return row
+
+
+def cases(quick: bool):
+    counts = (2, 16) if quick else (2, 4, 8, 16)
+    for batch in (1, 16):
+        for k in counts:
+            yield f"small CNN x{k}", lambda k=k: copies(small_cnn, k), torch.randn(batch, 3, 32, 32), {}
+    yield "ResNet-18 x2", lambda: resnet18_copies(2), torch.randn(2, 3, 224, 224), {}
+    yield "8 heads on one ResNet-18 trunk", shared_extractor, torch.randn(1, 3, 224, 224), {}
+    for rewrites in ((), ("same_input",), ("same_shape",), ("same_input", "same_shape")):
+        label = "+".join(rewrites) or "no rewrite"
+        yield f"ablation x16 b1: {label}", lambda: copies(small_cnn, 16), torch.randn(1, 3, 32, 32), \
+            {"rewrites": ("shared", *rewrites)}
+
+
+def simulated_rows() -> list[dict]:
+    rows = []
+    for k in (4, 16):
+        result = optimize(copies(small_cnn, k), (torch.randn(16, 3, 32, 32),), methods=("sequential", "hivemind"),
+                          cost="sim:v100", cache=False)
+        predicted = {m: s.predicted_latency for m, s in result.outcome.schedules.items()}
+        rows.append({"case": f"SIMULATED v100: small CNN x{k} b16", "predicted_ms": {
+            "sequential_models": round(result.predicted_sequential_ms, 4),
+            **{m: round(v, 4) for m, v in predicted.items()}}, "fused": result.fusion.fused,
+            "hivemind_vs_sequential_models": round(result.predicted_sequential_ms / predicted["hivemind"], 2)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = [("| case | batch | units | fused (shared / same input / same shape) | sequential_models ms | threads ms | "
+              "vmap ms | best opsched ms | opsched vs sequential | opsched vs vmap | chosen | max error |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "measured_ms" not in r:
+            continue
+        m = r["measured_ms"]
+        best = min((v for k, v in m.items() if k not in ("sequential_models", "threads", "vmap")), default=None)
+        f = r["fused"]
+        lines.append(f"| {r['case']} | {r['batch']} | {r['units'][0]} -> {r['units'][1]} | {f['shared']} / "
+                     f"{f['same_input']} / {f['same_shape']} | {m.get('sequential_models', '-')} | "
+                     f"{m.get('threads', '-')} | {m.get('vmap', '-')} | {best} | "
+                     f"{r['opsched_vs_sequential_models']}x | {r.get('opsched_vs_vmap', '-')}"
+                     f"{'x' if 'opsched_vs_vmap' in r else ''} | {r['chosen']} | {r['max_abs_error']:.1g} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if "measured_ms" in r and not r["case"].startswith("ablation")]
+    names = [f"{r['case']}\nb{r['batch']}" for r in measured]
+    series = ["threads", "vmap", "opsched"]
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 1.1), 4.5))
+    width = 0.27
+    for j, s in enumerate(series):
+        values = []
+        for r in measured:
+            m = r["measured_ms"]
+            ms = min(v for k, v in m.items() if k not in ("sequential_models", "threads", "vmap")) \
+                if s == "opsched" else m.get(s)
+            values.append(m["sequential_models"] / ms if ms else 0)
+        ax.bar([i + (j - 1) * width for i in range(len(names))], values, width, label=s)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(range(len(names)), names, fontsize=7)
+    ax.set_ylabel("speedup over sequential_models (measured)")
+    ax.set_title(f"Several models at once, MEASURED on this CPU ({os.cpu_count()} cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer cases")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default="multi.jsonl")
+    parser.add_argument("--markdown", default="multi-results.md")
+    parser.add_argument("--plot", default="multi.png")
+    args = parser.parse_args()
+    rows = []
+    with open(args.out, "w") as out:
+        def emit(row: dict) -> None:
+            rows.append(row)
+            out.write(json.dumps(row) + "\n")
+            out.flush()
+            print(json.dumps(row), flush=True)
+
+        emit({"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "threads": torch.get_num_threads()})
+        for name, make, x, options in cases(args.quick):
+            emit(measure(name, make(), x, args.repeats, cache=False, **options))
+        for batch in (4, 16):
+            result = compare_training(copies(small_cnn, 8), (torch.randn(batch, 3, 32, 32),), steps=20,
+                                      lrs=[0.01 * (k + 1) for k in range(8)])
+            emit({"case": f"training small CNN x8 b{batch}", **result})
+        for row in simulated_rows():
+            emit(row)
+    Path(args.markdown).write_text(markdown(rows))
+    plot(rows, Path(args.plot))
+
+
+if __name__ == "__main__":
+    main()
