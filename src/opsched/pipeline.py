@@ -266,7 +266,7 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
         found = peer_runners.vmap(model, inputs, cores, sync)
         candidates += found
         if not found:
-            notes.append("vmap left out: the models' architectures differ")
+            notes.append("vmap left out: the models differ in architecture or do not read one input")
     if "torch_compile" in peers:
         say("torch.compile of the whole model (freezing on), compiled for 1 and all threads ...")
         try:

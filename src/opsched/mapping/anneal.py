@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable
 
-from opsched.mapping.common import breadth_first_order, fitness
+from opsched.mapping.common import fastest_start, fitness
 from opsched.mapping.plan import Mapping
 from opsched.mapping.problem import Problem
 
@@ -37,9 +37,7 @@ def anneal(problem: Problem, seed: int = 0, time_limit: float = 10.0, iterations
     [1, 1]
     """
     rng = random.Random(seed)
-    order = breadth_first_order(problem)
-    genes = [[problem.fastest(u)] * problem.pieces for u in range(problem.n)]
-    current = fitness(problem, genes, order)
+    order, genes, current = fastest_start(problem)
     best, best_genes = current, [list(g) for g in genes]
     temperature = START_TEMPERATURE * (current if math.isfinite(current) else 1.0)
     cooling = END_TEMPERATURE ** (1.0 / max(1, iterations))

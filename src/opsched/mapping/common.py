@@ -118,6 +118,14 @@ def nothing_fits(problem: Problem, unit: int) -> MappingError:
                         "budget is too small for this mapping")
 
 
+def fastest_start(problem: Problem) -> tuple[list[int], list[list[int]], float]:
+    """Where SA and EA start: the breadth-first order, the device string with every piece of every unit on
+    its fastest device, and that string's makespan."""
+    order = breadth_first_order(problem)
+    genes = [[problem.fastest(u)] * problem.pieces for u in range(problem.n)]
+    return order, genes, fitness(problem, genes, order)
+
+
 def fitness(problem: Problem, device_of: Sequence[Sequence[int]], order: Sequence[int]) -> float:
     """The replayed makespan of a device string (``inf`` when it breaks a memory budget)."""
     from opsched.mapping.plan import Mapping

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable
 
-from opsched.mapping.common import breadth_first_order, fitness
+from opsched.mapping.common import fastest_start, fitness
 from opsched.mapping.plan import Mapping
 from opsched.mapping.problem import Problem
 
@@ -34,9 +34,7 @@ def evolve(problem: Problem, seed: int = 0, time_limit: float = 10.0, iterations
     [1, 1]
     """
     rng = random.Random(seed)
-    order = breadth_first_order(problem)
-    genes = [[problem.fastest(u)] * problem.pieces for u in range(problem.n)]
-    current = fitness(problem, genes, order)
+    order, genes, current = fastest_start(problem)
     length = problem.n * problem.pieces
     k = problem.devices
     deadline = time.perf_counter() + time_limit

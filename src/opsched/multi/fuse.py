@@ -82,9 +82,12 @@ def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cor
     from opsched.pipeline import cost_model
 
     flat = pytree.tree_leaves(tuple(inputs))
+    known: dict[str, list[float]] = {}  # by fingerprint: fuse_graph and optimize both ask for the combined graph
 
     def latencies(graph: Graph) -> list[float]:
-        cost, _ = cost_model(graph, flat, spec, kernels=kernels, cores=cores, cache=cache, progress=progress)
-        return [cost.op_latency(u) for u in range(len(graph))]
+        if graph.fingerprint not in known:
+            cost, _ = cost_model(graph, flat, spec, kernels=kernels, cores=cores, cache=cache, progress=progress)
+            known[graph.fingerprint] = [cost.op_latency(u) for u in range(len(graph))]
+        return known[graph.fingerprint]
 
     return latencies

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -232,7 +233,7 @@ def _batch_norm_decomposed(unit: fx.GraphModule) -> fx.GraphModule:
         with graph.inserting_before(node):
             normalized = graph.call_function(batch_norm_inference, (x, weight, bias, mean, var, eps))
         for user in list(node.users):
-            if user.target is _getitem and user.args[1] == 0:
+            if user.target is operator.getitem and user.args[1] == 0:
                 user.replace_all_uses_with(normalized)
     graph.eliminate_dead_code()
     unit.recompile()
@@ -260,7 +261,7 @@ def _plain_max_pool(graph: fx.Graph) -> None:
         if node.target is not aten.max_pool2d_with_indices.default:
             continue
         users = list(node.users)
-        if any(u.target is not _getitem or u.args[1] != 0 for u in users if u.users):
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users if u.users):
             continue
         with graph.inserting_before(node):
             plain = graph.call_function(aten.max_pool2d.default, node.args, node.kwargs)
@@ -270,8 +271,6 @@ def _plain_max_pool(graph: fx.Graph) -> None:
             graph.erase_node(u)
         graph.erase_node(node)
 
-
-_getitem = __import__("operator").getitem
 
 
 def _select_module(k: int) -> fx.GraphModule:
