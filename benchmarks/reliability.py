@@ -409,7 +409,7 @@ def interrupt_trial(workdir: Path, delay: float | None, seed_rows: bool = True) 
         seeded.close()
         before = cache_rows(path)
     env = dict(os.environ, OPSCHED_CACHE_DIR=str(cache))
-    argv = [sys.executable, "-m", "opsched.cli", "optimize", f"{model}:make", "--method", "ios", "--repeats", "3",
+    argv = [sys.executable, "-m", "opsched", "optimize", f"{model}:make", "--method", "ios", "--repeats", "3",
             "--out", str(workdir / f"plan-{time.monotonic_ns()}.json"), "--json"]
     started = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -427,7 +427,7 @@ def interrupt_trial(workdir: Path, delay: float | None, seed_rows: bool = True) 
         proc.kill()
         out, err = proc.communicate()
         return {"delay": delay, "hung": True, "stderr": err[-500:]}
-    rows = cache_rows(path)
+    rows = cache_rows(path) if path.exists() else []  # interrupted before the cache was made
     lines = [line for line in err.splitlines() if line.strip()]
     return {"delay": delay, "signal_after_s": round(sent_after, 2), "exit": proc.returncode,
             "stderr_lines": len(lines), "stderr": lines[:3], "hung": False, "rows_after": len(rows),
@@ -665,7 +665,7 @@ def suite_interrupt(size: dict[str, int]) -> list[dict[str, Any]]:
     rng = random.Random(14)
     with tempfile.TemporaryDirectory() as d:
         trials = [interrupt_trial(Path(d), None)]
-        trials += [interrupt_trial(Path(d), rng.uniform(0.5, 5.0)) for _ in range(size["interrupts"] - 1)]
+        trials += [interrupt_trial(Path(d), rng.uniform(0.1, 5.0)) for _ in range(size["interrupts"] - 1)]
     return trials
 
 
@@ -723,7 +723,7 @@ def suite_fuzz_dags(size: dict[str, int]) -> dict[str, Any]:
 
 SUITES = {"load": suite_load, "soak": suite_soak, "faults": suite_faults, "interrupt": suite_interrupt,
           "fuzz-models": suite_fuzz_models, "fuzz-plans": suite_fuzz_plans, "fuzz-dags": suite_fuzz_dags}
-FULL = {"threads": 8, "calls": 200, "soak_calls": 2000, "fault_calls": 30, "interrupts": 12, "models": 400,
+FULL = {"threads": 8, "calls": 200, "soak_calls": 2000, "fault_calls": 30, "interrupts": 30, "models": 400,
         "plans": 5000, "dags": 3000}
 QUICK = {"threads": 8, "calls": 25, "soak_calls": 300, "fault_calls": 9, "interrupts": 2, "models": 15,
          "plans": 200, "dags": 200}

@@ -59,7 +59,7 @@ def test_bad_input_raises_one_clear_error(text, message):
 def test_cli_reports_bad_dag_json_in_one_line_with_status_2(tmp_path, text, message):
     path = tmp_path / "bad.json"
     path.write_text(text)
-    proc = subprocess.run([sys.executable, "-m", "opsched.cli", "graph", str(path)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "opsched", "graph", str(path)], capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()

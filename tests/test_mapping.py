@@ -159,7 +159,7 @@ def test_replay_places_every_unit_once_and_respects_precedence_and_transfers(see
 
 
 def _opsched(*args):
-    return subprocess.run([sys.executable, "-m", "opsched.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "opsched", *map(str, args)], capture_output=True, text=True,
                           check=False)
 
 

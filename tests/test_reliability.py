@@ -4,11 +4,13 @@ their figures are ``python benchmarks/reliability.py`` (docs/reliability.md). Th
 import contextlib
 import json
 import resource
+import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import reliability as rel  # the benchmark script holds the helpers
 from opsched.cli import main
 from opsched.cost.cache import CacheError, CacheWarning, LatencyCache
 from opsched.cost.table import TableCost
+from opsched.interrupt import CtrlC
 from opsched.models import load_model
 from opsched.pipeline import Candidate, evaluate
 from opsched.runtime.cpu import UnitFailed
@@ -287,6 +290,61 @@ def test_ctrl_c_during_profiling_exits_130_with_one_line_and_a_readable_cache(tm
     assert result["exit"] == 130 and result["stderr"] == ["opsched: interrupted"], result
     assert result["seeded_rows_unchanged"] and result["rows_after"] >= 1, result
 
+
+
+@pytest.mark.parametrize("delay", [0.3, 0.6, 0.9])
+def test_ctrl_c_while_pytorch_is_importing_exits_130_with_one_line(tmp_path, delay):
+    # PyTorch imports 0.3-0.9 s after the start; before imports held the interrupt it was seen here to abort
+    # the process (pybind11), to die by the signal, or to be dropped with the run going on
+    result = rel.interrupt_trial(tmp_path, delay=delay, seed_rows=False)
+    assert not result["hung"], result
+    assert (result["exit"], result["stderr"]) == (130, ["opsched: interrupted"]), result
+
+
+def test_an_interrupt_held_during_an_import_is_raised_when_the_import_is_over(tmp_path, monkeypatch):
+    (tmp_path / "slow_module.py").write_text(textwrap.dedent("""
+        import os, signal, time
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)  # the interrupt arrives here, inside the import
+        FINISHED = True
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt), CtrlC() as ctrl_c:
+        import slow_module  # noqa: F401
+    assert ctrl_c.pressed and sys.modules["slow_module"].FINISHED
+    del sys.modules["slow_module"]
+
+
+def test_an_interrupt_a_library_turned_into_another_error_still_ends_as_interrupted(capsys, monkeypatch):
+    import opsched.commands
+
+    def swallows_it(args):
+        try:
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(1)
+        except KeyboardInterrupt:
+            raise ValueError("an unrelated error") from None
+
+    monkeypatch.setattr(opsched.commands, "cache_command", swallows_it)
+    assert main(["cache", "info", "--json"]) == 130
+    assert capsys.readouterr().err.splitlines() == ["opsched: interrupted"]
+
+
+def test_an_interrupt_dropped_by_a_destructor_still_ends_as_interrupted(capfd, monkeypatch):
+    import opsched.commands
+
+    class InterruptedWhileCollected:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)  # Python drops the KeyboardInterrupt raised here
+
+    def drops_it(args):
+        InterruptedWhileCollected()
+        return {}
+
+    monkeypatch.setattr(opsched.commands, "cache_command", drops_it)
+    assert main(["cache", "info", "--json"]) == 130
+    out, err = capfd.readouterr()
+    assert (out, err.splitlines()) == ("", ["opsched: interrupted"])  # no "Exception ignored in ..." either
 
 # -- bad input at the command line -------------------------------------------------------------------------------
 

@@ -2,18 +2,18 @@
 
 The names that need PyTorch (``capture``, ``run_graph``, ``compile``, ``verify``, ``OptimizedModule``) are
 imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
-importing torch.
+importing torch; ``Graph`` and ``Node`` too, so that importing the package itself is quick (the ``opsched``
+executable installs its Ctrl-C handler only once the package is imported).
 """
 
 from typing import Any
 
 from opsched.errors import CaptureError, DagJsonError, GraphError, ModelSpecError, OpschedError
-from opsched.graph.ir import Graph, Node
 
 __version__ = "0.1.0"
 
-_LAZY = {"capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret",
-         "compile": "opsched.runtime.module", "verify": "opsched.runtime.module",
+_LAZY = {"Graph": "opsched.graph.ir", "Node": "opsched.graph.ir",
+         "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.runtime.module",
          "OptimizedModule": "opsched.runtime.module"}
 
 __all__ = [

@@ -18,6 +18,7 @@ from typing import Any
 from opsched import __version__
 from opsched.errors import OpschedError
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
+from opsched.interrupt import CtrlC
 
 
 def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -435,34 +436,48 @@ def _lazy(name: str):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command and return its exit status (0, 1 failure while running, 2 bad input, 130 Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        return _run(args)
-    except BrokenPipeError:
-        # The reader (head, less) went away: stop quietly, as other command-line tools do.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+    with CtrlC() as ctrl_c:
+        try:
+            return _run(args, ctrl_c)
+        except BrokenPipeError:
+            # The reader (head, less) went away: stop quietly, as other command-line tools do.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
+        except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
+            return 130
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     try:
         result = args.handler(args)
-    except OpschedError as e:
-        print(f"opsched: error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, RuntimeError) as e:  # a failure while running: one line, status 1
-        lines = str(e).strip().splitlines() or [type(e).__name__]
+    except KeyboardInterrupt:
+        return _interrupted()
+    except (OpschedError, ValueError, RuntimeError) as e:
+        if ctrl_c.pressed:  # the interrupt was caught by a library and surfaced as this error
+            return _interrupted()
+        if isinstance(e, OpschedError):
+            print(f"opsched: error: {e}", file=sys.stderr)
+            return 2
+        lines = str(e).strip().splitlines() or [type(e).__name__]  # a failure while running: one line
         print(f"opsched: error: {type(e).__name__}: {lines[0]}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("opsched: interrupted", file=sys.stderr)
-        return 130
+    if ctrl_c.pressed:  # the KeyboardInterrupt was dropped on its way (a destructor, a callback)
+        return _interrupted()
     if args.json:
         json.dump(result, sys.stdout)
         sys.stdout.write("\n")
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _interrupted() -> int:
+    print("opsched: interrupted", file=sys.stderr)
+    return 130
+
+
+if __name__ == "__main__":  # python -m opsched.cli: as python -m opsched
+    from opsched.__main__ import script
+
+    script()

@@ -1,0 +1,72 @@
+"""Ctrl-C on the command line: every run that the user interrupts ends with one line and exit status 130.
+
+Python's own handler raises KeyboardInterrupt wherever the main thread is, and on the way out of a PyTorch
+program that goes wrong in three ways, all seen here: an exception inside PyTorch's C++ initialisation
+terminates the process, one raised in a callback or destructor is dropped with a traceback and the run goes
+on, and one a library catches comes back as an unrelated error. :class:`CtrlC` holds the interrupt while an
+import runs and remembers that it was pressed, so that the command can end as interrupted whatever happened
+to the exception.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any, Self
+
+
+class CtrlC:
+    """SIGINT over one run of a command: raise KeyboardInterrupt as Python's own handler does, and remember
+    that it was pressed, so that the run ends as interrupted (one line, status 130) whatever the exception
+    met on its way: a library may catch it and fail later with an unrelated error, and Python drops one raised
+    in a weakref callback or a destructor ("Exception ignored in ...") and goes on."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._previous: Any = None
+        self._held: threading.Timer | None = None
+        self._previous_unraisable_hook = sys.unraisablehook
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+        if _importing(frame):
+            # PyTorch's C++ initialisation calls back into Python where no exception can pass (pybind11 then
+            # terminates the process), and importlib drops exceptions raised in its callbacks: hold the
+            # interrupt until the import is over, by asking again shortly.
+            self._held = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            self._held.daemon = True
+            self._held.start()
+            return
+        self._held = None
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> Self:
+        # Handlers can only be set from the main thread; elsewhere (main() called from a worker) Python's stays.
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self)
+            sys.unraisablehook = self._unraisable
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.cancel()
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            sys.unraisablehook = self._previous_unraisable_hook
+        if held is not None and exc_type is None:  # the block ended while an interrupt was held: deliver it
+            raise KeyboardInterrupt
+
+    def _unraisable(self, unraisable: Any) -> None:
+        if unraisable.exc_type is not KeyboardInterrupt:  # ours: pressed is set, and the run ends at 130
+            self._previous_unraisable_hook(unraisable)
+
+
+def _importing(frame: Any) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
