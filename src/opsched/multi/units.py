@@ -14,9 +14,10 @@ import torch
 from opsched.graph.ir import Node
 
 
-def tensors_of(node: Node) -> dict[str, torch.Tensor]:
-    """The unit's parameters and buffers by attribute name (what ``functional_call`` replaces)."""
-    run = node.run
+def tensors_of(unit: Node | Any) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of a unit (or of the module it runs) by attribute name (what
+    ``functional_call`` replaces)."""
+    run = unit.run if isinstance(unit, Node) else unit
     if not isinstance(run, torch.nn.Module):
         return {}
     return {**dict(run.named_parameters()), **dict(run.named_buffers())}

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import fx
 
 from opsched.errors import OpschedError
+from opsched.graph.fold import folded_conv, inference_batch_norm
 from opsched.graph.ir import Node, can_merge
 from opsched.graph.ops import get_attr_value
 
@@ -154,21 +155,16 @@ def _expand(value: Any, dims: int) -> tuple[int, ...]:
     return value * dims if len(value) == 1 else value
 
 
-def _fold(weight: torch.Tensor, bias: torch.Tensor, bn: fx.Node, gm: fx.GraphModule):
+def _fold(weight: torch.Tensor, bias: torch.Tensor, node: fx.Node, gm: fx.GraphModule):
     """Fold an inference batch norm into the convolution before it."""
-    name = _name(bn)
-    if name == "batch_norm":
-        _, gamma, beta, mean, var, training, _, eps = bn.args[:8]
-        if training:
-            raise MergeError("cannot fold a batch norm in training mode")
-    else:  # _native_batch_norm_legit_no_training(input, weight, bias, mean, var, momentum, eps)
-        _, gamma, beta, mean, var, _, eps = bn.args[:7]
-    mean, var = get_attr_value(mean, gm), get_attr_value(var, gm)
-    gamma = get_attr_value(gamma, gm) if isinstance(gamma, fx.Node) else torch.ones_like(mean)
-    beta = get_attr_value(beta, gm) if isinstance(beta, fx.Node) else torch.zeros_like(mean)
-    scale = gamma.detach() / torch.sqrt(var + eps)
-    shape = (-1,) + (1,) * (weight.dim() - 1)
-    return weight * scale.reshape(shape), (bias - mean) * scale + beta.detach()
+    bn = inference_batch_norm(node)
+    if bn is None:
+        raise MergeError("cannot fold a batch norm in training mode")
+
+    def value(n: Any) -> torch.Tensor | None:
+        return get_attr_value(n, gm).detach() if isinstance(n, fx.Node) else None
+
+    return folded_conv(weight, bias, value(bn.weight), value(bn.bias), value(bn.mean), value(bn.var), bn.eps)
 
 
 def _name(node: fx.Node) -> str:

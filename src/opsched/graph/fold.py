@@ -1,0 +1,138 @@
+"""Inference batch norm folded into the convolution before it.
+
+With running statistics, batch norm is a per-channel scale and shift, and a convolution followed by it is a
+convolution with scaled filters and a shifted bias: one kernel instead of a convolution and an element-wise
+pass over its output. The result equals the two up to floating-point rounding. The IOS operator merge
+(:mod:`opsched.runtime.merge`) folds before it stacks filters; a model batch (:mod:`opsched.multi.stack`)
+folds before it batches the models' units, where the batch norm's element-wise pass is as slow as the
+convolutions it follows.
+
+>>> import torch
+>>> from opsched.graph.capture import capture
+>>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+>>> _ = model[1].running_mean.uniform_(), model[1].running_var.uniform_(1, 2)
+>>> x = torch.randn(1, 3, 8, 8)
+>>> unit = capture(model, (x,)).nodes[0].run
+>>> folded = fold_batch_norms(unit)
+>>> [n.target.__name__ for n in folded.graph.nodes if n.op == "call_function"]
+['conv2d.default', 'relu_.default']
+>>> torch.allclose(folded(x), unit(x), atol=1e-5)
+True
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from typing import Any, NamedTuple
+
+import torch
+from torch import fx
+
+from opsched.graph.ops import get_attr_value
+
+aten = torch.ops.aten
+_CONVOLUTIONS = {aten.conv1d.default, aten.conv2d.default, aten.conv3d.default, aten.convolution.default}
+
+
+class BatchNorm(NamedTuple):
+    """An inference batch norm of an FX graph: its operands (nodes, or None) and the node of its output."""
+
+    input: Any
+    weight: Any
+    bias: Any
+    mean: Any
+    var: Any
+    eps: float
+    output: fx.Node
+
+
+def inference_batch_norm(node: fx.Node) -> BatchNorm | None:
+    """``node`` as an inference batch norm: ``aten.batch_norm`` with ``training=False``, or the value of
+    ``_native_batch_norm_legit_no_training`` (what torch.export captures); None for anything else."""
+    if node.op != "call_function":
+        return None
+    if node.target in (aten.batch_norm.default, torch.nn.functional.batch_norm):
+        args = _batch_norm_args(node)
+        if args["training"]:
+            return None
+        return BatchNorm(args["input"], args["weight"], args["bias"], args["running_mean"], args["running_var"],
+                         args["eps"], node)
+    if node.target is aten._native_batch_norm_legit_no_training.default:
+        x, weight, bias, mean, var, _momentum, eps = node.args
+        values = [u for u in node.users if u.target is operator.getitem and u.args[1] == 0]
+        if len(values) != 1 or len(node.users) != 1:
+            return None
+        return BatchNorm(x, weight, bias, mean, var, eps, values[0])
+    return None
+
+
+def _batch_norm_args(node: fx.Node) -> dict[str, Any]:
+    names = ["input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps"]
+    values = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
+    values.update(zip(names, node.args))
+    values.update({k: v for k, v in node.kwargs.items() if k in names})
+    return values
+
+
+def folded_conv(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,
+                beta: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and bias of a convolution (output channels first) followed by an inference batch norm."""
+    scale = torch.rsqrt(var + eps)
+    if gamma is not None:
+        scale = scale * gamma
+    shift = -mean * scale if beta is None else beta - mean * scale
+    shape = (-1,) + (1,) * (weight.dim() - 1)
+    return weight * scale.reshape(shape), shift if bias is None else bias * scale + shift
+
+
+def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` in which every inference batch norm that is the only reader of a (not transposed)
+    convolution, all of whose operands are attributes of ``gm``, is folded into that convolution; ``gm``
+    itself if there is none. ``gm`` and its tensors are left as they are; the copy holds only the tensors its
+    graph reads."""
+    folded = fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+    graph = folded.graph
+    folds = 0
+    for node in list(graph.nodes):
+        bn = inference_batch_norm(node)
+        conv = bn.input if bn is not None else None
+        if conv is None or not _foldable(conv, bn):
+            continue
+        conv_bias = conv.args[2] if len(conv.args) > 2 else None
+
+        def value(n: Any) -> torch.Tensor | None:
+            return get_attr_value(n, folded).detach() if isinstance(n, fx.Node) else None
+
+        tensors = folded_conv(value(conv.args[1]), value(conv_bias), value(bn.weight), value(bn.bias),
+                              value(bn.mean), value(bn.var), bn.eps)
+        names = (f"folded_{folds}_weight", f"folded_{folds}_bias")
+        for name, tensor in zip(names, tensors):
+            folded.register_buffer(name, tensor)
+        with graph.inserting_before(conv):
+            weight_node, bias_node = (graph.get_attr(name) for name in names)
+        args = list(conv.args) + [None] * (3 - len(conv.args))
+        conv.args = (args[0], weight_node, bias_node, *args[3:])
+        bn.output.replace_all_uses_with(conv)
+        folds += 1
+    if not folds:
+        return gm
+    graph.eliminate_dead_code()
+    read = {n.target for n in graph.nodes if n.op == "get_attr"}
+    for name in [*dict(folded.named_parameters()), *dict(folded.named_buffers())]:
+        if name not in read:  # the batch norm's statistics and the convolution's old weights
+            owner, _, attribute = name.rpartition(".")
+            delattr(folded.get_submodule(owner), attribute)
+    folded.recompile()
+    return folded
+
+
+def _foldable(conv: Any, bn: BatchNorm) -> bool:
+    if not isinstance(conv, fx.Node) or conv.target not in _CONVOLUTIONS or len(conv.users) != 1:
+        return False
+    if conv.target is aten.convolution.default and conv.args[6]:  # transposed: channels are not first
+        return False
+    operands = [conv.args[1], conv.args[2] if len(conv.args) > 2 else None, bn.weight, bn.bias, bn.mean, bn.var]
+    return (isinstance(bn.mean, fx.Node) and isinstance(bn.var, fx.Node) and not conv.kwargs
+            and all(o is None or (isinstance(o, fx.Node) and o.op == "get_attr") for o in operands))

@@ -1,0 +1,106 @@
+"""Max pooling as the maximum of strided slices, where that is faster than PyTorch's CPU kernel.
+
+PyTorch's max pooling for contiguous (NCHW) tensors on the CPU is a scalar loop; on this 2-core machine it
+took 0.81 ms for a 2x2 pool over 16 x 16 x 32 x 32 values, while the element-wise maximum of the four
+strided slices took 0.16 ms (vectorised, one pass each). The slices lose below a size: measured ratios
+(PyTorch's kernel / slices) were 0.81 at 16k values and 1.44 at 32k for a 2x2 window, 0.81 at 32k and 1.11
+at 64k for 3x3, so a pool is rewritten only from :data:`MIN_VALUES_PER_WINDOW_ELEMENT` values per element
+of its window. The result is the same in every bit: a maximum of the same values, NaN propagating as in the
+kernel, padding as minus infinity. :func:`plain_max_pools` first drops the indices that tracing adds and
+nobody reads.
+
+>>> import torch
+>>> x = torch.randn(8, 16, 32, 32)
+>>> torch.equal(max_pool2d_by_slices(x, [3, 3], [2, 2], [1, 1]),
+...             torch.ops.aten.max_pool2d.default(x, [3, 3], [2, 2], [1, 1]))
+True
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+MIN_VALUES_PER_WINDOW_ELEMENT = 8192
+_MAX_WINDOW = 9  # a 3x3 window: each element of the window is one more pass over the output
+
+
+def max_pool2d_by_slices(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
+                         padding: Sequence[int] | int = 0) -> torch.Tensor:
+    """``aten.max_pool2d(x, kernel_size, stride, padding)`` (dilation 1, floor mode) as the maximum of
+    ``kh * kw`` strided slices of ``x``."""
+    kh, kw = _pair(kernel_size)
+    sh, sw = _pair(stride) if stride else (kh, kw)
+    ph, pw = _pair(padding)
+    if ph or pw:
+        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
+    oh, ow = (x.shape[-2] - kh) // sh + 1, (x.shape[-1] - kw) // sw + 1
+    out = None
+    for i in range(kh):
+        for j in range(kw):
+            window = x[..., i:i + sh * (oh - 1) + 1:sh, j:j + sw * (ow - 1) + 1:sw]
+            out = window if out is None else torch.maximum(out, window)
+    # a 1x1 window is one slice, a view of x: the kernel's output is a tensor of its own
+    return out.clone(memory_format=torch.contiguous_format) if kh * kw == 1 else out
+
+
+def _pair(value: Sequence[int] | int) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    value = tuple(value)
+    return (value[0], value[0]) if len(value) == 1 else (value[0], value[1])
+
+
+def plain_max_pools(graph: fx.Graph) -> None:
+    """Rewrite, in place, max pooling whose indices nobody reads as plain max pooling: tracing (``make_fx``,
+    vmap's batching rule) writes every max pooling with its indices, and computing them is slower."""
+    aten = torch.ops.aten
+    for node in list(graph.nodes):
+        if node.target is not aten.max_pool2d_with_indices.default:
+            continue
+        users = list(node.users)
+        if any(u.target is not operator.getitem or u.args[1] != 0 for u in users if u.users):
+            continue
+        with graph.inserting_before(node):
+            plain = graph.call_function(aten.max_pool2d.default, node.args, node.kwargs)
+        for u in users:
+            if u.args[1] == 0:
+                u.replace_all_uses_with(plain)
+            graph.erase_node(u)
+        graph.erase_node(node)
+
+
+def max_pools_by_slices(graph: fx.Graph) -> int:
+    """Rewrite, in place, each ``aten.max_pool2d`` of ``graph`` that pays (see the module's note) as
+    :func:`max_pool2d_by_slices`; return how many were rewritten. The input's shape is read from the node's
+    ``meta["val"]``, which ``make_fx`` and ``torch.export`` record."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.max_pool2d.default or not _pays(node):
+            continue
+        x, kernel_size = node.args[:2]
+        stride = node.args[2] if len(node.args) > 2 else ()
+        padding = node.args[3] if len(node.args) > 3 else 0
+        with graph.inserting_before(node):
+            slices = graph.call_function(max_pool2d_by_slices, (x, kernel_size, stride, padding))
+        node.replace_all_uses_with(slices)
+        graph.erase_node(node)
+        rewritten += 1
+    return rewritten
+
+
+def _pays(node: fx.Node) -> bool:
+    args = list(node.args) + [None] * (6 - len(node.args))
+    x, kernel_size, _stride, _padding, dilation, ceil_mode = args
+    value = x.meta.get("val") if isinstance(x, fx.Node) else None
+    if node.kwargs or ceil_mode or (dilation is not None and set(_pair(dilation)) != {1}):
+        return False
+    if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point or value.dim() not in (3, 4):
+        return False
+    kh, kw = _pair(kernel_size)
+    window = kh * kw
+    return 2 <= window <= _MAX_WINDOW and value.numel() >= MIN_VALUES_PER_WINDOW_ELEMENT * window

@@ -1,0 +1,121 @@
+"""The ATen graph passes that choose faster kernels: batch norm folded into convolutions, max pooling as
+strided slices. Each against the operators it replaces, on random shapes, values and parameters."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from opsched.graph.capture import capture
+from opsched.graph.fold import fold_batch_norms
+from opsched.graph.maxpool import (
+    max_pool2d_by_slices,
+    max_pools_by_slices,
+    plain_max_pools,
+)
+
+FAST = settings(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+aten = torch.ops.aten
+
+
+def _calls(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def _randomised(bn):
+    bn.running_mean.uniform_(-1, 1)
+    bn.running_var.uniform_(0.5, 2)
+    if bn.affine:
+        bn.weight.data.uniform_(-2, 2)
+        bn.bias.data.uniform_(-1, 1)
+    return bn
+
+
+@FAST
+@given(dims=st.sampled_from([1, 2, 3]), conv_bias=st.booleans(), affine=st.booleans(),
+       groups=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+def test_folding_matches_the_convolution_and_batch_norm_it_replaces(dims, conv_bias, affine, groups, seed):
+    torch.manual_seed(seed)
+    conv = getattr(torch.nn, f"Conv{dims}d")(4, 6, 3, padding=1, bias=conv_bias, groups=groups)
+    bn = _randomised(getattr(torch.nn, f"BatchNorm{dims}d")(6, affine=affine))
+    model = torch.nn.Sequential(conv, bn, torch.nn.ReLU()).eval()
+    x = torch.randn(2, 4, *[5] * dims)
+    unit = capture(model, (x,)).nodes[0].run
+    folded = fold_batch_norms(unit)
+    assert not any("batch_norm" in str(t) for t in _calls(folded))
+    torch.testing.assert_close(folded(x), model(x), atol=1e-5, rtol=1e-5)
+    # the model's own tensors are untouched, and the copy holds only what it reads
+    torch.testing.assert_close(unit(x), model(x), atol=0, rtol=0)
+    assert not any("running" in name for name, _ in folded.named_buffers())
+
+
+def test_folding_the_exported_form_of_batch_norm():
+    # decomposed to core ATen, the batch norm is _native_batch_norm_legit_no_training and a getitem
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), _randomised(torch.nn.BatchNorm2d(4))).eval()
+    x = torch.randn(1, 3, 6, 6)
+    gm = torch.export.export(model, (x,)).run_decompositions().module()
+    assert aten._native_batch_norm_legit_no_training.default in _calls(gm)
+    folded = fold_batch_norms(gm)
+    assert aten._native_batch_norm_legit_no_training.default not in _calls(folded)
+    torch.testing.assert_close(folded(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class ConvReadTwice(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = torch.nn.Conv2d(3, 4, 3), _randomised(torch.nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+@pytest.mark.parametrize("model", [
+    ConvReadTwice(),  # the convolution's own output is read too
+    torch.nn.Sequential(torch.nn.ConvTranspose2d(3, 4, 3), torch.nn.BatchNorm2d(4)),  # channels not first
+    torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.BatchNorm2d(4)),  # not after a conv
+], ids=["read-twice", "transposed", "not-after-conv"])
+def test_what_cannot_be_folded_is_left_as_it_is(model):
+    model = model.eval()
+    x = torch.randn(1, 3, 6, 6)
+    unit = capture(model, (x,)).nodes[0].run
+    assert fold_batch_norms(unit) is unit
+
+
+@FAST
+@given(batch=st.integers(1, 3), channels=st.integers(1, 5), height=st.integers(3, 19), width=st.integers(3, 19),
+       kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)), stride=st.one_of(st.just(()),
+       st.tuples(st.integers(1, 3), st.integers(1, 3))), pad=st.booleans(), nans=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_max_pool_by_slices_equals_the_kernel_bit_for_bit(batch, channels, height, width, kernel, stride, pad,
+                                                          nans, dtype, seed):
+    torch.manual_seed(seed)
+    x = torch.randn(batch, channels, height, width).to(dtype)
+    if nans:
+        x[x > 1.5] = float("nan")
+    padding = [k // 2 for k in kernel] if pad else [0, 0]
+    want = aten.max_pool2d.default(x, list(kernel), list(stride), padding)
+    got = max_pool2d_by_slices(x, list(kernel), list(stride), padding)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("shape, kernel, rewritten", [
+    ((16, 16, 32, 32), [2, 2], 1),   # large: the slices are faster
+    ((1, 16, 32, 32), [3, 3], 0),    # small: PyTorch's kernel is
+    ((16, 16, 32, 32), [5, 5], 0),   # 25 passes over the output
+])
+def test_only_pools_that_pay_are_rewritten(shape, kernel, rewritten):
+    x = torch.randn(*shape)
+
+    def pool(x):
+        return aten.max_pool2d.default(x, kernel, [2, 2]).relu_()
+
+    gm = make_fx(pool)(x)  # traced with its indices, which nobody reads
+    plain_max_pools(gm.graph)
+    assert max_pools_by_slices(gm.graph) == rewritten
+    gm.recompile()
+    assert torch.equal(gm(x), pool(x))
+    assert (max_pool2d_by_slices in _calls(gm)) == bool(rewritten)
