@@ -86,17 +86,18 @@ def test_what_cannot_be_folded_is_left_as_it_is(model):
 @FAST
 @given(batch=st.integers(1, 3), channels=st.integers(1, 5), height=st.integers(3, 19), width=st.integers(3, 19),
        kernel=st.tuples(st.integers(1, 3), st.integers(1, 3)), stride=st.one_of(st.just(()),
-       st.tuples(st.integers(1, 3), st.integers(1, 3))), pad=st.booleans(), nans=st.booleans(),
+       st.tuples(st.integers(1, 3), st.integers(1, 3))), pad=st.booleans(), ceil_mode=st.booleans(),
+       nans=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_max_pool_by_slices_equals_the_kernel_bit_for_bit(batch, channels, height, width, kernel, stride, pad,
-                                                          nans, dtype, seed):
+                                                          ceil_mode, nans, dtype, seed):
     torch.manual_seed(seed)
     x = torch.randn(batch, channels, height, width).to(dtype)
     if nans:
         x[x > 1.5] = float("nan")
     padding = [k // 2 for k in kernel] if pad else [0, 0]
-    want = aten.max_pool2d.default(x, list(kernel), list(stride), padding)
-    got = max_pool2d_by_slices(x, list(kernel), list(stride), padding)
+    want = aten.max_pool2d.default(x, list(kernel), list(stride), padding, 1, ceil_mode)
+    got = max_pool2d_by_slices(x, list(kernel), list(stride), padding, ceil_mode)
     assert got.shape == want.shape and got.is_contiguous()
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(), want.nan_to_num())

@@ -30,15 +30,19 @@ _MAX_WINDOW = 9  # a 3x3 window: each element of the window is one more pass ove
 
 
 def max_pool2d_by_slices(x: torch.Tensor, kernel_size: Sequence[int], stride: Sequence[int] = (),
-                         padding: Sequence[int] | int = 0) -> torch.Tensor:
-    """``aten.max_pool2d(x, kernel_size, stride, padding)`` (dilation 1, floor mode) as the maximum of
-    ``kh * kw`` strided slices of ``x``."""
+                         padding: Sequence[int] | int = 0, ceil_mode: bool = False) -> torch.Tensor:
+    """``aten.max_pool2d(x, kernel_size, stride, padding, 1, ceil_mode)`` as the maximum of ``kh * kw``
+    strided slices of ``x``."""
     kh, kw = _pair(kernel_size)
     sh, sw = _pair(stride) if stride else (kh, kw)
     ph, pw = _pair(padding)
-    if ph or pw:
-        x = F.pad(x, (pw, pw, ph, ph), value=float("-inf"))
-    oh, ow = (x.shape[-2] - kh) // sh + 1, (x.shape[-1] - kw) // sw + 1
+    oh = _output_size(x.shape[-2], kh, sh, ph, ceil_mode)
+    ow = _output_size(x.shape[-1], kw, sw, pw, ceil_mode)
+    # minus infinity around x: the padding, and in ceil mode the part of the last window past the end
+    bottom = max(0, (oh - 1) * sh + kh - x.shape[-2] - ph)
+    right = max(0, (ow - 1) * sw + kw - x.shape[-1] - pw)
+    if ph or pw or bottom or right:
+        x = F.pad(x, (pw, right, ph, bottom), value=float("-inf"))
     out = None
     for i in range(kh):
         for j in range(kw):
@@ -46,6 +50,16 @@ def max_pool2d_by_slices(x: torch.Tensor, kernel_size: Sequence[int], stride: Se
             out = window if out is None else torch.maximum(out, window)
     # a 1x1 window is one slice, a view of x: the kernel's output is a tensor of its own
     return out.clone(memory_format=torch.contiguous_format) if kh * kw == 1 else out
+
+
+def _output_size(size: int, kernel: int, stride: int, padding: int, ceil_mode: bool) -> int:
+    """PyTorch's pooling output size: in ceil mode, a last window that starts in the right padding is
+    dropped."""
+    span = size + 2 * padding - kernel
+    out = (span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
 
 
 def _pair(value: Sequence[int] | int) -> tuple[int, int]:
@@ -76,28 +90,34 @@ def plain_max_pools(graph: fx.Graph) -> None:
 
 def max_pools_by_slices(graph: fx.Graph) -> int:
     """Rewrite, in place, each ``aten.max_pool2d`` of ``graph`` that pays (see the module's note) as
-    :func:`max_pool2d_by_slices`; return how many were rewritten. The input's shape is read from the node's
+    :func:`max_pool2d_by_slices`; return how many were rewritten. The input's shape is read from its node's
     ``meta["val"]``, which ``make_fx`` and ``torch.export`` record."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.target is not torch.ops.aten.max_pool2d.default or not _pays(node):
             continue
-        x, kernel_size = node.args[:2]
-        stride = node.args[2] if len(node.args) > 2 else ()
-        padding = node.args[3] if len(node.args) > 3 else 0
+        x, kernel_size, stride, padding, _dilation, ceil_mode = _max_pool_args(node)
         with graph.inserting_before(node):
-            slices = graph.call_function(max_pool2d_by_slices, (x, kernel_size, stride, padding))
+            slices = graph.call_function(max_pool2d_by_slices, (x, kernel_size, stride, padding, ceil_mode))
+        slices.meta = dict(node.meta)
         node.replace_all_uses_with(slices)
         graph.erase_node(node)
         rewritten += 1
     return rewritten
 
 
+def _max_pool_args(node: fx.Node) -> list:
+    """``x, kernel_size, stride, padding, dilation, ceil_mode`` of an ``aten.max_pool2d`` node."""
+    names = ["input", "kernel_size", "stride", "padding", "dilation", "ceil_mode"]
+    values = {"stride": (), "padding": 0, "dilation": 1, "ceil_mode": False, **dict(zip(names, node.args)),
+              **node.kwargs}
+    return [values[name] for name in names]
+
+
 def _pays(node: fx.Node) -> bool:
-    args = list(node.args) + [None] * (6 - len(node.args))
-    x, kernel_size, _stride, _padding, dilation, ceil_mode = args
+    x, kernel_size, _stride, _padding, dilation, _ceil_mode = _max_pool_args(node)
     value = x.meta.get("val") if isinstance(x, fx.Node) else None
-    if node.kwargs or ceil_mode or (dilation is not None and set(_pair(dilation)) != {1}):
+    if set(_pair(dilation)) != {1}:
         return False
     if not isinstance(value, torch.Tensor) or not value.dtype.is_floating_point or value.dim() not in (3, 4):
         return False
