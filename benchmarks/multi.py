@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from opsched.multi.optimize import optimize
+from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.train import compare_training
 
 
@@ -64,6 +64,7 @@ def measure(name: str, models, x, repeats: int, **options) -> dict:
            "seconds": round(time.perf_counter() - started, 1)}
     base = ev.measured_ms.get("sequential_models")
     best_schedule = ev.fastest("schedule")
+    row["best_opsched_ms"] = ev.measured_ms[best_schedule] if best_schedule else None
     row["opsched_vs_sequential_models"] = round(base / ev.measured_ms[best_schedule], 2) if best_schedule else None
     row["chosen_vs_sequential_models"] = round(base / ev.measured_ms[ev.chosen], 2)
     if "vmap" in ev.measured_ms and best_schedule:
@@ -71,13 +72,17 @@ def measure(name: str, models, x, repeats: int, **options) -> dict:
     return row
 
 
+WITH_COMPILE = {"peers": (*MULTI_PEERS, "torch_compile")}  # torch.compile of the loop: minutes to compile
+
+
 def cases(quick: bool):
     counts = (2, 16) if quick else (2, 4, 8, 16)
     for batch in (1, 16):
         for k in counts:
-            yield f"small CNN x{k}", lambda k=k: copies(small_cnn, k), torch.randn(batch, 3, 32, 32), {}
+            yield f"small CNN x{k}", lambda k=k: copies(small_cnn, k), torch.randn(batch, 3, 32, 32), \
+                WITH_COMPILE if k == 16 else {}
     yield "ResNet-18 x2", lambda: resnet18_copies(2), torch.randn(2, 3, 224, 224), {}
-    yield "8 heads on one ResNet-18 trunk", shared_extractor, torch.randn(1, 3, 224, 224), {}
+    yield "8 heads on one ResNet-18 trunk", shared_extractor, torch.randn(1, 3, 224, 224), WITH_COMPILE
     for rewrites in ((), ("same_input",), ("same_shape",), ("same_input", "same_shape")):
         label = "+".join(rewrites) or "no rewrite"
         yield f"ablation x16 b1: {label}", lambda: copies(small_cnn, 16), torch.randn(1, 3, 32, 32), \
@@ -99,17 +104,18 @@ def simulated_rows() -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     lines = [("| case | batch | units | fused (shared / same input / same shape) | sequential_models ms | threads ms | "
-              "vmap ms | best opsched ms | opsched vs sequential | opsched vs vmap | chosen | max error |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "vmap ms | torch.compile of the loop ms | best opsched ms | opsched vs sequential | opsched vs vmap | "
+              "chosen | max error |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "measured_ms" not in r:
             continue
         m = r["measured_ms"]
-        best = min((v for k, v in m.items() if k not in ("sequential_models", "threads", "vmap")), default=None)
         f = r["fused"]
         lines.append(f"| {r['case']} | {r['batch']} | {r['units'][0]} -> {r['units'][1]} | {f['shared']} / "
                      f"{f['same_input']} / {f['same_shape']} | {m.get('sequential_models', '-')} | "
-                     f"{m.get('threads', '-')} | {m.get('vmap', '-')} | {best} | "
+                     f"{m.get('threads', '-')} | {m.get('vmap', '-')} | {m.get('torch_compile', '-')} | "
+                     f"{r['best_opsched_ms']} | "
                      f"{r['opsched_vs_sequential_models']}x | {r.get('opsched_vs_vmap', '-')}"
                      f"{'x' if 'opsched_vs_vmap' in r else ''} | {r['chosen']} | {r['max_abs_error']:.1g} |")
     return "\n".join(lines) + "\n"
@@ -123,17 +129,16 @@ def plot(rows: list[dict], path: Path) -> None:
 
     measured = [r for r in rows if "measured_ms" in r and not r["case"].startswith("ablation")]
     names = [f"{r['case']}\nb{r['batch']}" for r in measured]
-    series = ["threads", "vmap", "opsched"]
+    series = ["threads", "vmap", "torch_compile", "opsched"]
     fig, ax = plt.subplots(figsize=(max(8, len(names) * 1.1), 4.5))
-    width = 0.27
+    width = 0.8 / len(series)
     for j, s in enumerate(series):
         values = []
         for r in measured:
             m = r["measured_ms"]
-            ms = min(v for k, v in m.items() if k not in ("sequential_models", "threads", "vmap")) \
-                if s == "opsched" else m.get(s)
+            ms = r["best_opsched_ms"] if s == "opsched" else m.get(s)
             values.append(m["sequential_models"] / ms if ms else 0)
-        ax.bar([i + (j - 1) * width for i in range(len(names))], values, width, label=s)
+        ax.bar([i + (j - (len(series) - 1) / 2) * width for i in range(len(names))], values, width, label=s)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(range(len(names)), names, fontsize=7)
     ax.set_ylabel("speedup over sequential_models (measured)")

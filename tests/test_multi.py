@@ -12,6 +12,7 @@ from opsched.cli import main
 from opsched.cost.table import TableCost
 from opsched.graph.interpret import all_values, run_graph
 from opsched.multi import ModelBatch, MultiError, combine, fuse, fuse_graph
+from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.shared import share_work
 from opsched.multi.stack import batch_units, batchable_groups
 from opsched.multi.train import FusedTraining, compare_training
@@ -147,6 +148,15 @@ def empty():
     return []
 '''
 
+
+
+def test_torch_compile_of_the_loop_is_a_peer_when_asked_for():
+    models = [_randomised(Residual(), k) for k in range(2)]
+    result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
+                      peers=(*MULTI_PEERS, "torch_compile"))
+    evaluation = result.outcome.evaluation
+    assert "torch_compile" in evaluation.measured_ms, evaluation.dropped
+    assert set(MULTI_PEERS) <= set(evaluation.measured_ms) and max(result.model_errors) <= 1e-5
 
 @pytest.fixture
 def batch_file(tmp_path):

@@ -355,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the fastest verified schedule is written)")
     p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor"], help="how units run (default eager)")
+    p.add_argument("--peers", action="store_true",
+                   help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
+                        "threads; on with --kernels inductor)")
     p.add_argument("--threads", type=_positive, metavar="T", help="intra-op threads (default: PyTorch's count)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds (default 15)")

@@ -38,7 +38,7 @@ def load_batch(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
 def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.commands import VerificationFailed, _output_paths, _progress_bar, _say
     from opsched.cost.simulate import device_named
-    from opsched.multi.optimize import optimize
+    from opsched.multi.optimize import MULTI_PEERS, optimize
 
     simulated = args.cost.startswith("sim:")
     if simulated:
@@ -59,6 +59,7 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     result = optimize([m.model for m in loaded], [m.inputs for m in loaded], methods=methods, cost=args.cost,
                       kernels=args.kernels, rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
                       cores=args.threads, tolerance=args.tolerance, repeats=args.repeats, cache=not args.no_cache,
+                      peers=MULTI_PEERS + (("torch_compile",) if args.peers or args.kernels == "inductor" else ()),
                       say=lambda text: _say(args, text), progress=_progress_bar)
     outcome, fusion = result.outcome, result.fusion
     schedules = outcome.schedules

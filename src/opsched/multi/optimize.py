@@ -49,8 +49,10 @@ class MultiOutcome:
 def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequence[str] = DEFAULT_METHODS,
              cost: str = "measured", kernels: str = "eager", rewrites: Sequence[str] = REWRITES,
              cores: int | None = None, tolerance: float = 1e-3, repeats: int = 15, cache: bool = True,
-             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> MultiOutcome:
-    """Fuse, schedule, verify and time a model batch against the ways users run one today.
+             peers: Sequence[str] = MULTI_PEERS, say: Callable[[str], Any] = lambda text: None,
+             progress: Any = None) -> MultiOutcome:
+    """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
+    ``torch_compile`` for torch.compile of the loop over the models).
 
     >>> import torch
     >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
@@ -72,7 +74,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     default_streams = 8 if simulated else cores
     jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
     outcome = run_job(Job(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, kernels=kernels, cores=cores,
-                          peers=MULTI_PEERS, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
+                          peers=peers, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
                           profile_progress=progress))
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()
