@@ -146,6 +146,10 @@ def nothing():
     return None
 def empty():
     return []
+def pre():
+    from torchvision.transforms import v2
+    steps = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Resize(8, antialias=True)])
+    return steps, (torch.randint(0, 256, (1, 3, 12, 12), dtype=torch.uint8),)
 '''
 
 
@@ -157,6 +161,27 @@ def test_torch_compile_of_the_loop_is_a_peer_when_asked_for():
     evaluation = result.outcome.evaluation
     assert "torch_compile" in evaluation.measured_ms, evaluation.dropped
     assert set(MULTI_PEERS) <= set(evaluation.measured_ms) and max(result.model_errors) <= 1e-5
+
+
+def _transforms():
+    from torchvision.transforms import v2
+
+    return v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Resize(10, antialias=True), v2.CenterCrop(8),
+                       v2.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])])
+
+
+def test_a_transforms_pipeline_runs_once_for_every_model():
+    models = [_randomised(Residual(), k) for k in range(3)]
+    preprocess = _transforms()
+    raw = torch.randint(0, 256, (2, 3, 12, 14), dtype=torch.uint8)
+    batch = ModelBatch(models, [(raw,)] * 3, preprocess)
+    graph = fuse_graph(batch).graph
+    assert [n.name for n in graph.nodes if n.name.startswith("pre/")]  # captured once, as the batch's first units
+    assert all(not n.name.startswith("m") or not set(n.ops) & {"_upsample_bilinear2d_aa", "div"}
+               for n in graph.nodes)
+    fused = fuse(models, (raw,), preprocess=preprocess, cache=False)
+    with torch.no_grad():
+        _outputs_match(fused(raw), models, [(preprocess(raw),)] * 3)
 
 @pytest.fixture
 def batch_file(tmp_path):
@@ -177,6 +202,15 @@ def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path
     assert out["chosen"] in out["measured_ms"]
     assert json.loads(plan.read_text())["options"]["multi"]["models"] == 6
     assert main(["multi", f"{batch_file}:batch", "--out", str(plan), "--json"]) == 2  # never overwritten
+
+
+def test_opsched_multi_preprocesses_once(batch_file, capsys):
+    assert main(["multi", f"{batch_file}:batch", "--preprocess", f"{batch_file}:pre", "--repeats", "2", "--no-cache",
+                 "--out", str(batch_file.with_suffix(".plan.json")), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["preprocess"].endswith(":pre") and out["max_abs_error"] <= 1e-3
+    assert main(["multi", f"{batch_file}:batch", "--preprocess", f"{batch_file}:pre", "--train"]) == 2
+    assert "leave out --preprocess" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, message", [

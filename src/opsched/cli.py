@@ -345,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", metavar="MODEL", nargs="+",
                    help=RUNNABLE_MODEL_HELP + "; a model file's factory may return a list of (model, inputs) pairs")
     p.add_argument("--copies", type=_positive, default=1, metavar="K", help="each MODEL K times (default 1)")
+    p.add_argument("--preprocess", metavar="FILE.py:FACTORY",
+                   help="a module (say a torchvision.transforms.v2 pipeline; the factory returns it and its example "
+                        "raw input) run once on the shared input, every model reading its result")
     _add_model_options(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     p.add_argument("--cost", default="measured", metavar="measured|sim:NAME",

@@ -158,7 +158,7 @@ def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] 
     def one(p: Any, b: Any, *args: Any) -> Any:
         return torch.func.functional_call(base, (p, b), args)
 
-    stacked = torch.func.vmap(one, in_dims=(0, 0, *[None] * len(inputs)))
+    stacked = torch.func.vmap(one, in_dims=(0, 0, *[None] * len(batch.per_model[0])))
 
     def at(count: int) -> Callable[[], Any]:
         def run() -> Any:
@@ -166,7 +166,7 @@ def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] 
             # without the warning vmap prints for each operator it has no batching rule for (it then loops)
             torch._C._functorch._set_vmap_fallback_warning_enabled(False)
             with torch.inference_mode():
-                out = stacked(params, buffers, *inputs)
+                out = stacked(params, buffers, *batch.split(inputs)[0])  # preprocessed, if the batch is
             sync()
             return tuple(pytree.tree_map(lambda t, k=k: t[k], out) for k in range(len(batch.models)))
         return run

@@ -48,9 +48,13 @@ class ModelBatch(torch.nn.Module):
     ``sequential_models`` way) and returns their outputs as a tuple, one entry per model.
 
     ``example_inputs`` holds one tuple of arguments per model. When they all have the same layout the
-    batch reads one shared set (``inputs``, the first model's) and ``shared_input`` is true."""
+    batch reads one shared set (``inputs``, the first model's) and ``shared_input`` is true.
 
-    def __init__(self, models: Sequence[torch.nn.Module], example_inputs: Sequence[Any]):
+    ``preprocess`` (a module, say a ``torchvision.transforms.v2`` pipeline) runs once on the shared inputs,
+    and every model reads what it returns: ``example_inputs`` are then the raw inputs."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], example_inputs: Sequence[Any],
+                 preprocess: torch.nn.Module | None = None):
         super().__init__()
         if not models:
             raise MultiError("a model batch needs at least one model")
@@ -60,18 +64,28 @@ class ModelBatch(torch.nn.Module):
             if not isinstance(m, torch.nn.Module):
                 raise MultiError(f"model {k} is a {type(m).__name__}, not a torch.nn.Module")
         self.models = torch.nn.ModuleList(models)
+        self.preprocess = preprocess
         per_model = [_as_tuple(i) for i in example_inputs]
+        self.raw_inputs: tuple | None = None
+        if preprocess is not None:
+            if len({_layout(i) for i in per_model}) != 1:
+                raise MultiError("preprocessing runs once on one input: the models must all read the same input")
+            self.raw_inputs = per_model[0]
+            with torch.no_grad():
+                per_model = [_as_tuple(preprocess(*self.raw_inputs))] * len(models)
         devices = {t.device.type for i in per_model for t in pytree.tree_leaves(i) if isinstance(t, torch.Tensor)}
         devices |= {p.device.type for m in models for p in m.parameters()}
         if len(devices) > 1:
             raise MultiError(f"the models and inputs of a batch must be on one device, found {', '.join(sorted(devices))}")
         self.shared_input = len({_layout(i) for i in per_model}) == 1
         self.per_model = [per_model[0]] * len(models) if self.shared_input else per_model
-        self.inputs = per_model[0] if self.shared_input else tuple(a for i in per_model for a in i)
+        self.inputs = self.raw_inputs or (per_model[0] if self.shared_input else tuple(a for i in per_model for a in i))
         self._arity = [len(i) for i in per_model]
 
     def split(self, inputs: Sequence[Any]) -> list[tuple]:
-        """The arguments each model gets from the batch's ``inputs``."""
+        """The arguments each model gets from the batch's ``inputs`` (preprocessed, once)."""
+        if self.preprocess is not None:
+            return [_as_tuple(self.preprocess(*inputs))] * len(self.models)
         if self.shared_input:
             return [tuple(inputs)] * len(self.models)
         parts, at = [], 0
@@ -98,22 +112,30 @@ class ModelBatch(torch.nn.Module):
 def combine(batch: ModelBatch) -> Graph:
     """One Graph of every model of ``batch``: model ``k``'s units are ``mk/<unit>``; the graph's inputs are
     ``x0, x1, ...`` (shared) or ``mk/x0, ...`` (one set per model); its outputs are every model's outputs in
-    order, and its ``out_spec`` rebuilds the batch's output (a tuple, one entry per model)."""
+    order, and its ``out_spec`` rebuilds the batch's output (a tuple, one entry per model). The batch's
+    preprocessing is captured once, its units named ``pre/<unit>``, and every model reads its outputs."""
     nodes: list[Node] = []
     inputs: list[str] = []
     outputs: list[str] = []
     structures = []
+    model_inputs: list[str] | None = None  # what each model's inputs are, when they are the preprocessing's
+    if batch.preprocess is not None:
+        graph = capture(batch.preprocess, batch.raw_inputs, name=f"preprocessing ({type(batch.preprocess).__name__})")
+        inputs = [f"x{j}" for j in range(len(graph.inputs))]
+        rename = dict(zip(graph.inputs, inputs))
+        rename.update((n.name, f"pre/{n.name}") for n in graph.nodes)
+        nodes += [_renamed(n, rename) for n in graph.nodes]
+        model_inputs = [rename[o] for o in graph.outputs]
     for k, (model, args) in enumerate(zip(batch.models, batch.per_model)):
         graph = capture(model, args, name=f"model {k} ({type(model).__name__})")
         prefix = f"m{k}/"
-        flat_names = [f"x{j}" if batch.shared_input else f"{prefix}x{j}" for j in range(len(graph.inputs))]
+        flat_names = model_inputs or [f"x{j}" if batch.shared_input else f"{prefix}x{j}"
+                                      for j in range(len(graph.inputs))]
         rename = dict(zip(graph.inputs, flat_names))
         rename.update((n.name, prefix + n.name) for n in graph.nodes)
-        if k == 0 or not batch.shared_input:
+        if model_inputs is None and (k == 0 or not batch.shared_input):
             inputs += flat_names
-        for n in graph.nodes:
-            nodes.append(Node(rename[n.name], n.kind, tuple(rename[a] for a in n.args), n.shape, n.dtype, n.flops,
-                              n.bytes_read, n.bytes_written, n.param_bytes, n.attrs, n.ops, n.latency, n.run))
+        nodes += [_renamed(n, rename) for n in graph.nodes]
         outputs += [rename[o] for o in graph.outputs]
         spec = graph.out_spec
         if spec is None:
@@ -121,3 +143,9 @@ def combine(batch: ModelBatch) -> Graph:
         structures.append(pytree.tree_unflatten([0] * len(graph.outputs), spec))
     return Graph(nodes, inputs=inputs, outputs=outputs, name=f"{len(batch.models)} models",
                  out_spec=pytree.tree_structure(tuple(structures)))
+
+
+def _renamed(node: Node, rename: dict[str, str]) -> Node:
+    return Node(rename[node.name], node.kind, tuple(rename[a] for a in node.args), node.shape, node.dtype,
+                node.flops, node.bytes_read, node.bytes_written, node.param_bytes, node.attrs, node.ops, node.latency,
+                node.run)

@@ -35,6 +35,16 @@ def load_batch(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     return [m.name for m in loaded], loaded
 
 
+def _load_preprocessing(args: argparse.Namespace) -> tuple[Any, tuple]:
+    """``--preprocess``: the module every model's input goes through once, and its example (raw) inputs."""
+    from opsched.models.spec import load_models
+
+    found = load_models(args.preprocess, batch=args.batch, image_size=args.image_size)
+    if len(found) != 1:
+        raise OpschedError(f"--preprocess {args.preprocess}: expected one module, found {len(found)}")
+    return found[0].model.eval(), found[0].inputs
+
+
 def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.commands import VerificationFailed, _output_paths, _progress_bar, _say
     from opsched.cost.simulate import device_named
@@ -55,8 +65,13 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     plan_path, _ = _output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
     _say(args, f"loading {len(args.models)} model(s) x {args.copies} ...")
     names, loaded = load_batch(args)
+    inputs, preprocess = [m.inputs for m in loaded], None
+    if args.preprocess:
+        if args.train:
+            raise OpschedError("--train trains the models on their own inputs: leave out --preprocess")
+        preprocess, inputs = _load_preprocessing(args)
     methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
-    result = optimize([m.model for m in loaded], [m.inputs for m in loaded], methods=methods, cost=args.cost,
+    result = optimize([m.model for m in loaded], inputs, methods=methods, cost=args.cost, preprocess=preprocess,
                       kernels=args.kernels, rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
                       cores=args.threads, tolerance=args.tolerance, repeats=args.repeats, cache=not args.no_cache,
                       peers=MULTI_PEERS + (("torch_compile",) if args.peers or args.kernels == "inductor" else ()),
@@ -65,7 +80,7 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     schedules = outcome.schedules
     out: dict[str, Any] = {
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
-        "units_before_fusion": len(fusion.combined), "fused": dict(fusion.fused), "fusions": fusion.decisions,
+        "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused), "fusions": fusion.decisions,
         "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
         "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
                          **{m: s.predicted_latency for m, s in schedules.items()}},

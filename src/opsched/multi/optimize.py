@@ -19,13 +19,14 @@ MULTI_PEERS = ("sequential_models", "threads", "vmap")
 DEFAULT_METHODS = ("sequential", "ios", "lios", "hivemind")
 
 
-def model_batch(models: Sequence[torch.nn.Module], inputs: Any) -> ModelBatch:
+def model_batch(models: Sequence[torch.nn.Module], inputs: Any,
+                preprocess: torch.nn.Module | None = None) -> ModelBatch:
     """The batch of ``models`` on ``inputs``: one tuple of arguments per model (a list as long as the models,
-    of tuples or lists), or arguments all the models take."""
+    of tuples or lists), or arguments all the models take (given to ``preprocess`` first, if any)."""
     models = list(models)
     per_model = (isinstance(inputs, (list, tuple)) and len(inputs) == len(models)
                  and all(isinstance(i, (list, tuple)) for i in inputs))
-    return ModelBatch(models, list(inputs) if per_model else [inputs] * len(models))
+    return ModelBatch(models, list(inputs) if per_model else [inputs] * len(models), preprocess)
 
 
 @dataclass
@@ -49,10 +50,11 @@ class MultiOutcome:
 def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequence[str] = DEFAULT_METHODS,
              cost: str = "measured", kernels: str = "eager", rewrites: Sequence[str] = REWRITES,
              cores: int | None = None, tolerance: float = 1e-3, repeats: int = 15, cache: bool = True,
-             peers: Sequence[str] = MULTI_PEERS, say: Callable[[str], Any] = lambda text: None,
-             progress: Any = None) -> MultiOutcome:
+             peers: Sequence[str] = MULTI_PEERS, preprocess: torch.nn.Module | None = None,
+             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
-    ``torch_compile`` for torch.compile of the loop over the models).
+    ``torch_compile`` for torch.compile of the loop over the models). ``preprocess`` runs once on
+    ``inputs`` and every model reads its result (see :class:`ModelBatch`).
 
     >>> import torch
     >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
@@ -62,7 +64,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     """
     from opsched.pipeline import Job, method_options, run_job
 
-    batch = model_batch(models, inputs)
+    batch = model_batch(models, inputs, preprocess)
     for m in batch.models:
         m.eval()
     cores = cores or torch.get_num_threads()
@@ -97,10 +99,10 @@ def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> l
 
 def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "sequential", cost: str = "measured",
          rewrites: Sequence[str] = REWRITES, cores: int | None = None, tolerance: float = 1e-3,
-         cache: bool = True) -> torch.nn.Module:
+         cache: bool = True, preprocess: torch.nn.Module | None = None) -> torch.nn.Module:
     """One module running every model of the batch, fused where it pays and scheduled with ``method``:
     called like the batch (the shared inputs, or every model's inputs in order), it returns a tuple with each
-    model's outputs. Raises :class:`MultiError` when some model's outputs differ from its own forward by more
+    model's outputs; ``preprocess`` runs once on the shared inputs and every model reads its result. Raises :class:`MultiError` when some model's outputs differ from its own forward by more
     than ``tolerance``.
 
     >>> import torch
@@ -115,7 +117,7 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
-    batch = model_batch(models, inputs)
+    batch = model_batch(models, inputs, preprocess)
     for m in batch.models:
         m.eval()
     cores = cores or torch.get_num_threads()
