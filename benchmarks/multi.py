@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import textwrap
 import time
 from pathlib import Path
 
@@ -64,7 +65,7 @@ def measure(name: str, models, x, repeats: int, **options) -> dict:
            "seconds": round(time.perf_counter() - started, 1)}
     base = ev.measured_ms.get("sequential_models")
     best_schedule = ev.fastest("schedule")
-    row["best_opsched_ms"] = ev.measured_ms[best_schedule] if best_schedule else None
+    row["best_opsched_ms"] = round(ev.measured_ms[best_schedule], 3) if best_schedule else None
     row["opsched_vs_sequential_models"] = round(base / ev.measured_ms[best_schedule], 2) if best_schedule else None
     row["chosen_vs_sequential_models"] = round(base / ev.measured_ms[ev.chosen], 2)
     if "vmap" in ev.measured_ms and best_schedule:
@@ -115,7 +116,7 @@ def markdown(rows: list[dict]) -> str:
         lines.append(f"| {r['case']} | {r['batch']} | {r['units'][0]} -> {r['units'][1]} | {f['shared']} / "
                      f"{f['same_input']} / {f['same_shape']} | {m.get('sequential_models', '-')} | "
                      f"{m.get('threads', '-')} | {m.get('vmap', '-')} | {m.get('torch_compile', '-')} | "
-                     f"{r['best_opsched_ms']} | "
+                     f"{round(r['best_opsched_ms'], 3)} | "
                      f"{r['opsched_vs_sequential_models']}x | {r.get('opsched_vs_vmap', '-')}"
                      f"{'x' if 'opsched_vs_vmap' in r else ''} | {r['chosen']} | {r['max_abs_error']:.1g} |")
     return "\n".join(lines) + "\n"
@@ -128,7 +129,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     measured = [r for r in rows if "measured_ms" in r and not r["case"].startswith("ablation")]
-    names = [f"{r['case']}\nb{r['batch']}" for r in measured]
+    names = [f"{textwrap.fill(r['case'], 16)}\nb{r['batch']}" for r in measured]
     series = ["threads", "vmap", "torch_compile", "opsched"]
     fig, ax = plt.subplots(figsize=(max(8, len(names) * 1.1), 4.5))
     width = 0.8 / len(series)
