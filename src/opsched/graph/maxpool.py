@@ -123,4 +123,7 @@ def _pays(node: fx.Node) -> bool:
         return False
     kh, kw = _pair(kernel_size)
     window = kh * kw
-    return 2 <= window <= _MAX_WINDOW and value.numel() >= MIN_VALUES_PER_WINDOW_ELEMENT * window
+    size = value.numel()
+    if not isinstance(size, int):  # a symbolic shape: the choice would depend on the input
+        return False
+    return 2 <= window <= _MAX_WINDOW and size >= MIN_VALUES_PER_WINDOW_ELEMENT * window
