@@ -206,16 +206,18 @@ def _add_ios_options(p: argparse.ArgumentParser) -> None:
                    help=f"ios: cut blocks larger than N units into parts (0: no limit; default {DEFAULT_MAX_SIZE})")
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
+def _add_run_options(p: argparse.ArgumentParser, reference: str = "eager", cuda_graph: bool = True) -> None:
+    """--threads, --repeats and --tolerance (against ``reference``), and --cuda-graph where a run can use it."""
     p.add_argument("--threads", type=_positive, metavar="T",
                    help="intra-op threads to share between streams (default: PyTorch's count)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds for the final measurements (default 15)")
     p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
-                   help="largest absolute difference from eager accepted (default 1e-3)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="on a CUDA device, replay each schedule as one CUDA graph (optimize records it in the "
-                        "plan; run uses it when the plan says so or this flag is given)")
+                   help=f"largest absolute difference from {reference} accepted (default 1e-3)")
+    if cuda_graph:
+        p.add_argument("--cuda-graph", action="store_true",
+                       help="on a CUDA device, replay each schedule as one CUDA graph (optimize records it in the "
+                            "plan; run uses it when the plan says so or this flag is given)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -361,11 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
                         "threads; on with --kernels inductor)")
-    p.add_argument("--threads", type=_positive, metavar="T", help="intra-op threads (default: PyTorch's count)")
-    p.add_argument("--repeats", type=_positive, default=15, metavar="N",
-                   help="interleaved timing rounds (default 15)")
-    p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
-                   help="largest absolute difference from each model's own forward accepted (default 1e-3)")
+    _add_run_options(p, reference="each model's own forward", cuda_graph=False)
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "
                         "another, and compare time per step and parameters")

@@ -80,7 +80,8 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
     schedules = outcome.schedules
     out: dict[str, Any] = {
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
-        "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused), "fusions": fusion.decisions,
+        "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
+        "fusions": fusion.decisions,
         "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
         "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
                          **{m: s.predicted_latency for m, s in schedules.items()}},

@@ -102,8 +102,8 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
          cache: bool = True, preprocess: torch.nn.Module | None = None) -> torch.nn.Module:
     """One module running every model of the batch, fused where it pays and scheduled with ``method``:
     called like the batch (the shared inputs, or every model's inputs in order), it returns a tuple with each
-    model's outputs; ``preprocess`` runs once on the shared inputs and every model reads its result. Raises :class:`MultiError` when some model's outputs differ from its own forward by more
-    than ``tolerance``.
+    model's outputs; ``preprocess`` runs once on the shared inputs and every model reads its result. Raises
+    :class:`MultiError` when some model's outputs differ from its own forward by more than ``tolerance``.
 
     >>> import torch
     >>> models = [torch.nn.Conv2d(3, 4, 3) for _ in range(4)]
