@@ -116,6 +116,8 @@ def _print(out: dict[str, Any]) -> None:
     simulated = out["simulated"]
     print(f"models     {len(out['models'])}: {', '.join(out['models'][:6])}{' ...' if len(out['models']) > 6 else ''}"
           f" ({'one shared input' if out['shared_input'] else 'inputs of their own'})")
+    if out["preprocess"]:
+        print(f"preprocess {out['preprocess']}, run once for every model")
     print(f"units      {out['units_before_fusion']} -> {out['units']} "
           f"(computed once: {out['fused']['shared']}, batched: {out['fused']['same_input']} same input, "
           f"{out['fused']['same_shape']} same shape)")
