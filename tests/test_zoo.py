@@ -14,6 +14,7 @@ MODELS = {
     "squeezenet": (64, 40, 60),
     "randwire": (64, 90, 130),
     "torchvision:googlenet": (64, 70, 100),
+    "gpt-small-decode": (None, 80, 90),
 }
 
 

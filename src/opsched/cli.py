@@ -147,6 +147,11 @@ def _load_graph(args: argparse.Namespace):
         from opsched.graph import dagjson
 
         return dagjson.read(args.model), time.perf_counter() - start, 0.0
+    from opsched.models.spec import unit_graph
+
+    graph = unit_graph(args.model, args.batch)
+    if graph is not None:
+        return graph, time.perf_counter() - start, 0.0
     from opsched.commands import load_and_capture
 
     _, graph, load_seconds, capture_seconds = load_and_capture(args, args.model)
@@ -183,9 +188,9 @@ def _non_negative_float(text: str) -> float:
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
-RUNNABLE_MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire), torchvision:NAME, timm:NAME "
-                       "or path/to/file.py:factory")
-MODEL_HELP = RUNNABLE_MODEL_HELP + ", or a DAG JSON file (*.json)"
+RUNNABLE_MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire, gpt-small-decode), "
+                       "torchvision:NAME, timm:NAME or path/to/file.py:factory")
+MODEL_HELP = RUNNABLE_MODEL_HELP + ", a DAG JSON file (*.json), or gpt3-decode (GPT-3's units, for simulated devices)"
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -320,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "throughput, with a lower bound beside the answer (see docs/mapping.md).")
     p.add_argument("model", metavar="MODEL|DAG.json", help=MODEL_HELP)
     p.add_argument("--platform", required=True, metavar="NAME|PLATFORM.json",
-                   help="a built-in platform (diviml, cpu2) or a PLATFORM.json file")
+                   help="a built-in platform (diviml, gpt3-cluster, cpu2) or a PLATFORM.json file")
     p.add_argument("--method", required=True,
                    choices=["best-device", "met", "greedy", "heft", "sa", "ea", "milp", "milp-split"])
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"])
@@ -329,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds for sa, ea, milp and milp-split (default 30)")
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="random seed of sa and ea (default 0)")
     p.add_argument("--symmetry", default="none", choices=["none", "batch", "task", "time"],
-                   help="milp: order identical devices by pieces, units or busy time (default none)")
+                   help="milp and milp-split: order interchangeable devices within a node, and interchangeable "
+                        "nodes, by their pieces, units or busy time (default none)")
     p.add_argument("--out", metavar="PLAN.json", help="write the mapped plan (opsched.schedule/1) here")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -64,6 +64,38 @@ class CtrlC:
             self._previous_unraisable_hook(unraisable)
 
 
+def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
+    """``solver.Solve(model, callback)`` (OR-Tools CP-SAT) such that Ctrl-C ends it at once, as an interrupt.
+
+    CP-SAT's own SIGINT handler stops the search and returns the best answer so far as if the time limit had
+    come: an interrupted ``opsched map`` went on to write its plan and exit 0. Without that handler the
+    interrupt waits, on the main thread, until the solve returns (up to its time limit). So the solve runs on a
+    worker thread, CP-SAT's handler off, while the main thread waits where KeyboardInterrupt reaches it; on an
+    interrupt the search is stopped and the interrupt raised once the worker has returned."""
+    solver.parameters.catch_sigint_signal = False
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["status"] = solver.Solve(model, callback)
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=work, name="opsched-cp-sat", daemon=True).start()
+    try:
+        done.wait()
+    except KeyboardInterrupt:
+        solver.StopSearch()
+        done.wait()
+        raise
+    if "error" in box:
+        raise box["error"]
+    return box["status"]
+
+
 def _importing(frame: Any) -> bool:
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):

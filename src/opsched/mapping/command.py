@@ -61,6 +61,11 @@ def load_problem(args: argparse.Namespace, platform) -> Problem:
         graph, latencies, edge_bytes = graphfile.read(args.model)
         return build_problem(graph, platform, args.objective, args.batch or 1, latencies or None,
                              edge_bytes if edge_bytes else None)
+    from opsched.models.spec import unit_graph
+
+    graph = unit_graph(args.model, args.batch)
+    if graph is not None:
+        return build_problem(graph, platform, args.objective, args.batch or 1)
     from opsched.commands import load_and_capture
 
     loaded, graph, _, _ = load_and_capture(args, args.model, "cpu")
@@ -125,6 +130,10 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
     print(f"predicted   {result['predicted']:.6g}{unit}" + ("  (optimal)" if result["optimal"] else ""))
     print(f"makespan    {result['makespan']:.6g}  (lower bound {result['lower_bound']:.6g})")
     print(f"solved in   {result['solve_seconds']:.2f} s")
+    factor = result["stats"].get("symmetry_factor", 1)
+    if factor > 1:
+        print(f"symmetry    each mapping searched stands for up to {factor:.3g} equivalent ones (interchangeable "
+              "devices and nodes)")
     for device, count in result["devices"].items():
         print(f"  {device:<10} {count} units")
     print(f"transfers   {len(result['transfers'])}")

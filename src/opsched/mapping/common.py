@@ -1,5 +1,5 @@
-"""What the list-scheduling heuristics and the searches share: the ways a unit's batch can be placed
-(``patterns``), the breadth-first topological order, the time a job's inputs arrive, a device's free slots,
+"""What the list-scheduling heuristics and the searches share: the best way to place a unit's batch
+(``best_placement``), the breadth-first topological order, the time a job's inputs arrive, a device's free slots,
 and the memory left on each device.
 
 >>> from opsched.graph.ir import Graph, Node
@@ -8,8 +8,8 @@ and the memory left on each device.
 >>> g = Graph([Node("a", latency=1.0), Node("b", latency=1.0), Node("c", args=("a", "b"), latency=1.0)])
 >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
 >>> prob = build_problem(g, p)
->>> patterns(prob), breadth_first_order(prob)
-([(0,), (1,)], [0, 1, 2])
+>>> breadth_first_order(prob)
+[0, 1, 2]
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
-from functools import lru_cache
+from collections.abc import Callable, Sequence
 
 import networkx as nx
 
@@ -28,21 +27,59 @@ from opsched.mapping.plan import Job
 from opsched.mapping.problem import Problem
 
 
-def patterns(problem: Problem) -> list[tuple[int, ...]]:
-    """Each way to place one unit: the device of each piece, the pieces cut into consecutive runs on distinct
-    devices (for 4 pieces on 3 devices: whole on one, 3+1, 1+3, 2+2, 2+1+1, ... 39 in all)."""
-    return _patterns(problem.pieces, problem.devices)
+def best_placement(problem: Problem, unit: int, end_of: Callable[[Job], float], memory: Memory,
+                   split: bool = True) -> tuple[list[Job], list[float]] | None:
+    """The placement of ``unit`` whose last job ends first, ``end_of(job)`` giving a job's end: its batch
+    pieces cut into consecutive runs, each run a job on its own device (for 4 pieces on 3 devices: whole on
+    one, 3+1, 1+3, 2+2, 2+1+1, ... 39 ways; with ``split`` false, whole on one device only). Ties go to
+    fewer jobs, then to the smaller device string.
+    Returns (jobs, their ends), or None when no placement fits the memory left.
 
+    Each cut into p runs is a bottleneck assignment of runs to distinct devices, and some best assignment
+    gives every run one of its own p best devices (were a run elsewhere, one of those p would be free, and no
+    later), so only those are tried: at most p^p per cut instead of devices! / (devices - p)!.
 
-@lru_cache(maxsize=64)
-def _patterns(pieces: int, devices: int) -> list[tuple[int, ...]]:
-    out = []
-    for parts in range(1, min(pieces, devices) + 1):
+    >>> from opsched.graph.ir import Graph, Node
+    >>> from opsched.mapping.platform import platform_from_dict
+    >>> from opsched.mapping.problem import build_problem
+    >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y", "scale": 2}],
+    ...                         "links": {"default": {"bandwidth": 1}}})
+    >>> prob = build_problem(Graph([Node("a", latency=4.0)]), p, objective="throughput", batch=4)
+    >>> jobs, ends = best_placement(prob, 0, lambda j: duration(prob, j), Memory(prob))
+    >>> [(j.device, j.pieces) for j in jobs], ends
+    ([(0, (0, 1, 2)), (1, (3,))], [3.0, 2.0])
+    """
+    pieces, k = problem.pieces, problem.devices
+    ends: dict[tuple[int, int, int], float] = {}  # (first piece, last piece + 1, device) -> end
+
+    def end(first: int, stop: int, d: int) -> float:
+        key = (first, stop, d)
+        if key not in ends:
+            job = Job(unit, d, tuple(range(first, stop)))
+            fits = math.isfinite(duration(problem, job)) and memory.fits([job])
+            ends[key] = end_of(job) if fits else math.inf
+        return ends[key]
+
+    best = None
+    for parts in range(1, min(pieces, k) + 1 if split else 2):
         for cuts in itertools.combinations(range(1, pieces), parts - 1):
-            sizes = [b - a for a, b in zip((0, *cuts), (*cuts, pieces))]
-            for devs in itertools.permutations(range(devices), parts):
-                out.append(tuple(d for d, s in zip(devs, sizes) for _ in range(s)))
-    return out
+            runs = list(zip((0, *cuts), (*cuts, pieces), strict=True))
+            candidates = [sorted(range(k), key=lambda d, r=r: (end(*r, d), d))[:parts] for r in runs]
+            for devices in itertools.product(*candidates):
+                if len(set(devices)) < parts:
+                    continue
+                finish = [end(*r, d) for r, d in zip(runs, devices, strict=True)]
+                if math.isinf(max(finish)):
+                    continue
+                pattern = tuple(d for (a, b), d in zip(runs, devices, strict=True) for _ in range(a, b))
+                key = (max(finish), parts, pattern)
+                if best is None or key < best[0]:
+                    best = (key, runs, devices, finish)
+    if best is None:
+        return None
+    _, runs, devices, finish = best
+    jobs = [Job(unit, d, tuple(range(a, b))) for (a, b), d in zip(runs, devices, strict=True)]
+    return jobs, finish
 
 
 def jobs_of(unit: int, pattern: Sequence[int]) -> list[Job]:

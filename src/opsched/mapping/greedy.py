@@ -3,7 +3,7 @@ grows least, ties to its earliest finish; appended to the devices' queues (no in
 
 from __future__ import annotations
 
-from opsched.mapping.common import Memory, arrival, duration, jobs_of, nothing_fits, patterns
+from opsched.mapping.common import Memory, arrival, best_placement, duration, nothing_fits
 from opsched.mapping.plan import Job, Mapping
 from opsched.mapping.problem import Problem
 
@@ -23,20 +23,12 @@ def greedy(problem: Problem) -> Mapping:
     placed: dict[tuple[int, int], Job] = {}
     finish: dict[Job, float] = {}
     order: list[list[Job]] = [[] for _ in range(problem.devices)]
-    makespan = 0.0
     for u in range(problem.n):
-        best = None
-        for p in patterns(problem):
-            jobs = jobs_of(u, p)
-            if not memory.fits(jobs):
-                continue
-            ends = [max(free[j.device], arrival(problem, j, placed, finish)) + duration(problem, j) for j in jobs]
-            key = (max(makespan, max(ends)), max(ends), len(jobs), p)
-            if best is None or key < best[0]:
-                best = (key, jobs, ends)
+        best = best_placement(problem, u, lambda j: max(free[j.device], arrival(problem, j, placed, finish)) +
+                              duration(problem, j), memory)
         if best is None:
             raise nothing_fits(problem, u)
-        _, jobs, ends = best
+        jobs, ends = best
         memory.take(jobs)
         for j, end in zip(jobs, ends):
             free[j.device] = end
@@ -44,5 +36,4 @@ def greedy(problem: Problem) -> Mapping:
             order[j.device].append(j)
             for q in j.pieces:
                 placed[(u, q)] = j
-        makespan = max(makespan, *ends)
     return Mapping(order)

@@ -11,7 +11,7 @@ import math
 from statistics import fmean
 
 from opsched.graph.ir import indices
-from opsched.mapping.common import Memory, Slots, arrival, duration, jobs_of, nothing_fits, patterns
+from opsched.mapping.common import Memory, Slots, arrival, best_placement, duration, nothing_fits
 from opsched.mapping.plan import Job, Mapping
 from opsched.mapping.problem import Problem
 
@@ -31,7 +31,7 @@ def upward_ranks(problem: Problem) -> list[float]:
     return rank
 
 
-def heft(problem: Problem) -> Mapping:
+def heft(problem: Problem, split: bool = True) -> Mapping:
     """
     >>> from opsched.graph.ir import Graph, Node
     >>> from opsched.mapping.platform import platform_from_dict
@@ -40,6 +40,8 @@ def heft(problem: Problem) -> Mapping:
     >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
     >>> [[j.unit for j in jobs] for jobs in heft(build_problem(g, p)).order]
     [[0, 1], [2]]
+
+    With ``split`` false, every unit runs whole on one device (its weights held once).
     """
     rank = upward_ranks(problem)
     order = sorted(range(problem.n), key=lambda u: (-rank[u], u))
@@ -48,22 +50,18 @@ def heft(problem: Problem) -> Mapping:
     placed: dict[tuple[int, int], Job] = {}
     finish: dict[Job, float] = {}
     start: dict[Job, float] = {}
+    def end_of(job: Job) -> float:
+        return slots.earliest(job.device, arrival(problem, job, placed, finish), duration(problem, job)) + \
+            duration(problem, job)
+
     for u in order:
-        best = None
-        for p in patterns(problem):
-            jobs = jobs_of(u, p)
-            if not memory.fits(jobs):
-                continue
-            starts = [slots.earliest(j.device, arrival(problem, j, placed, finish), duration(problem, j)) for j in jobs]
-            ends = [s + duration(problem, j) for s, j in zip(starts, jobs)]
-            key = (max(ends), len(jobs), p)
-            if best is None or key < best[0]:
-                best = (key, jobs, starts, ends)
+        best = best_placement(problem, u, end_of, memory, split)
         if best is None:
             raise nothing_fits(problem, u)
-        _, jobs, starts, ends = best
+        jobs, ends = best
         memory.take(jobs)
-        for j, s, e in zip(jobs, starts, ends):
+        for j, e in zip(jobs, ends):
+            s = slots.earliest(j.device, arrival(problem, j, placed, finish), duration(problem, j))
             slots.book(j.device, s, e)
             start[j], finish[j] = s, e
             for q in j.pieces:

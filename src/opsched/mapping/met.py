@@ -4,7 +4,7 @@ its own (DiviML's bMET). Units run in topological order on each device."""
 
 from __future__ import annotations
 
-from opsched.mapping.common import Memory, duration, jobs_of, nothing_fits, patterns
+from opsched.mapping.common import Memory, best_placement, duration, nothing_fits
 from opsched.mapping.plan import Mapping
 from opsched.mapping.problem import Problem
 
@@ -22,10 +22,10 @@ def met(problem: Problem) -> Mapping:
     memory = Memory(problem)
     device_of = []
     for u in range(problem.n):
-        options = [p for p in patterns(problem) if memory.fits(jobs_of(u, p))]
-        if not options:
+        best = best_placement(problem, u, lambda j: duration(problem, j), memory)
+        if best is None:
             raise nothing_fits(problem, u)
-        chosen = min(options, key=lambda p: (max(duration(problem, j) for j in jobs_of(u, p)), len(set(p)), p))
-        memory.take(jobs_of(u, chosen))
-        device_of.append(chosen)
+        jobs, _ = best
+        memory.take(jobs)
+        device_of.append(tuple(j.device for j in sorted(jobs, key=lambda j: j.pieces) for _ in j.pieces))
     return Mapping.from_pieces(problem, device_of, range(problem.n))

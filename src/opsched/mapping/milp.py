@@ -14,8 +14,8 @@ Variables and constraints, in the paper's numbering:
   global no-overlap over the same intervals is added as a redundant constraint (implied by the
   disjunctions, it lets the solver reason about a device's whole load at once). For throughput, pieces of units on one path can overlap on a
   device, so every pair of jobs is covered, by the global constraint.
-- symmetry (``none|batch|task|time``): devices on one node with the same kind are interchangeable, so the
-  earlier of two identical devices gets at least as many pieces / units / busy time (DiviML Section VI).
+- symmetry (``none|batch|task|time``): interchangeable devices within a node and interchangeable nodes are
+  ordered by their pieces / units / busy time (DiviML Section VI; ``symmetry.py``), the hint permuted to fit.
 
 Times are scaled to integers (``scale`` steps per time unit, chosen so the horizon is about 10^7 steps);
 the bound CP-SAT proves is reported less the largest rounding error, so it stays a lower bound.
@@ -32,12 +32,13 @@ from collections.abc import Callable
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 
+from opsched.interrupt import solve_cp_sat
 from opsched.mapping import MappingError
 from opsched.mapping.plan import Job, Mapping
 from opsched.mapping.problem import Problem
 from opsched.mapping.replay import replay
+from opsched.mapping.symmetry import SYMMETRIES, add_constraints, canonical
 
-SYMMETRIES = ("none", "batch", "task", "time")
 HORIZON_STEPS = 1e7
 
 
@@ -49,13 +50,16 @@ class MilpResult:
     bound: float         # a lower bound on the makespan
     solver_makespan: float
     seconds: float
+    symmetry_factor: int = 1   # equivalent mappings each one the model kept stands for (1: no symmetry broken)
 
 
 def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None, symmetry: str = "none",
          pinned: MappingType[int, int] | None = None, workers: int = 2,
-         progress: Callable[[float], None] | None = None) -> MilpResult:
+         progress: Callable[[float], None] | None = None, memory_total: float | None = None) -> MilpResult:
     """The optimal mapping of ``problem`` (or the best found within ``time_limit`` seconds). ``hint`` starts
-    the search from a known mapping; ``pinned`` fixes some units (all their pieces) on a device.
+    the search from a known mapping; ``pinned`` fixes some units (all their pieces) on a device;
+    ``memory_total`` caps the bytes the mapping holds on all devices together (what MILP-SPLIT leaves a
+    module so that the modules after it still fit).
 
     >>> from opsched.graph.ir import Graph, Node
     >>> from opsched.mapping.platform import platform_from_dict
@@ -164,19 +168,32 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
         m.AddNoOverlap(intervals[d])
         if math.isfinite(device.memory):
             m.Add(sum(c * lit for lit, c in usage[d]) <= math.floor(device.memory / mem_unit))
-    _break_symmetry(m, problem, symmetry, pieces_on, busy, placed)
+    if memory_total is not None and math.isfinite(memory_total):
+        m.Add(sum(c * lit for d in range(k) for lit, c in usage[d]) <= math.floor(memory_total / mem_unit))
+    found = add_constraints(m, problem, symmetry, pinned.values(), pieces_on, busy, placed)
+    if hint is not None and _holds(problem, hint) > (memory_total if memory_total is not None else math.inf):
+        hint = None  # it breaks the cap: no help to CP-SAT, nor a fallback
     if hint is not None:
+        hint = canonical(problem, hint, symmetry, pinned.values())
         _hint(m, problem, hint, x)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    # the limit is the whole call's: building the model (about 0.5 s for 150 units) counts
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit - (time.perf_counter() - started))
     solver.parameters.num_workers = workers
     m.Minimize(makespan)
     callback = _Progress(progress, makespan, scale) if progress else None
-    status = solver.Solve(m, callback) if callback else solver.Solve(m)
+    status = solve_cp_sat(solver, m, callback)  # on a worker thread: Ctrl-C ends it as an interrupt
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         if status == cp_model.INFEASIBLE:
             raise MappingError("no mapping fits the devices' memory budgets")
-        raise MappingError(f"CP-SAT found no mapping within {time_limit:g} s")
+        if hint is None or not _fits_pins(hint, pinned):
+            raise MappingError(f"CP-SAT found no mapping within {time_limit:g} s")
+        # out of time before CP-SAT's first mapping (a large model's presolve alone can take that long): the
+        # hint is the best mapping known, and what CP-SAT proved is still a bound
+        slack = (n * pieces + len(problem.graph.edges)) / scale
+        return MilpResult(hint, solver.StatusName(status), False,
+                          max(0.0, solver.BestObjectiveBound() / scale - slack), replay(problem, hint).makespan,
+                          time.perf_counter() - started, found.factor)
     jobs: list[tuple[int, int, int, tuple[int, ...]]] = []
     for u in range(n):
         for d in range(k):
@@ -199,7 +216,12 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
         mapping = hint  # stopped by the time limit before it got back to where it started
     return MilpResult(mapping, solver.StatusName(status), optimal,
                       max(0.0, solver.BestObjectiveBound() / scale - slack), solver_makespan,
-                      time.perf_counter() - started)
+                      time.perf_counter() - started, found.factor)
+
+
+def _holds(problem: Problem, mapping: Mapping) -> float:
+    """The bytes ``mapping`` holds on all devices together."""
+    return sum(problem.memory(j.unit, len(j.pieces)) for j in mapping.jobs())
 
 
 def _fits_pins(mapping: Mapping, pinned: MappingType[int, int]) -> bool:
@@ -213,27 +235,6 @@ def _scale(problem: Problem) -> float:
     if total <= 0:
         return 1.0
     return 10.0 ** math.floor(math.log10(HORIZON_STEPS / total))
-
-
-def _break_symmetry(m, problem: Problem, symmetry: str, pieces_on, busy, placed) -> None:
-    if symmetry == "none":
-        return
-    k = problem.devices
-    for a in range(k):
-        b = next((b for b in range(a + 1, k) if problem.platform.identical(a, b)), None)
-        if b is None:
-            continue
-        if symmetry == "batch":
-            m.Add(sum(pieces_on[a]) >= sum(pieces_on[b]))
-        elif symmetry == "task":
-            units_a = [m.NewBoolVar("") for _ in range(problem.n)]
-            units_b = [m.NewBoolVar("") for _ in range(problem.n)]
-            for u in range(problem.n):
-                m.AddMaxEquality(units_a[u], placed[u * k + a])
-                m.AddMaxEquality(units_b[u], placed[u * k + b])
-            m.Add(sum(units_a) >= sum(units_b))
-        else:
-            m.Add(sum(lit * c for lit, c in busy[a]) >= sum(lit * c for lit, c in busy[b]))
 
 
 def _hint(m, problem: Problem, hint: Mapping, x) -> None:

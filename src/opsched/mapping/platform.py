@@ -10,8 +10,13 @@ PLATFORM.json::
 threads of a CPU device; default 1), ``batch_sizes`` (the batch pieces it accepts; default any), ``scale`` (its
 simulated cost is the kind's times this). A device may have no ``kind`` when the DAG JSON gives every unit's
 latency on it. A transfer takes ``latency + bytes / bandwidth`` on the link between two devices: the link named
-``"a-b"`` (either order), else ``"default"``; two devices with neither are not connected, which is an error.
+``"a-b"`` (either order), else ``"intra-node"`` for two devices on one node or ``"inter-node"`` for two on
+different nodes, else ``"default"``; two devices with none of these are not connected, which is an error.
 Times are in the graph's unit (ms for models), so bandwidth is bytes per that unit.
+
+Symmetry: devices on one node with the same kind, memory, threads, batch sizes, scale and links to every other
+device are interchangeable in any mapping, and so are whole nodes whose devices are so position by position
+(:meth:`Platform.symmetry`); the MILP uses that to break symmetry (DiviML Section VI).
 
 >>> p = platform_from_dict({"devices": [{"name": "a"}, {"name": "b"}], "links": {"default": {"bandwidth": 1,
 ...                         "latency": 0}}})
@@ -23,6 +28,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +46,10 @@ DERIVED = {"xeon": ("a100", 7.10)}
 # issue and complete. In bytes per millisecond and milliseconds, the unit of models' costs.
 PCIE4_X16 = {"bandwidth": 25e9 / 1e3, "latency": 0.01}
 
+# 100 Gb/s InfiniBand (EDR) between nodes: 12.5 GB/s on paper, about 11 GB/s reached, and about 5 us a message
+# plus the copies through host memory on either side (GPUDirect RDMA aside): about 20 us.
+INFINIBAND_100G = {"bandwidth": 11e9 / 1e3, "latency": 0.02}
+
 BUILTIN: dict[str, dict[str, Any]] = {
     "diviml": {
         "description": "DiviML's server node: a Xeon CPU, a T4 and an A100 on PCIe 4.0 x16 (simulated)",
@@ -48,6 +59,13 @@ BUILTIN: dict[str, dict[str, Any]] = {
             {"name": "a100", "kind": "sim:a100", "node": "n0", "memory": 40e9},
         ],
         "links": {"default": PCIE4_X16},
+    },
+    "gpt3-cluster": {
+        "description": "six identical nodes, each two A100s and two T4s on PCIe 4.0 x16, joined by 100 Gb/s "
+                       "InfiniBand (simulated; the shape of DiviML's GPT-3 case study)",
+        "devices": [{"name": f"n{n}.{kind}_{k}", "kind": f"sim:{kind}", "node": f"n{n}", "memory": memory}
+                    for n in range(6) for kind, memory in (("a100", 40e9), ("t4", 16e9)) for k in range(2)],
+        "links": {"intra-node": PCIE4_X16, "inter-node": INFINIBAND_100G},
     },
     "cpu2": {
         "description": "this machine's cores as two CPU devices of one thread each (measured)",
@@ -120,11 +138,65 @@ class Platform:
         """Time to move ``nbytes`` from device ``a`` to device ``b`` (0 on one device)."""
         return 0.0 if a == b else self.links[(min(a, b), max(a, b))].time(nbytes)
 
-    def identical(self, a: int, b: int) -> bool:
-        """Devices on one node with the same kind (and so the same costs), interchangeable in any mapping."""
+    def identical(self, a: int, b: int, alike: Callable[[int, int], bool] | None = None) -> bool:
+        """Devices on one node with the same kind, memory, threads, batch sizes, scale and links to every
+        other device, and costs ``alike`` (a DAG JSON file may give devices of one kind different latencies):
+        swapping them changes no mapping's times, so they are interchangeable."""
         x, y = self.devices[a], self.devices[b]
-        return (x.node, x.kind, x.memory, x.threads, x.batch_sizes, x.scale) == (
-            y.node, y.kind, y.memory, y.threads, y.batch_sizes, y.scale)
+        if a == b or x.node != y.node or _signature(x) != _signature(y) or (alike and not alike(a, b)):
+            return False
+        return all(self.links[_pair(a, c)] == self.links[_pair(b, c)] for c in range(len(self)) if c not in (a, b))
+
+    def symmetry(self, fixed: Sequence[int] = (), alike: Callable[[int, int], bool] | None = None) -> Symmetry:
+        """The interchangeable devices and nodes, leaving out the devices in ``fixed`` (those holding units
+        pinned there, which a permutation would move) and the nodes that hold them; ``alike(a, b)``: whether
+        devices a and b cost every unit the same (default: devices of one kind do).
+
+        >>> p = load_platform("gpt3-cluster")
+        >>> s = p.symmetry()
+        >>> len(s.device_orbits), [len(o) for o in s.node_orbits], s.factor
+        (12, [6], 2949120)
+        """
+        fixed_set = set(fixed)
+        devices: list[list[int]] = []
+        for a in range(len(self)):
+            if a in fixed_set or any(a in orbit for orbit in devices):
+                continue
+            orbit = [a] + [b for b in range(a + 1, len(self)) if b not in fixed_set and self.identical(a, b, alike)]
+            if len(orbit) > 1:
+                devices.append(orbit)
+        nodes: dict[str, list[int]] = {}
+        for d, device in enumerate(self.devices):
+            nodes.setdefault(device.node, []).append(d)
+        free = [members for members in nodes.values() if not fixed_set & set(members)]
+        node_orbits: list[list[list[int]]] = []
+        for members in free:
+            for orbit in node_orbits:
+                if self._nodes_interchangeable(orbit[0], members, alike):
+                    orbit.append(members)
+                    break
+            else:
+                node_orbits.append([members])
+        return Symmetry(devices, [orbit for orbit in node_orbits if len(orbit) > 1])
+
+    def _nodes_interchangeable(self, first: list[int], second: list[int],
+                               alike: Callable[[int, int], bool] | None) -> bool:
+        """Two nodes whose devices match position by position, with the same links inside each node and
+        one link to every device outside both: swapping them (device r of one for device r of the other)
+        changes no mapping's times."""
+        if len(first) != len(second) or any(_signature(self.devices[a]) != _signature(self.devices[b]) or
+                                            (alike and not alike(a, b)) for a, b in zip(first, second, strict=True)):
+            return False
+        for r, (a, b) in enumerate(zip(first, second, strict=True)):
+            for s in range(r + 1, len(first)):
+                if self.links[_pair(a, first[s])] != self.links[_pair(b, second[s])]:
+                    return False
+            outside = [c for c in range(len(self)) if c not in first and c not in second]
+            if any(self.links[_pair(a, c)] != self.links[_pair(b, c)] for c in outside):
+                return False
+            if any(self.links[_pair(a, c)] != self.links[_pair(b, d)] for c, d in zip(second, first, strict=True)):
+                return False
+        return True
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "devices": [d.to_dict() for d in self.devices],
@@ -133,12 +205,35 @@ class Platform:
                           for (a, b), link in self.links.items()}}
 
 
+@dataclass(frozen=True)
+class Symmetry:
+    """``device_orbits``: groups of interchangeable devices on one node; ``node_orbits``: groups of
+    interchangeable nodes, each node its devices in platform order (position r of one node corresponds to
+    position r of the others). ``factor``: how many equivalent mappings each one kept stands for at most,
+    the size of the permutation group (DiviML's 4^6 6! for six nodes of two pairs of devices)."""
+
+    device_orbits: list[list[int]]
+    node_orbits: list[list[list[int]]]
+
+    @property
+    def factor(self) -> int:
+        return math.prod(math.factorial(len(o)) for o in self.device_orbits + self.node_orbits)
+
+
+def _signature(d: Device) -> tuple:
+    return (d.kind, d.memory, d.threads, d.batch_sizes, d.scale)
+
+
+def _pair(a: int, b: int) -> tuple[int, int]:
+    return (min(a, b), max(a, b))
+
+
 def _finite(x: float) -> float | str:
     return x if math.isfinite(x) else "inf"
 
 
 def load_platform(spec: str) -> Platform:
-    """A built-in platform by name (``diviml``, ``cpu2``) or a PLATFORM.json file."""
+    """A built-in platform by name (``diviml``, ``gpt3-cluster``, ``cpu2``) or a PLATFORM.json file."""
     if spec in BUILTIN:
         return platform_from_dict(BUILTIN[spec], spec)
     if not spec.endswith(".json"):
@@ -159,13 +254,14 @@ def platform_from_dict(doc: Any, name: str = "platform", source: str | None = No
         raise MappingError(f"{where}: duplicate device name {dup!r}")
     links_doc = doc.get("links", {})
     if not isinstance(links_doc, dict):
-        raise MappingError(f'{where}: "links" must be an object of links by name ("default" or "a-b")')
-    default = None
+        raise MappingError(f'{where}: "links" must be an object of links by name ("default", "intra-node", '
+                           '"inter-node" or "a-b")')
+    defaults: dict[str, Link] = {}
     links: dict[tuple[int, int], Link] = {}
     for key, value in links_doc.items():
         link = _link(value, f"{where}: link {key!r}")
-        if key == "default":
-            default = link
+        if key in LINK_CLASSES:
+            defaults[key] = link
             continue
         pair = _link_ends(key, names)
         if pair is None:
@@ -175,11 +271,18 @@ def platform_from_dict(doc: Any, name: str = "platform", source: str | None = No
     for a in range(len(devices)):
         for b in range(a + 1, len(devices)):
             if (a, b) not in links:
-                if default is None:
+                within = "intra-node" if devices[a].node == devices[b].node else "inter-node"
+                link = defaults.get(within, defaults.get("default"))
+                if link is None:
                     raise MappingError(f"{where}: the platform is disconnected: no link between {names[a]!r} and "
-                                       f"{names[b]!r} (add \"{names[a]}-{names[b]}\" or a \"default\" link)")
-                links[(a, b)] = default
+                                       f"{names[b]!r} (add \"{names[a]}-{names[b]}\", \"{within}\" or a "
+                                       "\"default\" link)")
+                links[(a, b)] = link
     return Platform(name=str(doc.get("name", name)), devices=devices, links=links, source=doc)
+
+
+# Links that apply to every pair of devices without a link of its own: on one node, across nodes, any.
+LINK_CLASSES = ("intra-node", "inter-node", "default")
 
 
 def _link_ends(key: str, names: list[str]) -> tuple[int, int] | None:
@@ -201,16 +304,23 @@ def _device(item: Any, k: int, where: str) -> Device:
         check_kind(kind, at)
     memory = _positive(item.get("memory", math.inf), at, "memory")
     threads = item.get("threads", 1)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise MappingError(f"{at}: threads must be a positive integer, got {json.dumps(threads)}")
+    cores = os.cpu_count() or 1
+    # a CPU device's costs are measured here, at its thread count: PyTorch's thread pool starts them all (a
+    # million aborted the process)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1 or (kind == "cpu" and threads > cores):
+        raise MappingError(f"{at}: threads must be a positive integer, for a cpu device at most this machine's "
+                           f"{cores} cores, got {json.dumps(threads)}")
     sizes = item.get("batch_sizes")
     if sizes is not None:
-        if not isinstance(sizes, list) or not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
+        if not isinstance(sizes, list) or not sizes or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
             raise MappingError(f"{at}: batch_sizes must be a list of positive integers")
         sizes = tuple(sorted(set(sizes)))
-    scale = _positive(item.get("scale", 1.0), at, "scale")
+    scale = item.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise MappingError(f"{at}: scale must be a finite positive number, got {json.dumps(scale)}")
     return Device(name=name, kind=kind, node=str(item.get("node", "n0")), memory=memory, threads=threads,
-                  batch_sizes=sizes, scale=scale)
+                  batch_sizes=sizes, scale=float(scale))
 
 
 def check_kind(kind: Any, where: str) -> None:
@@ -240,6 +350,6 @@ def _link(value: Any, where: str) -> Link:
         raise MappingError(f"{where}: expected {{\"bandwidth\": bytes per time unit, \"latency\": t}}")
     bandwidth = _positive(value["bandwidth"], where, "bandwidth")
     latency = value.get("latency", 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
-        raise MappingError(f"{where}: latency must be a number >= 0, got {json.dumps(latency)}")
+    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
+        raise MappingError(f"{where}: latency must be a finite number >= 0, got {json.dumps(latency)}")
     return Link(bandwidth, float(latency))

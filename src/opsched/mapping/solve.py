@@ -80,7 +80,8 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
 
         result = milp(problem, time_limit=time_limit, hint=heft(problem), symmetry=symmetry)
         mapping, optimal, proven_bound = result.mapping, result.optimal, result.bound
-        stats.update(status=result.status, solver_makespan=result.solver_makespan)
+        stats.update(status=result.status, solver_makespan=result.solver_makespan,
+                     symmetry_factor=result.symmetry_factor)
     elif method == "milp-split":
         from opsched.mapping.split import milp_split
 
@@ -88,6 +89,7 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
         mapping, optimal = result.mapping, result.optimal
         stats.update(modules=len(result.decomposition.modules), channels=result.decomposition.channels,
                      single_channel=result.decomposition.single_channel, solves=result.solves,
+                     symmetry_factor=result.symmetry_factor,
                      module_sizes=[len(m) for m in result.decomposition.modules])
     else:
         raise MappingError(f"unknown mapping method {method!r}; choose from {', '.join(METHODS)}")

@@ -13,8 +13,11 @@ module MILP is proven, so is the mapping (``optimal``). With several channels th
 boundary's outputs on one device) and the modules' one-after-another timing are approximations; the joined
 mapping is replayed as a whole, so later modules may start early where the data allows. For throughput the
 modules' batch pieces may overlap across a boundary in the replay; the DP's sum is then an estimate only.
-A memory budget that can bind (smaller than the whole graph needs) is shared between modules in
-proportion to what each needs; MILP-SPLIT is then not exact.
+With several channels, or a memory budget that can bind (a device smaller than the whole graph needs: the
+modules then compete for memory, and one module's best mapping depends on what the others left), the modules
+are solved one after another instead, each with what the modules before left of every device's memory and
+its inputs pinned where they were put; MILP-SPLIT is then not exact. Every module's MILP breaks the
+symmetry of the devices its pins leave interchangeable (``symmetry.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class SplitResult:
     decomposition: Decomposition
     solves: int
     seconds: float
+    symmetry_factor: int = 1   # the largest reduction the symmetry constraints of one module's model gave
 
 
 def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None = None, symmetry: str = "none",
@@ -61,9 +65,9 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
     started = time.perf_counter()
     deadline = started + time_limit
     parts = decompose(problem.graph, channels, min_size=min_module)
-    if not parts.single_channel:
-        mapping, proven, solves = _chained(problem, parts.modules, deadline, symmetry, progress)
-        return SplitResult(mapping, False, parts, solves, time.perf_counter() - started)
+    if not parts.single_channel or memory_binds(problem):
+        mapping, solves, factor = _chained(problem, parts.modules, deadline, symmetry, progress)
+        return SplitResult(mapping, False, parts, solves, time.perf_counter() - started, factor)
     modules = parts.modules
     k = problem.devices
     position = {u: t for t, units in enumerate(modules) for u in units}
@@ -73,6 +77,7 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
                for t, units in enumerate(modules)]
     total_solves = sum((k if entries[t] else 1) * (k if outputs[t] else 1) for t in range(len(modules)))
     solves = 0
+    factor = 1
     proven = True
     dp: dict[int | None, tuple[float, list[Mapping]]] = {None: (0.0, [])}  # exit device -> (latency, per module)
     for t, units in enumerate(modules):
@@ -82,14 +87,15 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
         for v in ins:
             for w in outs:
                 solves += 1
-                left = max(0.05, (deadline - time.perf_counter()) / max(1, total_solves - solves + 1))
-                solved = _solve_module(problem, units, entries[t], outputs[t], v, w, left, symmetry, len(modules))
+                left = (deadline - time.perf_counter()) / max(1, total_solves - solves + 1)
+                solved = _solve_module(problem, units, entries[t], outputs[t], v, w, left, symmetry)
                 if progress:
                     progress(solves, total_solves)
                 if solved is None:
                     continue
-                latency, mapping, optimal = solved
+                latency, mapping, optimal, reduction = solved
                 proven &= optimal
+                factor = max(factor, reduction)
                 base = dp[v][0] if v in dp else dp[None][0]
                 chain = dp[v][1] if v in dp else dp[None][1]
                 if w not in nxt or base + latency < nxt[w][0]:
@@ -103,56 +109,96 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
         for d in range(k):
             order[d].extend(mapping.order[d])
     mapping = Mapping(order)
-    exact = parts.single_channel and problem.objective == "latency" and not memory_binds(problem)
-    return SplitResult(mapping, proven and exact, parts, solves, time.perf_counter() - started)
+    exact = problem.objective == "latency"
+    return SplitResult(mapping, proven and exact, parts, solves, time.perf_counter() - started, factor)
 
 
 def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmetry: str,
-             progress: Callable[[int, int], None] | None) -> tuple[Mapping, bool, int]:
-    """Several channels: each module in turn, the values it reads pinned where the modules before put them,
-    its outputs free; the modules' jobs follow one another on each device."""
+             progress: Callable[[int, int], None] | None) -> tuple[Mapping, int, int]:
+    """Several channels, or memory that binds: each module in turn, the values it reads pinned where the
+    modules before put them, its outputs free, each device's memory what the modules before left of it; the
+    modules' jobs follow one another on each device. (With memory that binds, the modules compete for it, so
+    the DP's modules are not independent: solving them in order with what is left is what stays feasible.)"""
     k = problem.devices
     device_of: dict[int, int] = {}
     order: list[list[Job]] = [[] for _ in range(k)]
-    proven = True
     position = {u: t for t, units in enumerate(modules) for u in units}
+    left_memory = [d.memory for d in problem.platform.devices]
+    # A module may hold what it needs at the least (every unit whole on one device) and its share, in
+    # proportion to that need, of the memory the modules from it on can spare; else the first modules (their
+    # batch split, their weights copied onto several devices) leave too little for the rest.
+    need = [sum(problem.memory(u) for u in units) for units in modules]
+    rest = [sum(need[t:]) for t in range(len(modules))]
+    factor = 1
     for t, units in enumerate(modules):
         entries = sorted({a for u in units for a in indices(problem.graph.preds[u]) if position[a] < t})
-        sub, back = module_problem(problem, units, entries, len(modules))
+        platform = replace(problem.platform, devices=[replace(d, memory=m) for d, m in
+                                                      zip(problem.platform.devices, left_memory, strict=True)])
+        sub, back = module_problem(problem, units, entries, platform=platform)
         pinned = {i: device_of[entries[i]] for i, u in enumerate(back) if u is None}
-        left = max(0.05, (deadline - time.perf_counter()) / (len(modules) - t))
-        result = milp(sub, time_limit=left, hint=_pinned(heft(sub), pinned, k), pinned=pinned, symmetry="none")
-        proven &= result.optimal
+        left = (deadline - time.perf_counter()) / (len(modules) - t)
+        budget = need[t] * sum(left_memory) / rest[t] if rest[t] > 0 else math.inf
+        hint = _heft_hint(sub, pinned, budget)
+        if hint is not None and left <= 0:
+            chosen = hint  # out of time: the modules left take HEFT's mapping, so that the limit holds
+        else:
+            try:
+                result = milp(sub, time_limit=max(0.05, left), hint=hint, pinned=pinned, symmetry=symmetry,
+                              memory_total=budget)
+            except MappingError as error:
+                raise MappingError(f"module {t} of {len(modules)} (from unit "
+                                   f"{problem.graph.nodes[units[0]].name!r}): {error}") from None
+            chosen = result.mapping
+            factor = max(factor, result.symmetry_factor)
         for d in range(k):
-            for j in result.mapping.order[d]:
+            for j in chosen.order[d]:
                 if back[j.unit] is not None:
                     order[d].append(Job(back[j.unit], d, j.pieces))
                     device_of[back[j.unit]] = d
+                    left_memory[d] -= problem.memory(back[j.unit], len(j.pieces))
         if progress:
             progress(t + 1, len(modules))
-    return Mapping(order), proven, len(modules)
+    return Mapping(order), len(modules), factor
 
 
 def _solve_module(problem: Problem, units: list[int], entries: list[int], outputs: list[int], v: int | None,
-                  w: int | None, time_limit: float, symmetry: str, modules: int):
+                  w: int | None, time_limit: float, symmetry: str):
     """OPT(module, inputs on v, outputs on w): (latency, the module's jobs in global units, proven)."""
-    sub, back = module_problem(problem, units, entries, modules)
+    sub, back = module_problem(problem, units, entries)
     pinned = {i: v for i, u in enumerate(back) if u is None and v is not None}
     if w is not None:
         pinned.update({i: w for i, u in enumerate(back) if u in set(outputs)})
     for i, d in pinned.items():
         if math.isinf(sub.time(i, d)):
             return None
-    hint = _pinned(heft(sub), pinned, sub.devices)
+    hint = _heft_hint(sub, pinned)
+    if hint is not None and time_limit <= 0:  # out of time: HEFT's mapping, so that the limit holds
+        return replay(sub, hint).makespan, _global(hint, back), False, 1
     try:
-        result = milp(sub, time_limit=time_limit, hint=hint, symmetry=symmetry if not pinned else "none",
-                      pinned=pinned)
+        result = milp(sub, time_limit=max(0.05, time_limit), hint=hint, symmetry=symmetry, pinned=pinned)
     except MappingError:  # an infeasible pinning is one DP option fewer, not a failure
         return None
-    latency = replay(sub, result.mapping).makespan
-    order = [[Job(back[j.unit], j.device, j.pieces) for j in jobs if back[j.unit] is not None]
-             for jobs in result.mapping.order]
-    return latency, Mapping(order), result.optimal
+    return replay(sub, result.mapping).makespan, _global(result.mapping, back), result.optimal, result.symmetry_factor
+
+
+def _global(mapping: Mapping, back: list[int | None]) -> Mapping:
+    """A module's mapping in the whole graph's units, its entries left out."""
+    return Mapping([[Job(back[j.unit], j.device, j.pieces) for j in jobs if back[j.unit] is not None]
+                    for jobs in mapping.order])
+
+
+def _heft_hint(sub: Problem, pinned: dict[int, int], memory_total: float = math.inf) -> Mapping | None:
+    """HEFT's mapping of a module with its pins, where to start the module's MILP: with the batch split where
+    that fits ``memory_total``, else every unit whole; None when neither fits the memory left (the MILP then
+    starts from nothing)."""
+    for split in (True, False):
+        try:
+            hint = _pinned(heft(sub, split), pinned, sub.devices)
+        except MappingError:
+            continue
+        if sum(sub.memory(j.unit, len(j.pieces)) for j in hint.jobs()) <= memory_total:
+            return hint
+    return None
 
 
 def _pinned(mapping: Mapping, pinned: dict[int, int], devices: int) -> Mapping:
@@ -166,10 +212,11 @@ def _pinned(mapping: Mapping, pinned: dict[int, int], devices: int) -> Mapping:
     return Mapping(order)
 
 
-def module_problem(problem: Problem, units: list[int], entries: list[int], modules: int = 1
+def module_problem(problem: Problem, units: list[int], entries: list[int], platform: Platform | None = None
                    ) -> tuple[Problem, list[int | None]]:
     """The sub-problem of one module: a zero-cost unit for each value it reads from earlier modules, then
-    its units; and, per sub-problem unit, the global unit (None for the entries)."""
+    its units; and, per sub-problem unit, the global unit (None for the entries). Its devices' memory is
+    ``platform``'s, by default the problem's (DP modules never bind it: see :func:`milp_split`)."""
     graph = problem.graph
     inside = set(units)
     nodes: list[Node] = []
@@ -197,8 +244,7 @@ def module_problem(problem: Problem, units: list[int], entries: list[int], modul
             edge_bytes[(position[a] if a in position else entry_at[a], position[b])] = nbytes
     activation = [0.0 if u is None else problem.activation_bytes[u] for u in back]
     weights = [0.0 if u is None else problem.weight_bytes[u] for u in back]
-    platform = _shared_memory(problem, units)
-    return Problem(sub_graph, platform, times, edge_bytes, activation, weights, problem.objective, problem.batch,
+    return Problem(sub_graph, platform or problem.platform, times, edge_bytes, activation, weights, problem.objective, problem.batch,
                    problem.pieces, problem.time_unit, problem.simulated), back
 
 
@@ -206,13 +252,3 @@ def memory_binds(problem: Problem) -> bool:
     """Whether some device's memory is too small for the whole graph (else no budget can bind)."""
     need = sum(problem.memory(u) for u in range(problem.n))
     return any(d.memory < need for d in problem.platform.devices)
-
-
-def _shared_memory(problem: Problem, units: list[int]) -> Platform:
-    devices = problem.platform.devices
-    if not memory_binds(problem):
-        return problem.platform
-    need = sum(problem.memory(u) for u in range(problem.n)) or 1.0
-    share = sum(problem.memory(u) for u in units) / need
-    return replace(problem.platform, devices=[replace(d, memory=d.memory * share) if math.isfinite(d.memory) else d
-                                              for d in devices])

@@ -1,6 +1,7 @@
 """Turn a model specifier into a model and its example inputs.
 
-Specifiers: a zoo name (``inception_v3``, ``squeezenet``, ``nasnet``, ``randwire``), ``torchvision:NAME``,
+Specifiers: a zoo name (``inception_v3``, ``squeezenet``, ``nasnet``, ``randwire``, ``gpt-small-decode``),
+``torchvision:NAME``,
 ``timm:NAME``, or ``path/to/file.py:factory``. A factory returns ``(model, example_inputs)`` or a model
 alone, which then needs ``input_shapes``. ``batch`` rescales the first dimension of every example input.
 """
@@ -17,13 +18,29 @@ from typing import Any
 import torch
 
 from opsched.errors import ModelSpecError
+from opsched.graph.ir import Graph
+from opsched.models.gpt import gpt3_decode, gpt_small_decode
 from opsched.models.randwire import randwire
 from opsched.models.squeezenet import squeezenet
 from opsched.models.wrapped import inception_v3, nasnet
 
 ZOO: dict[str, Callable[..., tuple[torch.nn.Module, tuple]]] = {
     "inception_v3": inception_v3, "squeezenet": squeezenet, "nasnet": nasnet, "randwire": randwire,
+    "gpt-small-decode": gpt_small_decode,
 }
+
+# Graphs of units made from an architecture's sizes, without a model (too large to build here): for mapping
+# onto simulated devices. ``UNIT_GRAPHS[name](batch)`` gives the Graph.
+UNIT_GRAPHS: dict[str, Callable[[int], Graph]] = {"gpt3-decode": gpt3_decode}
+
+
+def unit_graph(spec: str, batch: int | None = None) -> Graph | None:
+    """The graph of units ``spec`` names in :data:`UNIT_GRAPHS` (at ``batch``, default 1), else None."""
+    if spec not in UNIT_GRAPHS:
+        return None
+    if batch is not None and batch < 1:
+        raise ModelSpecError(f"batch must be at least 1, got {batch}")
+    return UNIT_GRAPHS[spec](batch or 1)
 
 
 @dataclass

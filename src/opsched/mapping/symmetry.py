@@ -1,0 +1,105 @@
+"""Symmetry breaking for the mapping MILP (DiviML Section VI).
+
+A mapping and the one got by swapping two interchangeable devices (or two interchangeable nodes, device r
+of one for device r of the other) take the same time, so the solver need look at one of each such set.
+Three criteria order the members of an orbit, as in the paper: ``batch`` (the batch pieces a device runs),
+``task`` (the units it runs) and ``time`` (its busy time): the earlier device of two interchangeable ones
+gets at least as much as the later, and the earlier node of two interchangeable nodes at least as much in
+total. Every mapping can be permuted into one that satisfies these (sort the nodes of each node orbit by
+their totals, then the devices of each device orbit), so no optimum is lost; :func:`canonical` does that
+permutation, which makes a heuristic's mapping a valid starting point (hint) for the constrained model.
+
+Devices holding pinned units are left out of every orbit, and so are their nodes: a permutation would move
+the pins.
+
+>>> from opsched.graph.ir import Graph, Node
+>>> from opsched.mapping.platform import platform_from_dict
+>>> from opsched.mapping.problem import build_problem
+>>> from opsched.mapping.plan import Mapping
+>>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+>>> prob = build_problem(Graph([Node("a", latency=1.0), Node("b", latency=2.0)]), p)
+>>> m = canonical(prob, Mapping.from_devices(2, [1, 1], [0, 1], 2), "task")
+>>> [[j.unit for j in jobs] for jobs in m.order]
+[[0, 1], []]
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+
+from opsched.mapping.plan import Job, Mapping
+from opsched.mapping.platform import Symmetry
+from opsched.mapping.problem import Problem
+
+SYMMETRIES = ("none", "batch", "task", "time")
+
+
+def orbits(problem: Problem, symmetry: str, fixed: Iterable[int] = ()) -> Symmetry:
+    """The orbits the constraints order (none for ``symmetry="none"``): devices and nodes interchangeable on
+    the platform whose costs are also the same for every unit."""
+    if symmetry == "none":
+        return Symmetry([], [])
+    columns = [tuple(tuple(problem.times[u][d]) for u in range(problem.n)) for d in range(problem.devices)]
+    return problem.platform.symmetry(sorted(set(fixed)), alike=lambda a, b: columns[a] == columns[b])
+
+
+def add_constraints(model, problem: Problem, symmetry: str, fixed: Iterable[int], pieces_on: Sequence[Sequence],
+                    busy: Sequence[Sequence], placed: Sequence[Sequence]) -> Symmetry:
+    """Order the orbits' members in the CP-SAT ``model``. Per device d: ``pieces_on[d]`` the literals of
+    the pieces it runs, ``busy[d]`` (literal, duration) of its jobs; ``placed[u * devices + d]`` the
+    literals of unit u's pieces on d."""
+    found = orbits(problem, symmetry, fixed)
+    if not found.device_orbits and not found.node_orbits:
+        return found
+    cache: dict[int, object] = {}
+
+    def amount(d: int):
+        if d not in cache:
+            if symmetry == "batch":
+                cache[d] = sum(pieces_on[d])
+            elif symmetry == "task":
+                on = [model.NewBoolVar(f"on{u}_{d}") for u in range(problem.n)]
+                for u in range(problem.n):
+                    model.AddMaxEquality(on[u], placed[u * problem.devices + d])
+                cache[d] = sum(on)
+            else:
+                cache[d] = sum(lit * c for lit, c in busy[d])
+        return cache[d]
+
+    for orbit in found.device_orbits:
+        for a, b in itertools.pairwise(orbit):
+            model.Add(amount(a) >= amount(b))
+    for orbit in found.node_orbits:
+        for first, second in itertools.pairwise(orbit):
+            model.Add(sum(amount(d) for d in first) >= sum(amount(d) for d in second))
+    return found
+
+
+def canonical(problem: Problem, mapping: Mapping, symmetry: str, fixed: Iterable[int] = ()) -> Mapping:
+    """``mapping`` with interchangeable nodes and devices permuted so that it satisfies the constraints of
+    :func:`add_constraints` (the same times: only the devices' names change)."""
+    found = orbits(problem, symmetry, fixed)
+    if not found.device_orbits and not found.node_orbits:
+        return mapping
+    order = [list(jobs) for jobs in mapping.order]
+    for orbit in found.node_orbits:
+        ranked = sorted(orbit, key=lambda members: -sum(amount_of(problem, symmetry, order[d]) for d in members))
+        contents = [[order[d] for d in members] for members in ranked]
+        for members, content in zip(orbit, contents, strict=True):
+            for d, jobs in zip(members, content, strict=True):
+                order[d] = jobs
+    for orbit in found.device_orbits:
+        contents = sorted((order[d] for d in orbit), key=lambda jobs: -amount_of(problem, symmetry, jobs))
+        for d, jobs in zip(orbit, contents, strict=True):
+            order[d] = jobs
+    return Mapping([[Job(j.unit, d, j.pieces) for j in jobs] for d, jobs in enumerate(order)])
+
+
+def amount_of(problem: Problem, symmetry: str, jobs: Sequence[Job]) -> float:
+    """What ``symmetry`` counts of a device's ``jobs``."""
+    if symmetry == "batch":
+        return sum(len(j.pieces) for j in jobs)
+    if symmetry == "task":
+        return len({j.unit for j in jobs})
+    return sum(problem.time(j.unit, j.device, len(j.pieces)) for j in jobs)
