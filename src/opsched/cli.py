@@ -449,15 +449,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command and return its exit status (0, 1 failure while running, 2 bad input, 130 Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    with CtrlC() as ctrl_c:
-        try:
-            return _run(args, ctrl_c)
-        except BrokenPipeError:
-            # The reader (head, less) went away: stop quietly, as other command-line tools do.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return 0
-        except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
-            return 130
+    try:
+        with CtrlC() as ctrl_c:
+            try:
+                return _run(args, ctrl_c)
+            except BrokenPipeError:
+                # The reader (head, less) went away: stop quietly, as other command-line tools do.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
+            except KeyboardInterrupt:  # a second Ctrl-C while the first was being reported
+                return 130
+    except KeyboardInterrupt:
+        # held during an import as the command ended, and delivered on leaving CtrlC: _run saw it pressed and
+        # reported it already (a second "opsched: interrupted" came from here, at the end of a map run)
+        return 130
 
 
 def _run(args: argparse.Namespace, ctrl_c: CtrlC) -> int:

@@ -19,9 +19,11 @@ the graph they were made for, the device, batch and cost model, search statistic
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -99,7 +101,19 @@ class Schedule:
         return doc
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the plan whole or not at all (a Ctrl-C or a full disk never leaves a truncated plan); a path
+        that cannot be written is a :class:`ScheduleError` (one line)."""
+        path = Path(path)
+        text = json.dumps(self.to_dict(), indent=1) + "\n"
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        try:
+            partial.write_text(text)
+            os.replace(partial, path)
+        except OSError as e:
+            raise ScheduleError(f"cannot write the plan to {path}: {e.strerror or e}") from None
+        finally:
+            with contextlib.suppress(OSError):  # gone once replaced; never made where the directory is missing
+                partial.unlink(missing_ok=True)
 
 
 def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
@@ -117,13 +131,30 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                       for s in doc["stages"]]
         ops = [OpTiming(str(o["name"]), int(o["stream"]), float(o["start"]), float(o["finish"])) for o in doc["ops"]]
         graph = doc["graph"]
-        return Schedule(method=str(doc["method"]), graph_name=str(graph["name"]), fingerprint=str(graph["fingerprint"]),
-                        ops=ops, predicted_latency=float(doc["predicted_latency"]), stages=stages,
-                        cost=str(doc.get("cost", "table")), device=str(doc.get("device", "table")),
-                        batch=doc.get("batch"), stats=dict(doc.get("stats", {})), bounds=dict(doc.get("bounds", {})),
-                        options=dict(doc.get("options", {})))
+        schedule = Schedule(method=str(doc["method"]), graph_name=str(graph["name"]),
+                            fingerprint=str(graph["fingerprint"]), ops=ops,
+                            predicted_latency=float(doc["predicted_latency"]), stages=stages,
+                            cost=str(doc.get("cost", "table")), device=str(doc.get("device", "table")),
+                            batch=doc.get("batch"), stats=dict(doc.get("stats", {})),
+                            bounds=dict(doc.get("bounds", {})), options=dict(doc.get("options", {})))
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None
+    if schedule.batch is not None and (not isinstance(schedule.batch, int) or isinstance(schedule.batch, bool)
+                                       or schedule.batch < 1):
+        raise ScheduleError(f"{source}: batch must be a positive integer or null, got {json.dumps(schedule.batch)}")
+    # Streams are numbered as validate() allows: one per unit at most, or per device of a mapping. A larger
+    # number (a hand edit) made every stream up to it, empty: opsched show ran out of memory on stream 10**12.
+    devices = schedule.options.get("stream_devices")
+    streams = max(len(ops), len(devices) if isinstance(devices, list) else 0)
+    for o in ops:
+        if not 0 <= o.stream < streams:
+            raise ScheduleError(f"{source}: unit {o.name!r} has a bad timeline entry (stream {o.stream}, "
+                                f"{o.start}..{o.finish})")
+    if schedule.options.get("mapping"):
+        from opsched.mapping.execute import check_mapped_plan  # the mapping package builds on this module
+
+        check_mapped_plan(schedule, source)
+    return schedule
 
 
 def load(path: str | Path, graph: Graph | None = None) -> Schedule:

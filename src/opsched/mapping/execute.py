@@ -4,7 +4,8 @@ A mapped plan is a stream-form Schedule whose stream d is device d (``options["s
 devices run as the CPU backend's worker threads, each with its device's intra-op threads
 (``options["stream_threads"]``, applied by ``opsched.runtime.program``), values passing between them in
 shared memory (a transfer between two CPU devices is free). A plan on a simulated device, or one that splits
-the batch across devices, cannot run, and says so in one line.
+the batch across devices, cannot run, and says so in one line. :func:`check_mapped_plan` checks, when a plan is read,
+the fields a mapped plan adds (hand edits of them are refused in one line).
 
 >>> from opsched.schedule import Schedule, OpTiming
 >>> s = Schedule("heft", "g", "f", [OpTiming("a", 0, 0, 1), OpTiming("b", 1, 0, 1)], 1.0,
@@ -15,7 +16,11 @@ the batch across devices, cannot run, and says so in one line.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from opsched.mapping import MappingError
+from opsched.mapping.platform import check_kind
 from opsched.schedule import Schedule
 
 
@@ -46,3 +51,69 @@ def check_runnable(schedule: Schedule) -> dict[str, int]:
         raise MappingError(f"the plan maps units onto CUDA device(s) {', '.join(cuda)}; running mapped plans on "
                            "CUDA devices is not implemented yet (CPU devices only)")
     return counts
+
+
+MAX_THREADS = 1024  # more than any machine's cores; a billion made PyTorch's thread pool abort the process
+
+
+def check_mapped_plan(schedule: Schedule, source: str) -> None:
+    """Raise :class:`MappingError` (one line) unless the fields a mapped plan adds are as ``opsched map`` writes
+    them: a distinct name, a kind and a thread count for the device of each stream, every unit on one of those
+    streams, numbers for the figures, and placements and transfers on those devices. ``opsched show`` and
+    ``opsched run`` read them all; a thread count beyond what any machine has is refused, as PyTorch's thread
+    pool would try to start them all (a billion aborted the process)."""
+    options = schedule.options
+    names = options.get("stream_devices")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names) \
+            or len(set(names)) != len(names):
+        raise MappingError(f"{source}: stream_devices must list a distinct name for the device of each stream")
+    kinds, threads = options.get("stream_kinds"), options.get("stream_threads")
+    if not isinstance(kinds, list) or len(kinds) != len(names):
+        raise MappingError(f"{source}: stream_kinds must give a kind (or null) for each of the {len(names)} devices")
+    for name, kind in zip(names, kinds, strict=True):
+        if kind is not None:
+            check_kind(kind, f"{source}: device {name!r}")
+    # not this machine's cores: with --engine ray a device runs on its node, which may have more
+    if not isinstance(threads, list) or len(threads) != len(names) or not all(
+            _whole(t) and 1 <= t <= MAX_THREADS for t in threads):
+        raise MappingError(f"{source}: stream_threads must give each of the {len(names)} devices a thread count from "
+                           f"1 to {MAX_THREADS}")
+    for op in schedule.ops:
+        if not 0 <= op.stream < len(names):
+            raise MappingError(f"{source}: the mapped plan puts {op.name!r} on stream {op.stream}, which names no "
+                               "device")
+    if not isinstance(options.get("split_batch", False), bool) or not isinstance(options.get("optimal"), bool) \
+            or options.get("objective") not in ("latency", "throughput") \
+            or not isinstance(options.get("time_unit", ""), str) \
+            or not all(_number(options.get(key)) for key in ("predicted", "lower_bound")) \
+            or not isinstance(options.get("platform"), dict) or not isinstance(options["platform"].get("name"), str):
+        raise MappingError(f"{source}: a mapped plan's split_batch, optimal, objective, time_unit, predicted, "
+                           "lower_bound and platform must be as opsched map writes them")
+    placed = options.get("placements")
+    moved = options.get("transfers")
+    if not isinstance(placed, list) or not isinstance(moved, list) \
+            or not all(_entry(p, {"name": str, "device": names}) and isinstance(p.get("inputs"), list)
+                       and len(p["inputs"]) == 2 and all(_whole(x) for x in p["inputs"]) for p in placed) \
+            or not all(_entry(t, {"value": str, "from_device": names, "to_device": names}) for t in moved):
+        raise MappingError(f"{source}: a mapped plan's placements and transfers must each name a unit and devices "
+                           f"of the plan ({', '.join(names)}) with a start and a finish")
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _entry(item: Any, fields: dict[str, Any]) -> bool:
+    """A placement or transfer: each field a string (``str``) or one of a list of names, and finite times, the
+    finish no earlier than the start."""
+    if not isinstance(item, dict):
+        return False
+    for key, want in fields.items():
+        if not (isinstance(item.get(key), str) and (want is str or item[key] in want)):
+            return False
+    start, finish = item.get("start"), item.get("finish")
+    return _number(start) and _number(finish) and math.isfinite(start) and math.isfinite(finish) and finish >= start

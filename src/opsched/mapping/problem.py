@@ -112,6 +112,11 @@ def build_problem(graph: Graph, platform: Platform, objective: str = "latency", 
     notes = []
     if objective == "throughput" and pieces == 1:
         notes.append(f"batch {batch} is not a multiple of {THROUGHPUT_PIECES}: the batch is not split across devices")
+    for unit, given in (device_latencies or {}).items():
+        unknown = next((d for d in given if d not in platform.names), None)
+        if unknown is not None:  # a misspelt device, whose latency would be ignored
+            raise MappingError(f"unit {unit!r} gives a latency on device {unknown!r}, which platform "
+                               f"{platform.name} does not have (it has {', '.join(platform.names)})")
     n = len(graph)
     from_model = any(node.latency is None and node.name not in (device_latencies or {}) for node in graph.nodes)
     times = [[[math.inf] * pieces for _ in platform.devices] for _ in range(n)]

@@ -15,6 +15,7 @@ import time
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
 from opsched.graph.ir import Graph
+from opsched.interrupt import solve_cp_sat
 from opsched.schedule import Schedule, from_streams
 
 
@@ -66,7 +67,7 @@ def exact(graph: Graph, cost: CostModel, streams: int = 8, time_limit: float = 3
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_workers = 2
-    status = solver.Solve(m)
+    status = solve_cp_sat(solver, m)  # on a worker thread: Ctrl-C ends it as an interrupt
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         raise OpschedError(f"CP-SAT found no schedule within {time_limit} s")
     placed: list[list[int]] = [[] for _ in range(k)]
