@@ -301,12 +301,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="execute a plan on its model, verify it and measure it against eager",
                        description="Load MODEL, check that PLAN was made for its graph and batch, run the plan, "
-                                   "verify its outputs against eager PyTorch and time both, interleaved.")
+                                   "verify its outputs against eager PyTorch and time both, interleaved. A mapped "
+                                   "plan (opsched map) runs its devices as threads of this process (--engine "
+                                   "local), or as one Ray actor per device (--engine ray, on a local Ray started "
+                                   "for the run or the cluster at --address; see docs/ray.md).")
     p.add_argument("model", metavar="MODEL", help=RUNNABLE_MODEL_HELP)
-    p.add_argument("--plan", required=True, metavar="PLAN.json", help="a plan written by opsched optimize")
+    p.add_argument("--plan", required=True, metavar="PLAN.json",
+                   help="a plan written by opsched optimize, or a mapped plan written by opsched map")
     _add_model_options(p)
     _add_run_options(p)
-    p.add_argument("--trace", metavar="TRACE.json", help="write a Chrome/Perfetto trace of one measured run")
+    p.add_argument("--engine", choices=["local", "ray"],
+                   help="how a mapped plan's devices run: local, as threads of this process (the default), or "
+                        "ray, one Ray actor per device on its node (needs pip install 'opsched[ray]')")
+    p.add_argument("--address", metavar="ADDR",
+                   help="the Ray cluster to run on (HOST:PORT of its head, or auto; implies --engine ray); by "
+                        "default --engine ray starts a local Ray for the run and shuts it down after")
+    p.add_argument("--trace", metavar="TRACE.json",
+                   help="write a Chrome/Perfetto trace of one measured run (local engine)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(handler=_lazy("run_command"))
 

@@ -4,6 +4,7 @@ arguments and reports errors; ``graph`` and ``schedule`` live there)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -132,12 +133,29 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     if plan.device.startswith("sim:"):
         raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
                            "(opsched show) but not run here")
+    engine = _run_engine(args, plan, devices)
     if args.batch is None and plan.batch:
         args.batch = plan.batch
     elif args.batch is not None and plan.batch and args.batch != plan.batch:
         raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
+    with contextlib.ExitStack() as ray_run:  # a Ray started for the run is shut down at the end, even on error
+        cluster = None
+        if engine == "ray":  # joined before the model is loaded: a cluster that will not do is said at once
+            from opsched.runtime.ray import plan_devices, ray_cluster
+
+            used = [d for d in plan_devices(plan) if devices.get(d.name)]
+            cluster = ray_run.enter_context(ray_cluster([d.node for d in used], sum(d.threads for d in used),
+                                                        args.address))
+        return _run_plan(args, plan, devices, ray_run, cluster)
+
+
+def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ray_run: contextlib.ExitStack,
+              cluster: str | None) -> dict[str, Any]:
+    """``opsched run`` once the plan is read and checked: on the local engine, or on the Ray ``cluster`` joined
+    (``ray_run`` holds it, and is given the actors to end)."""
     import torch
 
+    from opsched import schedule as schedule_module
     from opsched.pipeline import evaluate, peer_candidates, reference_outputs, schedule_candidates
 
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
@@ -160,7 +178,12 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.runtime.kernels import operator_for
 
         operator = operator_for(kernels, all_values(graph, _flat(inputs)).__getitem__)
-    candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores, device, sync, cuda_graph)
+    engine = "ray" if cluster else "local"
+    if engine == "ray":
+        candidates, ray_summary = _ray_candidates(ray_run, graph, plan, label, inputs, cores, cluster)
+    else:
+        candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores, device, sync,
+                                                  cuda_graph)
     peers = ["eager"] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != "eager" else [])
     found, notes = peer_candidates(loaded.model, inputs, cores, peers, sync)
     ev = evaluate(candidates + found, reference_outputs(loaded.model, inputs, cores), args.tolerance, args.repeats)
@@ -170,18 +193,20 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
               "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
-              "warnings": ev.warnings + notes, "engine": "local"}
+              "warnings": ev.warnings + notes, "engine": engine}
     if devices is not None:
         result["devices"] = devices
+    if engine == "ray":
+        result["ray"] = ray_summary
     for warning in result["warnings"]:
         print(f"opsched: warning: {warning}", file=sys.stderr)
-    module = modules[label]
     if args.trace:
         from opsched.report.trace import write_trace
         from opsched.runtime.kernels import unit_operator
         from opsched.runtime.module import OptimizedModule
         from opsched.schedule import OpTiming
 
+        module = modules[label]
         if cuda_graph:  # a replayed graph has no per-step timeline: trace the same program on streams
             module = OptimizedModule(graph, plan, cores, operator or unit_operator, device)
         module.executor(*_flat(inputs), record_timeline=True)
@@ -194,6 +219,14 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         eager = ev.measured_ms["eager"]
         print(f"plan          {args.plan} ({plan.method}, batch {plan.batch}, {kernels} kernels)")
+        if devices is not None:
+            used = sum(1 for n in devices.values() if n)
+            if engine == "ray":
+                how = (f"{_count(used, 'actor')} on {ray_summary['cluster']}, {_count(ray_summary['calls'], 'call')} "
+                       "per inference" + (" in a Ray Compiled Graph" if ray_summary["compiled_graph"] else ""))
+            else:
+                how = f"{_count(used, 'device')} as threads"
+            print(f"engine        {engine}: {how}")
         print(f"verified      max abs error {ev.errors[label]:.3g}")
         print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads['eager']})")
         ms = ev.measured_ms[label]
@@ -204,6 +237,40 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         if args.trace:
             print(f"trace         {args.trace} (measured)")
     return result
+
+
+def _run_engine(args: argparse.Namespace, plan, devices: dict[str, int] | None) -> str:
+    """The engine ``opsched run`` uses: ``--engine``, else ray when ``--address`` is given, else local (every
+    device in this process). Ray is refused for what it cannot run, and when it is not installed."""
+    engine = args.engine or ("ray" if args.address else "local")
+    if engine != "ray":
+        if args.address:
+            raise OpschedError("--address names a Ray cluster: it goes with --engine ray")
+        return engine
+    if devices is None:
+        raise OpschedError(f"--engine ray runs a mapped plan (made by opsched map); {args.plan} maps no devices")
+    if args.trace:
+        raise OpschedError("--trace records the local engine's threads; it cannot be used with --engine ray")
+    if plan.options.get("kernels", "eager") != "eager":
+        raise OpschedError(f"--engine ray runs eager kernels; {args.plan} asks for {plan.options['kernels']}")
+    from opsched.runtime.ray import import_ray
+
+    import_ray(local=args.address is None)  # a missing Ray is said before the model is loaded
+    return engine
+
+
+def _ray_candidates(ray_run: contextlib.ExitStack, graph, plan, label: str, inputs, cores: int,
+                    cluster: str) -> tuple[list, dict[str, Any]]:
+    """The plan on the joined Ray, as the one candidate ``evaluate`` verifies and times (its actors end when
+    ``ray_run`` closes), and what the JSON says of it. No ``expected_ms``: the plan's prediction has no Ray in
+    it."""
+    from opsched.pipeline import Candidate, module_runner
+    from opsched.runtime.ray import RayModule
+
+    module = ray_run.enter_context(RayModule(graph, plan))
+    about = {"cluster": cluster, "compiled_graph": module.compiled, "calls": len(module.segments),
+             "actors": {d.name: d.node for d in module.devices}}
+    return [Candidate(label, module_runner(module, inputs, cores))], about
 
 
 def show_command(args: argparse.Namespace) -> dict[str, Any]:
