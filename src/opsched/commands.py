@@ -47,7 +47,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
                                      max_groups=args.max_groups, max_block_size=args.max_block_size,
                                      default_streams=default_streams))
                for m in dict.fromkeys([*TABLE_METHODS, args.method])}
-    peers = ("eager", "torch_compile", "onnxruntime") if args.peers or args.kernels == "inductor" else ("eager",)
+    peers = ("eager", "torch_compile", "onnxruntime") if args.peers or args.kernels != "eager" else ("eager",)
     outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=args.cost, device=args.device,
                           kernels=args.kernels, cores=cores, peers=peers, tolerance=args.tolerance,
                           repeats=args.repeats, cache=not args.no_cache, cuda_graph=args.cuda_graph,
@@ -98,6 +98,10 @@ def _measured_fields(outcome, plan, cores: int) -> dict[str, Any]:
     out["fastest_measured"] = ev.chosen
     if hasattr(outcome.operator, "compile_seconds"):
         out["compile_seconds"] = round(outcome.operator.compile_seconds, 1)
+    eager = getattr(outcome.operator, "eager_units", None)
+    if eager:
+        out["warnings"].append(f"{len(eager)} unit(s) ONNX Runtime could not take ran eagerly: "
+                               f"{', '.join(eager[:5])}{' ...' if len(eager) > 5 else ''}")
     return out
 
 
@@ -496,6 +500,6 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
         print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "
               f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached)")
     if "compile_seconds" in result:
-        print(f"compiling  {result['compile_seconds']:.1f} s (inductor)")
+        print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")
     print(f"gantt      {result['gantt']}")

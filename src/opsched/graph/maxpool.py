@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Sequence
 
@@ -104,6 +105,23 @@ def max_pools_by_slices(graph: fx.Graph) -> int:
         graph.erase_node(node)
         rewritten += 1
     return rewritten
+
+
+def max_pools_by_kernel(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its parameters) whose :func:`max_pool2d_by_slices` are ``aten.max_pool2d``
+    again: for a runtime with a fast pooling kernel of its own (ONNX Runtime's MaxPool), where the slices
+    would be as many separate passes."""
+    graph = copy.deepcopy(gm.graph)
+    for node in list(graph.nodes):
+        if node.target is max_pool2d_by_slices:
+            x, kernel_size, stride, padding, ceil_mode = (list(node.args) + [0, False])[:5]
+            with graph.inserting_before(node):
+                pool = graph.call_function(torch.ops.aten.max_pool2d.default,
+                                           (x, kernel_size, stride, padding, [1, 1], ceil_mode))
+            pool.meta = dict(node.meta)
+            node.replace_all_uses_with(pool)
+            graph.erase_node(node)
+    return fx.GraphModule(gm, graph)
 
 
 def _max_pool_args(node: fx.Node) -> list:

@@ -9,6 +9,13 @@ intra-op threads it gets to a callable.
   Inductor bakes the OpenMP thread count into its kernels when it compiles them, so a unit is compiled
   for the threads of the step that runs it (one compilation per unit and thread count, memoised);
   inductor's on-disk cache makes a second process's compilations quick.
+- ``onnxruntime``: the same graph exported to ONNX and run by an ONNX Runtime session of its own, with the
+  step's intra-op threads (sequential execution, every graph optimisation, worker threads that do not spin:
+  spinning ones hold the cores the concurrent units need). Values cross as NumPy arrays that share the
+  tensors' memory. Max poolings run as ONNX's MaxPool again (capture made them strided slices, which are
+  faster in PyTorch but separate passes in ONNX Runtime). A unit the exporter cannot take runs eagerly, and is
+  named in ``eager_units``. With
+  compiled regions, a region is one session, so ONNX Runtime fuses across the units inside it.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,11 +31,12 @@ import torch
 
 from opsched.errors import OpschedError
 from opsched.graph.ir import Node
+from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.runtime.merge import merged_operator
 
 Operator = Callable[[Sequence[Node], int], Callable[..., Any]]
 
-KERNELS = ("eager", "inductor")
+KERNELS = ("eager", "inductor", "onnxruntime")
 
 
 def unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]:
@@ -40,9 +49,10 @@ def unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]
     return run.forward if isinstance(run, torch.fx.GraphModule) else run
 
 
-class InductorOperator:
-    """Inductor-compiled units; ``example(name)`` gives a value each unit input can be compiled for.
-    ``compile_seconds`` adds up the time spent compiling."""
+class CompiledOperator:
+    """Units compiled once per unit and thread count, memoised: ``example(name)`` gives a value each unit input
+    can be compiled for; ``compile_seconds`` adds up the time spent compiling. Subclasses say how
+    (``_compile``)."""
 
     def __init__(self, example: Callable[[str], Any]):
         self.example = example
@@ -57,6 +67,13 @@ class InductorOperator:
             if key not in self.compiled:
                 self.compiled[key] = self._compile(nodes, threads)
         return self.compiled[key]
+
+    def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
+        raise NotImplementedError
+
+
+class InductorOperator(CompiledOperator):
+    """Inductor-compiled units."""
 
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
         import torch._inductor.config as inductor_config
@@ -85,6 +102,58 @@ class InductorOperator:
         return compiled
 
 
+class OnnxRuntimeOperator(CompiledOperator):
+    """Units on ONNX Runtime sessions; ``eager_units`` names those ONNX could not take."""
+
+    def __init__(self, example: Callable[[str], Any]):
+        super().__init__(example)
+        self.eager_units: list[str] = []
+
+    def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
+        import io
+
+        import onnxruntime as ort
+        import torch.utils._pytree as pytree
+
+        base = unit_operator(nodes)
+        args = [self.example(a) for a in nodes[0].args]
+        began = time.perf_counter()
+        try:
+            with torch.no_grad():
+                _, out_spec = pytree.tree_flatten(base(*args))
+                buffer = io.BytesIO()
+                module = base.__self__ if isinstance(getattr(base, "__self__", None), torch.fx.GraphModule) else \
+                    _trace(base, nodes, self.example)
+                module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
+                    torch.onnx.export(module, tuple(args), buffer, dynamo=False)
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            options.log_severity_level = 3
+            session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+        except Exception:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
+            self.eager_units.append(nodes[0].name)
+            return base
+        finally:
+            self.compile_seconds += time.perf_counter() - began
+        names = [i.name for i in session.get_inputs()]
+        if len(names) != len(args):  # an input the graph does not use was dropped by the exporter
+            self.eager_units.append(nodes[0].name)
+            return base
+        run = session.run
+
+        def call(*values: torch.Tensor) -> Any:
+            outputs = run(None, {n: v.detach().contiguous().numpy() for n, v in zip(names, values)})
+            return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
+
+        return call
+
+
 def _trace(fn: Callable[..., Any], nodes: Sequence[Node], example: Callable[[str], Any]) -> torch.fx.GraphModule:
     """An FX graph of a callable (the merged convolution) for inductor."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -94,9 +163,16 @@ def _trace(fn: Callable[..., Any], nodes: Sequence[Node], example: Callable[[str
 
 
 def operator_for(kernels: str, example: Callable[[str], Any] | None) -> Operator:
-    """The operator that ``--kernels`` names; ``example`` (values to compile for) is needed by inductor."""
+    """The operator that ``--kernels`` names; ``example`` (values to compile for) is needed by inductor and
+    ONNX Runtime."""
     if kernels == "eager":
         return unit_operator
     if kernels == "inductor":
         return InductorOperator(example)
+    if kernels == "onnxruntime":
+        try:
+            import onnxruntime  # noqa: F401
+        except ImportError:
+            raise OpschedError("--kernels onnxruntime needs ONNX Runtime: pip install 'opsched[onnx]'") from None
+        return OnnxRuntimeOperator(example)
     raise OpschedError(f"unknown kernels {kernels!r}; choose from {', '.join(KERNELS)}")

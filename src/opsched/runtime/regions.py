@@ -1,5 +1,5 @@
 """Compiled regions: the units a staged schedule runs back to back on one stream, fused into one unit, so
-that a compiler (``--kernels inductor``) sees them whole and fuses across their boundaries, where compiling
+that a compiler (``--kernels inductor`` or ``onnxruntime``) sees them whole and fuses across their boundaries, where compiling
 unit by unit stops at every unit.
 
 A *run* is a maximal sequence of consecutive one-group stages. It is cut into regions so that every value a

@@ -1,0 +1,108 @@
+"""Units on ONNX Runtime sessions (``--kernels onnxruntime``): every schedule, with units and with compiled
+regions, gives eager's outputs; a unit ONNX cannot take runs eagerly and is named; each session has the
+step's threads."""
+
+import pytest
+import torch
+from torch import nn
+
+from opsched.cost.table import TableCost
+from opsched.graph.capture import capture
+from opsched.graph.interpret import all_values
+from opsched.runtime.kernels import OnnxRuntimeOperator, operator_for
+from opsched.runtime.module import OptimizedModule
+from opsched.runtime.regions import compiled_regions
+from opsched.schedulers import SCHEDULERS, make_schedule
+
+ort = pytest.importorskip("onnxruntime")
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, k, padding=k // 2), nn.BatchNorm2d(8), nn.ReLU())
+                                      for k in (1, 3, 5))
+        self.pool = nn.MaxPool2d(3, 2, 1)
+        self.head = nn.Linear(24 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        y = self.pool(torch.cat([b(x) for b in self.branches], 1))
+        return self.head(y.flatten(1)).softmax(-1), y.mean()
+
+
+def _setup():
+    torch.manual_seed(0)
+    model = Branchy().eval()
+    x = torch.randn(2, 3, 16, 16)
+    graph = capture(model, (x,))
+    for n in graph.nodes:
+        n.latency = 1.0
+    return model, x, graph
+
+
+@pytest.mark.parametrize("method", sorted(SCHEDULERS))
+@pytest.mark.parametrize("regions", [False, True])
+def test_every_schedule_on_onnxruntime_sessions_equals_eager(method, regions):
+    model, x, graph = _setup()
+    options = {"streams": 2} if method in ("lios", "nimble", "exact", "hivemind") else {}
+    plan = make_schedule(method, graph, TableCost(graph), **options)
+    if regions:
+        graph, plan = compiled_regions(graph, plan)
+    operator = OnnxRuntimeOperator(all_values(graph, [x]).__getitem__)
+    module = OptimizedModule(graph, plan, 2, operator)
+    with torch.inference_mode():
+        got, want = module(x), model(x)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert operator.eager_units == []
+    module.close()
+
+
+def test_a_unit_onnx_cannot_take_runs_eagerly_and_is_named():
+    class Odd(nn.Module):
+        def forward(self, x):
+            return torch.special.i1e(x) + 1  # no ONNX export for the modified Bessel function
+
+    x = torch.randn(4, 5)
+    graph = capture(Odd().eval(), (x,))
+    for n in graph.nodes:
+        n.latency = 1.0
+    operator = operator_for("onnxruntime", all_values(graph, [x]).__getitem__)
+    plan = make_schedule("sequential", graph, TableCost(graph))
+    with torch.inference_mode():
+        got = OptimizedModule(graph, plan, 1, operator)(x)
+    torch.testing.assert_close(got, torch.special.i1e(x) + 1)
+    assert operator.eager_units == [graph.nodes[0].name]
+
+
+def test_each_session_has_the_threads_of_its_step(monkeypatch):
+    made = []
+    real = ort.InferenceSession
+
+    def spy(model, options, **kw):
+        made.append(options.intra_op_num_threads)
+        return real(model, options, **kw)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    _, x, graph = _setup()
+    operator = OnnxRuntimeOperator(all_values(graph, [x]).__getitem__)
+    node = graph.nodes[0]
+    a, b = operator([node], 1), operator([node], 2)
+    assert made == [1, 2] and a is not b and operator([node], 2) is b  # one session a unit and thread count
+
+
+def test_max_pools_go_back_to_the_kernel_for_onnx_and_give_the_same_values():
+    from opsched.graph.maxpool import max_pool2d_by_slices, max_pools_by_kernel
+
+    model = nn.Sequential(nn.Conv2d(3, 32, 1), nn.MaxPool2d(3, 2, 1, ceil_mode=True)).eval()
+    x = torch.randn(1, 3, 64, 64)
+    graph = capture(model, (x,))
+    gm = next(n.run for n in graph.nodes if any(m.target is max_pool2d_by_slices for m in n.run.graph.nodes))
+    back = max_pools_by_kernel(gm)
+    targets = [m.target for m in back.graph.nodes]
+    assert torch.ops.aten.max_pool2d.default in targets and max_pool2d_by_slices not in targets
+    assert any(m.target is max_pool2d_by_slices for m in gm.graph.nodes)  # the unit itself is unchanged
+    args = [all_values(graph, [x])[a] for a in graph.nodes[[n.run for n in graph.nodes].index(gm)].args]
+    assert torch.equal(back(*args), gm(*args))
