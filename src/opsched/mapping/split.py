@@ -137,7 +137,8 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
         sub, back = module_problem(problem, units, entries, platform=platform)
         pinned = {i: device_of[entries[i]] for i, u in enumerate(back) if u is None}
         left = (deadline - time.perf_counter()) / (len(modules) - t)
-        budget = need[t] * sum(left_memory) / rest[t] if rest[t] > 0 else math.inf
+        spare = sum(left_memory)
+        budget = need[t] * spare / rest[t] if rest[t] > 0 and math.isfinite(spare) else math.inf
         hint = _heft_hint(sub, pinned, budget)
         if hint is not None and left <= 0:
             chosen = hint  # out of time: the modules left take HEFT's mapping, so that the limit holds
