@@ -24,7 +24,9 @@ def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path):
     assert all(first.op_latency(u) > 0 for u in range(len(g)))
     again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
     assert again.counts["units_measured"] == 0 and again.counts["units_cached"] == 2 * len(g)
-    assert [again.op_latency(u) for u in range(len(g))] == [first.op_latency(u) for u in range(len(g))]
+    # the cached timings at each thread count (op_latency also depends on which count the whole graph ran
+    # fastest with, timed afresh each time: on a busy machine the choice can differ between the two)
+    assert again.latency == first.latency
 
 
 def test_a_cache_from_another_device_is_never_used(small, tmp_path, monkeypatch):
