@@ -10,7 +10,10 @@ failing mid-run, then the next call), ``interrupt`` (Ctrl-C at random moments of
 ``fuzz-models`` / ``fuzz-plans`` / ``fuzz-dags`` (hypothesis). For ``opsched map`` and mapped plans:
 ``fuzz-platforms`` / ``fuzz-mapping-dags`` / ``fuzz-mapped-plans`` (hypothesis), ``interrupt-map`` (Ctrl-C during
 a MILP solve), ``time-limit-map`` (how far each method runs past ``--time-limit``), ``load-map`` / ``soak-map``
-(``load`` and ``soak`` on a plan mapped onto ``cpu2``). Each prints one JSON line of figures.
+(``load`` and ``soak`` on a plan mapped onto ``cpu2``). For the Ray engine (``opsched run --engine ray``, a plan
+mapped onto two nodes): ``soak-ray`` (the driver's and the actors' memory, the actors ending, Ray's processes),
+``load-ray`` (threads calling one RayModule), ``interrupt-ray`` (Ctrl-C at random moments of a run on a local Ray),
+``faults-ray`` (a unit failing in an actor). Each prints one JSON line of figures.
 
 The fast tests in tests/test_reliability*.py import the helpers below and run them at a small size.
 """
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
+import functools
 import gc
 import io
 import itertools
@@ -35,7 +40,7 @@ import tempfile
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -256,12 +261,12 @@ def seeded_input(shape: Sequence[int], dtype: torch.dtype = torch.float32) -> Ca
 
 # -- soak: memory, threads, descriptors ------------------------------------------------------------------------
 
-def resident_mb() -> float:
-    with open("/proc/self/status") as f:
+def resident_mb(pid: int | str = "self") -> float:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
 
 
 def open_descriptors() -> int:
@@ -272,44 +277,111 @@ def stream_threads() -> int:
     return sum(t.name == "opsched-stream" for t in threading.enumerate())
 
 
-def soak(make_module: Callable[[], OptimizedModule], inputs: tuple, calls: int = 2000, warmup: int = 200
+def soak(make_module: Callable[[], Any], inputs: tuple, calls: int = 2000, warmup: int = 200,
+         reference: Callable[..., Any] | None = None, processes: Callable[[Any], list[int]] | None = None
          ) -> dict[str, Any]:
     """Call a fresh module ``calls`` times after ``warmup`` calls; report resident memory growth over the
     calls, worker threads and descriptors before, during and after close, and after a second module is
-    dropped without close (collected)."""
+    dropped without close (collected). With ``reference`` (the model), every output is compared with its output
+    on ``inputs``; with ``processes`` (a module's worker processes, by process id: a RayModule's actors), their
+    resident memory is followed too, and whether they end on close and when the second module is collected."""
     gc.collect()
     threads_before, fds_before = stream_threads(), open_descriptors()
+    with torch.inference_mode():
+        expected = reference(*inputs) if reference is not None else None
     module = make_module()
+    pids = processes(module) if processes is not None else []
+    wrong = 0
     with torch.inference_mode():
         for _ in range(warmup):
             module(*inputs)
         gc.collect()
-        rss_start = resident_mb()
+        rss_start, pids_start = resident_mb(), [resident_mb(p) for p in pids]
         samples = []
         started = time.perf_counter()
         for k in range(calls):
-            module(*inputs)
+            got = module(*inputs)
+            if expected is not None:
+                wrong += not output_error(got, expected)[0] <= 1e-4
             if k % max(1, calls // 10) == 0:
                 samples.append(round(resident_mb(), 1))
         seconds = time.perf_counter() - started
     gc.collect()
-    rss_end = resident_mb()
+    rss_end, pids_end = resident_mb(), [resident_mb(p) for p in pids]
     threads_running = stream_threads()
     module.close()
     threads_closed = stream_threads()
+    pids_after_close = still_alive(pids)
     dropped = make_module()
+    dropped_pids = processes(dropped) if processes is not None else []
     with torch.inference_mode():
         dropped(*inputs)
     threads_dropped_running = stream_threads()
     del dropped
     gc.collect()
     time.sleep(0.2)  # the workers see their stop signal
-    return {"calls": calls, "warmup": warmup, "seconds": round(seconds, 2),
-            "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
-            "rss_growth_mb": round(rss_end - rss_start, 2), "rss_samples_mb": samples,
-            "workers_before": threads_before, "workers_while_running": threads_running,
-            "workers_after_close": threads_closed, "workers_second_module": threads_dropped_running,
-            "workers_after_collect": stream_threads(), "fds_before": fds_before, "fds_after": open_descriptors()}
+    result = {"calls": calls, "warmup": warmup, "seconds": round(seconds, 2),
+              "rss_start_mb": round(rss_start, 1), "rss_end_mb": round(rss_end, 1),
+              "rss_growth_mb": round(rss_end - rss_start, 2), "rss_samples_mb": samples,
+              "workers_before": threads_before, "workers_while_running": threads_running,
+              "workers_after_close": threads_closed, "workers_second_module": threads_dropped_running,
+              "workers_after_collect": stream_threads(), "fds_before": fds_before, "fds_after": open_descriptors()}
+    if reference is not None:
+        result["wrong"] = wrong
+    if processes is not None:
+        result.update({"processes": len(pids), "processes_rss_start_mb": [round(m, 1) for m in pids_start],
+                       "processes_rss_growth_mb": [round(b - a, 2) for a, b in zip(pids_start, pids_end)],
+                       "processes_after_close": len(pids_after_close),
+                       "processes_after_collect": len(still_alive(dropped_pids))})
+    return result
+
+
+def process_table() -> dict[int, tuple[str, int, int]]:
+    """Every live process (zombies left out): process id -> (name, parent's id, session id), from /proc."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # it ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1:].rsplit(")", 1)
+        state, parent, _, session = rest.split()[:4]
+        if state != "Z":
+            table[int(entry)] = (name, int(parent), int(session))
+    return table
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """The live processes under ``pid`` (children, theirs, ...), by process id, with their names."""
+    table = process_table()
+    found: dict[int, str] = {}
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        for p, (name, ppid, _) in table.items():
+            if ppid == parent and p not in found:
+                found[p] = name
+                parents.append(p)
+    return found
+
+
+def session_processes(session: int) -> dict[int, str]:
+    """The live processes of the session ``session``, by process id, with their names."""
+    return {p: name for p, (name, _, s) in process_table().items() if s == session}
+
+
+def still_alive(pids: Iterable[int], seconds: float = 10.0) -> list[int]:
+    """Which of ``pids`` are still alive after up to ``seconds`` (ending takes a process a moment)."""
+    pids = list(pids)
+    deadline = time.monotonic() + seconds
+    while True:
+        alive = [p for p in pids if p in process_table()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 # -- faults ------------------------------------------------------------------------------------------------------
@@ -1061,12 +1133,9 @@ def chained_mapping_problem(directory: Path, modules: int = 2, width: int = 22, 
 
 
 def no_process_left(group: int) -> bool:
-    """Whether the process group ``group`` (a command started in a session of its own) has no process left."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return True
-    return False
+    """Whether the session ``group`` (a command started in a session of its own) has no process left, those that
+    made process groups of their own (as Ray's workers do) included."""
+    return not session_processes(group)
 
 
 def map_interrupt_trial(directory: Path, method: str, delay: float, time_limit: float = 30.0,
@@ -1123,21 +1192,189 @@ def time_limit_trial(directory: Path, method: str, time_limit: float, units: int
             "predicted": result.get("predicted"), "lower_bound": result.get("lower_bound")}
 
 
-def mapped_module_plan(graph: Graph, method: str = "heft", seed: int = 0) -> Any:
-    """A mapped plan of ``graph`` on the built-in ``cpu2`` platform (two CPU devices of one thread each), from
-    seeded random unit costs (the units' table latencies where they have them; what the costs are does not matter
-    to whether the outputs are right)."""
+def mapped_module_plan(graph: Graph, method: str = "heft", seed: int = 0, platform: str | dict[str, Any] = "cpu2"
+                       ) -> Any:
+    """A mapped plan of ``graph`` on ``platform`` (a built-in's name, by default ``cpu2``: two CPU devices of one
+    thread each; or a PLATFORM.json document), from seeded random unit costs (the units' table latencies where they
+    have them; what the costs are does not matter to whether the outputs are right)."""
     from opsched.mapping.plan import to_schedule
-    from opsched.mapping.platform import load_platform
+    from opsched.mapping.platform import load_platform, platform_from_dict
     from opsched.mapping.problem import build_problem
     from opsched.mapping.solve import solve
 
     rng = random.Random(seed)
     costs = [float(rng.randint(1, 9)) for _ in graph.nodes]
-    problem = build_problem(graph, load_platform("cpu2"), measure=lambda device, threads: costs)
+    devices = load_platform(platform) if isinstance(platform, str) else platform_from_dict(platform)
+    problem = build_problem(graph, devices, measure=lambda device, threads: costs)
     solved = solve(problem, method, time_limit=2)
     return to_schedule(problem, solved.mapping, solved.timeline, method, solved.lower_bound, solved.optimal,
                        solved.stats)
+
+
+# -- the Ray engine (opsched run --engine ray): soak, load, Ctrl-C, faults -----------------------------------------
+
+# two 1-thread CPU devices on two nodes, as docs/ray.md runs GoogLeNet; ray_cluster declares both on this machine
+TWO_NODES = {"devices": [{"name": "cpu0", "kind": "cpu", "node": "n0", "threads": 1},
+                         {"name": "cpu1", "kind": "cpu", "node": "n1", "threads": 1}],
+             "links": {"default": {"bandwidth": "inf", "latency": 0}}}
+FORMS = {"compiled-graph": True, "remote-calls": False}  # RayModule(compiled=...)
+
+
+def ray_case(directory: Path, name: str = "branches") -> tuple[torch.nn.Module, Graph, tuple, Any, list[str]]:
+    """A model as ``opsched run`` loads it, GoogLeNet at 64x64 or :data:`MODEL_FILE`'s CNN of three branches
+    (written to ``directory``), with a HEFT plan of it on :data:`TWO_NODES` saved there: the model, its graph, its
+    inputs, the plan, and what ``opsched run`` is given to run that plan."""
+    from opsched.commands import load_and_capture
+
+    if name == "googlenet":
+        spec, image = "torchvision:googlenet", 64
+    else:
+        (directory / "branches.py").write_text(MODEL_FILE)
+        spec, image = f"{directory / 'branches.py'}:make", None
+    loaded, graph, _, _ = load_and_capture(argparse.Namespace(batch=None, input_shape=None, image_size=image), spec,
+                                           "cpu")
+    plan = mapped_module_plan(graph, "heft", platform=TWO_NODES)
+    plan.save(directory / "ray-plan.json")
+    argv = [spec, *(["--image-size", str(image)] if image else []), "--plan", str(directory / "ray-plan.json")]
+    return loaded.model, graph, tuple(loaded.inputs), plan, argv
+
+
+def actor_pids(module: Any) -> list[int]:
+    """The process ids of a RayModule's actors, as each says."""
+    import ray
+
+    return [ray.get(actor.status.remote())[0] for actor in module.actors]
+
+
+def ray_soak(model: torch.nn.Module, graph: Graph, inputs: tuple, plan: Any, calls: int, warmup: int,
+             modules: int = 0) -> dict[str, Any]:
+    """:func:`soak` of a RayModule in each form, outputs compared with ``model``'s and the actors followed, then
+    ``modules`` more modules made, called once and closed, with this process's descriptors before and after; all on
+    a local Ray started here by ``ray_cluster``, and then whether any process of that Ray is left once it is shut
+    down."""
+    from opsched.runtime.ray import RayModule, ray_cluster
+
+    results: dict[str, Any] = {}
+    with ray_cluster(["n0", "n1"], cpus=4):
+        for form, compiled in FORMS.items():
+            make = functools.partial(RayModule, graph, plan, compiled=compiled)
+            results[form] = soak(make, inputs, calls=calls, warmup=warmup, reference=model, processes=actor_pids)
+            fds_before = open_descriptors()
+            for _ in range(modules):
+                with make() as module, torch.inference_mode():
+                    module(*inputs)
+            gc.collect()
+            results[form]["modules_made_and_closed"] = {"modules": modules, "fds_before": fds_before,
+                                                        "fds_after": open_descriptors()}
+        ray_processes = descendants(os.getpid())
+    results["ray_processes"] = sorted(set(ray_processes.values()))
+    results["ray_processes_left"] = sorted(ray_processes[p] for p in still_alive(ray_processes))
+    return results
+
+
+# What /proc names a process by (its first 15 characters), for the moments of a run on Ray a signal can find
+RAY_MOMENTS = {"ray": "ray::RuntimeEnv", "actors": "ray::DeviceWork", "graph": "ray::DAGDriverP"}
+
+
+def ray_interrupt_trial(directory: Path, run_args: Sequence[str], at: float | str | None, repeats: int = 5
+                        ) -> dict[str, Any]:
+    """Start ``opsched run RUN_ARGS --engine ray`` (a local Ray started for the run) in a session of its own and
+    send SIGINT ``at`` seconds after the start, or once a process of the kind :data:`RAY_MOMENTS` names for ``at``
+    appears (``ray``: the local Ray is starting, the raylet's agents up; ``actors``: a device's actor; ``graph``: the
+    compiled graph is built, the measured runs follow), or never (None). Check: exit 130 with the one line
+    ``opsched: interrupted`` (or 0 with its JSON when it finished first), no traceback, no hang, and no process of
+    its session left (Ray's daemons, agents and workers; pgrep's raylet and gcs_server of the session too)."""
+    argv = [sys.executable, "-m", "opsched", "run", *run_args, "--engine", "ray", "--repeats", str(repeats), "--json"]
+    started = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=directory, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    seen: set[str] = set()
+    signalled = None
+    while proc.poll() is None and signalled is None:
+        seen.update(session_processes(proc.pid).values())
+        elapsed = time.perf_counter() - started
+        if (isinstance(at, float) and elapsed >= at) or (isinstance(at, str) and RAY_MOMENTS[at] in seen):
+            proc.send_signal(signal.SIGINT)
+            signalled = elapsed
+        time.sleep(0.02)
+    try:
+        stdout, stderr = proc.communicate(timeout=HANG_SECONDS)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        return {"at": at, "hung": True, "stderr": stderr[-500:]}
+    seconds = time.perf_counter() - started
+    left = session_processes(proc.pid)
+    later = still_alive(left, seconds=10.0)
+    moment = next((m for m in ("graph", "actors", "ray") if RAY_MOMENTS[m] in seen), "before ray")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return {"at": at, "signal_after_s": None if signalled is None else round(signalled, 2), "moment": moment,
+            "exit": proc.returncode, "seconds": round(seconds, 2), "stderr": lines[:3], "stderr_lines": len(lines),
+            "traceback": "Traceback" in stderr, "hung": False, "stdout_json": _is_json(stdout),
+            "left_at_exit": sorted(left.values()), "left_after_10s": sorted(left[p] for p in later),
+            "ray_daemons_left": _ray_daemons(proc.pid)}
+
+
+def _ray_daemons(session: int) -> list[int]:
+    """The process ids of the raylets and gcs_servers alive in the session ``session`` (pgrep; zombies left out:
+    they have ended, their parent has yet to collect them)."""
+    done = subprocess.run(["pgrep", "-s", str(session), "-f", "raylet|gcs_server"], capture_output=True, text=True,
+                          check=False)
+    return sorted({int(p) for p in done.stdout.split()} & set(process_table()))
+
+
+def failing_unit(run: Callable[..., Any], on_call: int) -> Callable[..., Any]:
+    """A unit's callable ``run``, raising on its ``on_call``-th call. A closure, which Ray pickles by value: shipped
+    to an actor, where this script cannot be imported, it counts the calls made there."""
+    calls = [0]
+
+    def unit(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == on_call:
+            raise RuntimeError("The size of tensor a (28) must match the size of tensor b (27)")
+        return run(*args)
+
+    return unit
+
+
+def ray_fault_trial(model: torch.nn.Module, graph: Graph, inputs: tuple, plan: Any, unit: str, compiled: bool,
+                    on_call: int = 3) -> dict[str, Any]:
+    """A RayModule (on the connected Ray) whose unit ``unit`` raises on its ``on_call``-th call: the calls before
+    must equal eager, that one raise one DeviceFailed naming the unit's device and the unit, a later call raise it
+    again at once, the actors end, and a new RayModule of the plan then give eager's outputs."""
+    from opsched.runtime.ray import DeviceFailed, RayModule, plan_devices
+
+    k = graph.index[unit]
+    faulty = copy.copy(graph)
+    faulty.nodes = tuple(dataclasses.replace(n, run=failing_unit(n.run, on_call)) if i == k else n
+                         for i, n in enumerate(graph.nodes))
+    device = plan_devices(plan)[next(op.stream for op in plan.ops if op.name == unit)].name
+    with torch.inference_mode():
+        want = model(*inputs)
+    module = RayModule(faulty, plan, compiled=compiled, run_seconds=20)
+    pids = actor_pids(module)
+    right = 0
+    error: Exception | None = None
+    started = time.perf_counter()
+    try:
+        for _ in range(on_call):
+            right += output_error(call_with_deadline(module, inputs), want)[0] <= 1e-4
+    except DeviceFailed as e:
+        error = e
+    failed_after = time.perf_counter() - started
+    try:
+        call_with_deadline(module, inputs)
+        again = "returned"
+    except DeviceFailed as e:
+        again = "DeviceFailed" if str(e) == str(error) else f"DeviceFailed: {e}"
+    module.close()
+    with RayModule(graph, plan, compiled=compiled) as fresh:
+        fresh_right = output_error(call_with_deadline(fresh, inputs), want)[0] <= 1e-4
+    return {"form": "compiled-graph" if compiled else "remote-calls", "unit": unit, "device": device,
+            "right_before": right, "error": None if error is None else str(error),
+            "named": error is not None and error.device == device and f"unit {unit!r}" in str(error)
+            and "\n" not in str(error), "seconds_to_fail": round(failed_after, 2), "later_call": again,
+            "actors_left": len(still_alive(pids)), "new_module_right": fresh_right}
 
 
 # -- the suites --------------------------------------------------------------------------------------------------
@@ -1355,17 +1592,65 @@ def suite_soak_map(size: dict[str, int]) -> dict[str, Any]:
     return soak(lambda: OptimizedModule(graph, plan, cores=2), inputs, calls=size["soak_calls"])
 
 
+def suite_soak_ray(size: dict[str, Any]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as d:
+        model, graph, inputs, plan, _ = ray_case(Path(d), size["ray_model"])
+    return ray_soak(model, graph, inputs, plan, size["ray_soak_calls"], size["ray_warmup"], size["ray_modules"])
+
+
+def suite_load_ray(size: dict[str, Any]) -> dict[str, Any]:
+    from opsched.runtime.ray import RayModule, ray_cluster
+
+    with tempfile.TemporaryDirectory() as d:
+        model, graph, inputs, plan, _ = ray_case(Path(d), size["ray_model"])
+    results = {}
+    with ray_cluster(["n0", "n1"], cpus=4):
+        for form, compiled in FORMS.items():
+            with RayModule(graph, plan, compiled=compiled) as module:
+                results[form] = hammer(module, model, seeded_input(inputs[0].shape), threads=size["ray_threads"],
+                                       calls=size["ray_calls"])
+                one = hammer(module, model, seeded_input(inputs[0].shape), threads=1, calls=size["ray_calls"])
+                results[form]["one_thread_calls_per_second"] = one["calls_per_second"]
+    return results
+
+
+def suite_interrupt_ray(size: dict[str, Any]) -> list[dict[str, Any]]:
+    rng = random.Random(14)
+    with tempfile.TemporaryDirectory() as d:
+        *_, run_args = ray_case(Path(d), size["ray_model"])
+        trials = [ray_interrupt_trial(Path(d), run_args, None)]  # not signalled: how long a run takes
+        span = trials[0]["seconds"]
+        trials += [ray_interrupt_trial(Path(d), run_args, rng.uniform(0.3, span)) for _ in range(size["ray_interrupts"])]
+        trials += [ray_interrupt_trial(Path(d), run_args, moment) for moment in RAY_MOMENTS]
+    return trials
+
+
+def suite_faults_ray(size: dict[str, Any]) -> list[dict[str, Any]]:
+    from opsched.runtime.ray import ray_cluster
+
+    with tempfile.TemporaryDirectory() as d:  # every unit of the small CNN: each trial starts two modules
+        model, graph, inputs, plan, _ = ray_case(Path(d), "branches")
+    with ray_cluster(["n0", "n1"], cpus=4):
+        return [ray_fault_trial(model, graph, inputs, plan, node.name, compiled, on_call)
+                for compiled in FORMS.values() for node in graph.nodes for on_call in size["ray_fault_calls"]]
+
+
 SUITES = {"load": suite_load, "soak": suite_soak, "faults": suite_faults, "interrupt": suite_interrupt,
           "fuzz-models": suite_fuzz_models, "fuzz-plans": suite_fuzz_plans, "fuzz-dags": suite_fuzz_dags,
           "fuzz-platforms": suite_fuzz_platforms, "fuzz-mapping-dags": suite_fuzz_mapping_dags,
           "fuzz-mapped-plans": suite_fuzz_mapped_plans, "interrupt-map": suite_interrupt_map,
-          "time-limit-map": suite_time_limit_map, "load-map": suite_load_map, "soak-map": suite_soak_map}
+          "time-limit-map": suite_time_limit_map, "load-map": suite_load_map, "soak-map": suite_soak_map,
+          "soak-ray": suite_soak_ray, "load-ray": suite_load_ray, "interrupt-ray": suite_interrupt_ray,
+          "faults-ray": suite_faults_ray}
 FULL = {"threads": 8, "calls": 200, "soak_calls": 2000, "fault_calls": 30, "interrupts": 30, "models": 400,
         "plans": 5000, "dags": 3000, "platforms": 2000, "mapping_dags": 300, "mapped_plans": 1500,
-        "map_interrupts": 15, "time_limit_units": [150, 300]}
+        "map_interrupts": 15, "time_limit_units": [150, 300], "ray_model": "googlenet", "ray_soak_calls": 1500,
+        "ray_warmup": 300, "ray_modules": 20, "ray_threads": 4, "ray_calls": 50, "ray_interrupts": 20,
+        "ray_fault_calls": [1, 3]}
 QUICK = {"threads": 8, "calls": 25, "soak_calls": 300, "fault_calls": 9, "interrupts": 2, "models": 15,
          "plans": 200, "dags": 200, "platforms": 200, "mapping_dags": 20, "mapped_plans": 100, "map_interrupts": 1,
-         "time_limit_units": [60]}
+         "time_limit_units": [60], "ray_model": "branches", "ray_soak_calls": 300, "ray_warmup": 20, "ray_modules": 3,
+         "ray_threads": 4, "ray_calls": 25, "ray_interrupts": 2, "ray_fault_calls": [3]}
 
 
 def main() -> None:

@@ -38,9 +38,12 @@ import json
 import logging
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import traceback
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -153,17 +156,46 @@ def ray_cluster(nodes: Sequence[str], cpus: int, address: str | None = None) -> 
         # Ray's memory monitor kills workers when the machine, not Ray, runs short of memory: in a Ray that
         # holds only this run's actors, it would end the run for what other programs use.
         os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-        try:
-            # "local": a new Ray even when this machine runs a cluster (ray start), whose nodes are the user's
-            ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                     resources={NODE_RESOURCE + n: 1.0 for n in dict.fromkeys(nodes)}, **quiet)
-        except Exception as e:  # noqa: BLE001 - Ray fails to start in many ways; one line for the user
-            ray.shutdown()  # the processes that did start
-            raise ClusterError(f"could not start a local Ray: {_first_line(e)}") from None
     try:
+        if address is None:
+            with _ctrl_c_held():
+                try:
+                    # "local": a new Ray even when this machine runs a cluster (ray start), whose nodes are the user's
+                    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                             resources={NODE_RESOURCE + n: 1.0 for n in dict.fromkeys(nodes)}, **quiet)
+                except Exception as e:  # noqa: BLE001 - Ray fails to start in many ways; one line for the user
+                    raise ClusterError(f"could not start a local Ray: {_first_line(e)}") from None
         yield where
+    except BaseException as error:
+        # The frames it came through hold Ray's objects: a channel read that Ctrl-C interrupted holds a buffer of
+        # Ray's shared memory, whose release, once Ray was down, crashed the process (SIGSEGV, as the run ended).
+        chained: BaseException | None = error
+        while chained is not None:
+            traceback.clear_frames(chained.__traceback__)
+            chained = chained.__context__
+        raise
     finally:
-        ray.shutdown()
+        with _ctrl_c_held():
+            ray.shutdown()  # also the processes of a start that failed
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold Ctrl-C while Ray starts or shuts down, and raise it once that is over: Ray interrupted halfway leaves
+    processes behind. Its start, say, has not yet recorded the processes it started, so that shutting it down
+    cannot end them: the raylet's agents outlived an interrupted ``opsched run`` by a minute (measured). Signal
+    handlers belong to the main thread: elsewhere, nothing is held."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if pressed:
+            raise KeyboardInterrupt
 
 
 _PROBE = """
@@ -414,7 +446,12 @@ class RayModule:
 
     ``compiled``: make the calls as one Ray Compiled Graph (True), as remote calls (False), or the graph when
     the installed Ray can compile it (None). ``per_unit``: a call per unit instead of per segment (the
-    benchmark compares). ``close()`` (or leaving a ``with`` block) ends the actors."""
+    benchmark compares). ``close()`` (or leaving a ``with`` block) ends the actors, as does collecting an unclosed
+    module.
+
+    Calls from several threads run one at a time: a Compiled Graph's ``execute`` is not thread-safe (two at once
+    aborted the process in Ray's C++ core), and each actor holds the values of one inference (two inferences of
+    remote calls interleaved mixed them up: wrong outputs). An actor runs one call at a time anyway."""
 
     def __init__(self, graph: Any, schedule: Any, compiled: bool | None = None, per_unit: bool = False,
                  run_seconds: float = RUN_SECONDS, start_seconds: float = START_SECONDS):
@@ -422,6 +459,7 @@ class RayModule:
         if not ray.is_initialized():
             raise ClusterError("the Ray engine needs a connected Ray (see opsched.runtime.ray.ray_cluster)")
         self._ray = ray
+        self._lock = threading.RLock()  # one inference at a time; re-entered by close() when a call fails
         self.graph = graph
         self.run_seconds = run_seconds
         every = plan_devices(schedule)
@@ -508,13 +546,18 @@ class RayModule:
         return True
 
     def __call__(self, *inputs: Any) -> Any:
-        if self._failure is not None:
-            raise self._failure
         flat = pytree.tree_leaves(inputs)
         if len(flat) != self.inputs:
             raise OpschedError(f"{self.graph.name} takes {self.inputs} input tensors, got {len(flat)}")
-        returned = dict(zip(self._returned, self._execute(flat) if self.compiled else self._submit(flat)))
-        outputs = [flat[slot] if slot < self.inputs else from_wire(returned[slot], copy=True) for slot in self.outputs]
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            values = self._execute(flat) if self.compiled else self._submit(flat)
+            # Copied out of Ray's memory here, where no closure holds them: ray_cluster frees what the frames of an
+            # interrupt's traceback hold before Ray shuts down, but a closure (a comprehension's, in Python 3.11)
+            # kept the arrays alive past it, and their release then crashed the process.
+            returned = {slot: from_wire(value, copy=True) for slot, value in zip(self._returned, values)}
+        outputs = [flat[slot] if slot < self.inputs else returned[slot] for slot in self.outputs]
         if self.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, self.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -576,19 +619,29 @@ class RayModule:
         return self._failure
 
     def close(self) -> None:
-        """End the actors (and the compiled graph); a closed module cannot run again."""
-        if self._graph is not None:
-            if self._failure is not None:  # the actors go first, so that tearing down never waits for a stuck unit
-                for actor in self.actors:
-                    self._ray.kill(actor)
-            with contextlib.suppress(Exception):  # after a failure, what is left to tear down may fail too
-                self._graph.teardown()
-            self._graph = None
-        for actor in self.actors:
-            self._ray.kill(actor)
-        self.actors = []
-        if self._failure is None:
-            self._failure = DeviceFailed(None, "the module is closed")
+        """End the actors (and the compiled graph); a closed module cannot run again. A call in progress on
+        another thread finishes first."""
+        with self._lock:
+            if self._graph is not None:
+                if self._failure is not None:  # the actors go first, so that tearing down never waits for a stuck unit
+                    for actor in self.actors:
+                        self._ray.kill(actor)
+                with contextlib.suppress(Exception):  # after a failure, what is left to tear down may fail too
+                    self._graph.teardown()
+                self._graph = None
+            for actor in self.actors:
+                self._ray.kill(actor)
+            self.actors = []
+            if self._failure is None:
+                self._failure = DeviceFailed(None, "the module is closed")
+
+    def __del__(self) -> None:
+        # Collected unclosed: its Compiled Graph is not (Ray's monitor thread holds it until Ray shuts down), nor
+        # the actors the graph holds, each polling on a core and holding its CPUs; ending them ends the graph too.
+        ray = getattr(self, "_ray", None)
+        if ray is not None and ray.is_initialized():
+            for actor in getattr(self, "actors", ()):
+                ray.kill(actor)
 
     def __enter__(self) -> Self:
         return self
