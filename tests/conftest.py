@@ -1,3 +1,5 @@
+import contextlib
+import importlib.util
 import random
 
 import pytest
@@ -23,3 +25,21 @@ def make_dag():
 def private_cache(tmp_path, monkeypatch):
     """Measurements in tests go to a fresh cache, never the user's."""
     monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@contextlib.contextmanager
+def local_ray(nodes, cpus):
+    """A local Ray declaring ``nodes``, connected in this process; skips the test where Ray is not installed or
+    cannot start. Not pytest.importorskip("ray"): the engine imports Ray itself, so that the Ray it starts
+    stays on loopback."""
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("Ray is not installed (pip install 'opsched[ray]')")
+    from opsched.runtime.ray import ClusterError, RayUnavailable, ray_cluster
+
+    session = contextlib.ExitStack()
+    try:
+        where = session.enter_context(ray_cluster(nodes, cpus=cpus))
+    except (ClusterError, RayUnavailable) as e:
+        pytest.skip(f"a local Ray cannot start here: {e}")
+    with session:
+        yield where

@@ -3,7 +3,6 @@ runs as two Ray actors, verified against eager; a Ray that is not installed, an 
 a plan naming a node the cluster lacks and an actor killed mid-run each fail in one line, without hanging.
 One local Ray serves the tests that run in this process."""
 
-import contextlib
 import importlib.util
 import json
 import socket
@@ -14,6 +13,7 @@ import time
 
 import pytest
 import torch
+from conftest import local_ray
 
 from opsched.cli import main
 
@@ -40,17 +40,7 @@ def plan_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ray_session():
     """A local Ray declaring nodes n0 and n1, connected in this process for the module's tests."""
-    # not pytest.importorskip("ray"): the engine imports Ray itself, so that the Ray it starts stays on loopback
-    if importlib.util.find_spec("ray") is None:
-        pytest.skip("Ray is not installed (pip install 'opsched[ray]')")
-    from opsched.runtime.ray import ClusterError, RayUnavailable, ray_cluster
-
-    session = contextlib.ExitStack()
-    try:
-        where = session.enter_context(ray_cluster(["n0", "n1"], cpus=8))
-    except (ClusterError, RayUnavailable) as e:
-        pytest.skip(f"a local Ray cannot start here: {e}")
-    with session:
+    with local_ray(["n0", "n1"], cpus=8) as where:
         yield where
 
 

@@ -4,7 +4,6 @@ at once, a unit failing inside an actor, and Ctrl-C at moments of ``opsched run 
 their figures are ``python benchmarks/reliability.py --only soak-ray load-ray interrupt-ray faults-ray``
 (docs/reliability.md); the helpers live there. One local Ray serves the tests that run in this process."""
 
-import contextlib
 import functools
 import importlib.util
 import os
@@ -17,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import reliability as rel  # the benchmark script holds the helpers
+from conftest import local_ray
 
 FORMS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled-graph", "remote-calls"])
 
@@ -38,15 +38,7 @@ def case(tmp_path_factory):
 def ray_session():
     """A local Ray declaring nodes n0 and n1, connected in this process for the module's tests; once it is shut
     down, none of its processes may be left."""
-    _skip_without_ray()
-    from opsched.runtime.ray import ClusterError, RayUnavailable, ray_cluster
-
-    session = contextlib.ExitStack()
-    try:
-        where = session.enter_context(ray_cluster(["n0", "n1"], cpus=4))
-    except (ClusterError, RayUnavailable) as e:
-        pytest.skip(f"a local Ray cannot start here: {e}")
-    with session:
+    with local_ray(["n0", "n1"], cpus=4) as where:
         yield where
         started = rel.descendants(os.getpid())  # gcs_server, raylet, its agents and workers
     left = rel.still_alive(started)
