@@ -106,3 +106,42 @@ def test_max_pools_go_back_to_the_kernel_for_onnx_and_give_the_same_values():
     assert any(m.target is max_pool2d_by_slices for m in gm.graph.nodes)  # the unit itself is unchanged
     args = [all_values(graph, [x])[a] for a in graph.nodes[[n.run for n in graph.nodes].index(gm)].args]
     assert torch.equal(back(*args), gm(*args))
+
+
+def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_them(tmp_path):
+    from opsched.cost.cache import LatencyCache
+    from opsched.cost.measure import MeasuredCost
+    from opsched.graph.blocks import split_blocks
+
+    model, x, graph = _setup()
+    cache = LatencyCache(tmp_path / "c.sqlite")
+    values = all_values(graph, [x])
+    cost = MeasuredCost(graph, [x], cores=2, kernels="onnxruntime", operator=OnnxRuntimeOperator(values.__getitem__),
+                        cache=cache, repeats=3, values=values)
+    blocks = [list(b.units) for b in split_blocks(graph)]
+    priced = cost.region_latencies(blocks)
+    assert all(ms > 0 for ms in priced) and cost.counts["regions_measured"] == sum(len(b) > 1 for b in blocks)
+    assert [priced[k] for k, b in enumerate(blocks) if len(b) == 1] == [cost.op_latency(b[0]) for b in blocks
+                                                                         if len(b) == 1]
+    plan = make_schedule("ios", graph, cost)
+    assert plan.bounds["lower_bound"] <= plan.predicted_latency
+    if plan.options.get("regions"):  # each one-group stage is priced as the region it runs as
+        one_group = [st for st in plan.stages if len(st.groups) == 1 and st.strategy == "concurrent"]
+        assert all(tuple(graph.index[u] for u in st.groups[0]) in cost.regions for st in one_group)
+    module = OptimizedModule(graph, plan, 2, cost.operator)
+    with torch.inference_mode():
+        for a, b in zip(module(x), model(x), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    module.close()
+    again = MeasuredCost(graph, [x], cores=2, kernels="onnxruntime", operator=OnnxRuntimeOperator(values.__getitem__),
+                         cache=cache, repeats=3, values=values)
+    assert again.region_latencies(blocks) == priced and again.counts["regions_measured"] == 0
+
+
+def test_eager_kernels_price_no_regions():
+    from opsched.cost.measure import MeasuredCost
+
+    _, x, graph = _setup()
+    cost = MeasuredCost(graph, [x], cores=2, cache=False, repeats=2)
+    assert cost.region_latencies([list(range(len(graph)))]) is None
+    assert "regions" not in make_schedule("ios", graph, cost).options

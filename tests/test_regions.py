@@ -95,3 +95,64 @@ def test_one_compiler_serves_units_and_the_regions_named_after_them():
     schedule.options["regions"] = True
     regions = OptimizedModule(graph, schedule, 2, operator)
     assert verify(units, model, (x,)).ok and verify(regions, model, (x,)).ok
+
+
+class _RegionPricedTable(TableCost):
+    """A table whose runs of units compiled as one region cost ``factor`` times their units' sum."""
+
+    def __init__(self, graph, factor, capacity=0.0):
+        super().__init__(graph, capacity=capacity)
+        self.factor = factor
+        self.asked: list[list[tuple[int, ...]]] = []
+
+    def region_latencies(self, regions):
+        self.asked.append([tuple(r) for r in regions])
+        for r in regions:
+            self.regions[tuple(r)] = self.factor * sum(self.latencies[u] for u in r)
+        return [self.regions[tuple(r)] for r in regions]
+
+
+def _two_chain_blocks():
+    """A stem, two branches of three units, a join and a tail of three: blocks [stem], [branches + join],
+    [tail units]."""
+    from opsched.graph.ir import Graph, Node
+
+    nodes = [Node("stem", latency=1.0)]
+    for side in "ab":
+        nodes += [Node(f"{side}0", args=("stem",), latency=1.0), Node(f"{side}1", args=(f"{side}0",), latency=1.0),
+                  Node(f"{side}2", args=(f"{side}1",), latency=1.0)]
+    nodes += [Node("join", args=("a2", "b2"), latency=1.0), Node("t0", args=("join",), latency=1.0),
+              Node("t1", args=("t0",), latency=1.0)]
+    return Graph(nodes)
+
+
+@pytest.mark.parametrize("factor", [0.5, 0.95, 1.2])
+def test_ios_runs_a_block_as_a_compiled_region_only_where_that_is_cheaper(factor):
+    graph = _two_chain_blocks()
+    cost = _RegionPricedTable(graph, factor)
+    plain = make_schedule("ios", graph, TableCost(graph))  # branches side by side: 1 + 3 + 1 + 1 + 1 = 7
+    plan = make_schedule("ios", graph, cost)
+    validate(plan, graph)
+    assert plain.predicted_latency == 7.0
+    widths = [len(st.groups) for st in plan.stages]
+    if factor == 0.5:  # every block a region (the branches' 3.5 < 4), joined into one run of all 10 units
+        assert plan.options["regions"] is True and widths == [1]
+        assert plan.predicted_latency == pytest.approx(5.0)
+        assert cost.asked[-1] == [tuple(range(len(graph)))]  # the joined run was priced as what runs
+    elif factor == 0.95:  # the branches stay side by side (6.65 > 4); the runs around them pay as regions
+        assert plan.options["regions"] is True and widths == [1, 2, 1]
+        assert plan.predicted_latency == pytest.approx(0.95 + 3 + 0.95 * 3)
+    else:  # regions cost more than units: the plan without them
+        assert "regions" not in plan.options and plan.predicted_latency == 7.0
+    assert plan.bounds["lower_bound"] <= plan.predicted_latency + 1e-9
+
+
+def test_a_plan_with_regions_priced_by_the_cost_model_runs_and_matches_eager():
+    model, x, graph = _graph()
+    cost = _RegionPricedTable(graph, 0.5)
+    plan = make_schedule("ios", graph, cost)
+    assert plan.options["regions"] is True
+    module = OptimizedModule(graph, plan, 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), model(x))
+    module.close()

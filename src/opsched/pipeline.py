@@ -395,9 +395,10 @@ def run_job(job: Job) -> Outcome:
     if simulated:
         return outcome
     if job.kernels != "eager":
-        # Compiled regions beside compiled units, for every staged schedule: which pays is measured.
+        # Compiled regions beside compiled units, for every staged schedule that does not run them yet (IOS
+        # chose its own, block by block): which pays is measured.
         for name, schedule in list(schedules.items()):
-            if schedule.stages is not None:
+            if schedule.stages is not None and not schedule.options.get("regions"):
                 schedules[f"{name}+regions"] = dataclasses.replace(
                     schedule, options={**schedule.options, "regions": True}, stats=dict(schedule.stats))
     sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)

@@ -251,11 +251,15 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
 
     Stages run back to back. Group ``i`` of a concurrent stage runs on stream ``i``, its units one after
     another, their latencies stretched to the stage's latency when the cost model says running the groups
-    together slows them (contention, capacity). A merge stage runs on stream 0.
+    together slows them (contention, capacity). A merge stage runs on stream 0. With ``options["regions"]``
+    the runtime fuses each run of one-group stages into a compiled region, and a one-group stage is priced
+    as the region of its units where the cost model can (``region_latencies``; IOS joins each run into one
+    stage).
     """
     ops: list[OpTiming] = []
     out_stages: list[Stage] = []
     clock = 0.0
+    regions = bool(extra.get("options", {}).get("regions"))
     for strategy, groups in stages:
         groups = [list(g) for g in groups]
         if strategy == "merge":
@@ -264,7 +268,8 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
                 raise ScheduleError(f"cost model {cost.name} cannot cost merging {groups}")
             ops.extend(OpTiming(graph.nodes[u].name, 0, clock, clock + latency) for g in groups for u in g)
         else:
-            latency = cost.stage_latency(groups)
+            priced = cost.region_latencies(groups) if regions and len(groups) == 1 else None
+            latency = priced[0] if priced else cost.stage_latency(groups)
             sums = [sum(cost.op_latency(u) for u in g) for g in groups]
             stretch = latency / max(sums) if max(sums) > 0 else 1.0
             for stream, group in enumerate(groups):

@@ -35,6 +35,15 @@ class CostModel(Protocol):
     def merge_latency(self, units: Sequence[int]) -> float | None:
         """Latency of the units merged into one operator, or None if this model cannot cost a merge."""
 
+    def region_latencies(self, regions: Sequence[Sequence[int]]) -> list[float] | None:
+        """Latency of each run of units (in topological order) compiled as one region and run back to back,
+        where a compiler fuses across the units; None when the units run on kernels that do not fuse
+        (eager, a table, a simulated device). A model that gives them lists them in ``regions``;
+        :func:`opsched.schedule.from_stages` prices the one-group stages of a plan with regions by them."""
+
+    regions: dict[tuple[int, ...], float]
+    """The runs priced as compiled regions so far (see ``region_latencies``)."""
+
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         """Latency of a stream schedule (each stream's units in order) whose timeline, built from
         ``op_latency`` and ``sync_overhead``, ends at ``makespan``; models that know more (streams sharing

@@ -116,10 +116,12 @@ class MeasuredCost:
         self.thread_options = sorted({max(1, self.cores // k) for k in range(1, self.cores + 1)}, reverse=True)
         self.latency: dict[int, list[float]] = {}
         self.measured_stages: dict[StageKey, float] = {}
+        self.regions: dict[tuple[int, ...], float] = {}
         self.predicted_when_measured: dict[StageKey, float] = {}
         self.contention = CONTENTION_PRIOR
         self.merge_factor = MERGE_PRIOR
-        self.counts = {"units_measured": 0, "units_cached": 0, "stages_measured": 0, "stages_cached": 0}
+        self.counts = {"units_measured": 0, "units_cached": 0, "stages_measured": 0, "stages_cached": 0,
+                       "regions_measured": 0, "regions_cached": 0}
         self.profile_seconds = 0.0
         started = time.perf_counter()
         self._measure_units()
@@ -155,6 +157,32 @@ class MeasuredCost:
         key = ("merge", tuple((u,) for u in units))
         measured = self.measured_stages.get(key)
         return measured if measured is not None else self.predict(key)
+
+    def region_latencies(self, regions: Sequence[Sequence[int]]) -> list[float] | None:
+        """Each run of units (a block, in topological order) compiled as one region and run back to back
+        on every core, measured in place; None with eager kernels, which have nothing to fuse. From then on
+        a plan with regions prices a one-group stage of exactly those units at what its region measured."""
+        if self.kernels == "eager" or self.gpu:
+            return None
+        wanted = [tuple(r) for r in regions]
+        missing = []
+        for region in dict.fromkeys(wanted):
+            if region in self.regions:
+                continue
+            if len(region) == 1:
+                self.regions[region] = self.best[region[0]]
+                continue
+            cached = self._cached(self._stage_key(("region", (region,))), f"cores={self.cores}")
+            if cached is None:
+                missing.append(region)
+            else:
+                self.regions[region] = cached
+                self.counts["regions_cached"] += 1
+        if missing:
+            started = time.perf_counter()
+            self._measure_regions(missing)
+            self.profile_seconds += time.perf_counter() - started
+        return [self.regions[r] for r in wanted]
 
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         if self.gpu:  # streams share the SMs: no faster than the device time their units fill
@@ -338,6 +366,41 @@ class MeasuredCost:
             if not self.gpu:
                 torch.set_num_threads(self.cores)
         return timelines
+
+    def _measure_regions(self, regions: Sequence[tuple[int, ...]]) -> None:
+        """Time ``regions`` in place: the whole graph run in order with each of them compiled as one region
+        (the other units one by one), each region's time read from the timeline. A region that a read from
+        outside cuts in several (see :mod:`opsched.runtime.regions`) counts the time of all its parts."""
+        from opsched.runtime.regions import compiled_regions
+        from opsched.schedule import from_stages
+
+        region_of = {u: k for k, region in enumerate(regions) for u in region}
+        stages, started = [], set()
+        for u in range(len(self.graph)):
+            k = region_of.get(u)
+            if k is None:
+                stages.append(("concurrent", [[u]]))
+            elif k not in started:
+                started.add(k)
+                stages.append(("concurrent", [list(regions[k])]))
+        fused, _ = compiled_regions(self.graph, from_stages(self.graph, self, "regions", stages), each_stage=True)
+        order = [("concurrent", [[k]]) for k in range(len(fused))]
+        program = staged_program(fused, order, self.cores)
+        runs = self._run_in_place([program], f"profiling {len(regions)} compiled regions")[0]
+        samples: list[list[float]] = [[] for _ in regions]
+        for timeline in runs:
+            total = [0.0] * len(regions)
+            for _, units, start, finish in timeline:
+                k = region_of.get(self.graph.index[fused.nodes[units[0]].name])
+                if k is not None:
+                    total[k] += (finish - start) * 1000.0
+            for k, ms in enumerate(total):
+                samples[k].append(ms)
+        for region, region_samples in zip(regions, samples):
+            ms = statistics.median(region_samples)
+            self.regions[region] = ms
+            self.counts["regions_measured"] += 1
+            self._store(self._stage_key(("region", (region,))), f"cores={self.cores}", ms, len(region_samples))
 
     def _measure_handoff(self) -> float:
         """Milliseconds one extra stream adds to a stage: a two-stream stage of empty steps against a

@@ -91,6 +91,7 @@ class SimulatedGPU:
         self.sync_overhead = self.device.sync_us / 1000.0
         self.kernels = [unit_kernels(n, self.device) for n in graph.nodes]
         self.latencies = [self._run([k]) for k in self.kernels]
+        self.regions: dict[tuple[int, ...], float] = {}  # stays empty: see region_latencies
 
     def op_latency(self, unit: int) -> float:
         return self.latencies[unit]
@@ -106,6 +107,9 @@ class SimulatedGPU:
 
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return self._run([merged_kernels([self.graph.nodes[u] for u in units], self.device)])
+
+    def region_latencies(self, regions: Sequence[Sequence[int]]) -> None:
+        return None  # nothing here is compiled, so no region fuses anything
 
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         # Run the streams through the device model: a unit waits (device side, sync_us) for its inputs

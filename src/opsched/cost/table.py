@@ -35,6 +35,7 @@ class TableCost:
         self.capacity = float(capacity)
         self.sync_overhead = float(sync_overhead)
         self.latencies = [float(n.latency) for n in graph.nodes]
+        self.regions: dict[tuple[int, ...], float] = {}  # stays empty: see region_latencies
 
     def op_latency(self, unit: int) -> float:
         return self.latencies[unit]
@@ -52,6 +53,9 @@ class TableCost:
 
     def merge_latency(self, units: Sequence[int]) -> float | None:
         return None  # a DAG JSON file gives no latency for merged units
+
+    def region_latencies(self, regions: Sequence[Sequence[int]]) -> None:
+        return None  # nothing here is compiled, so no region fuses anything
 
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
         # The timeline already holds the synchronisation; capacity bounds the whole run from below.

@@ -36,14 +36,16 @@ from opsched.graph.ir import Graph, Node, indices
 from opsched.schedule import Schedule, from_stages
 
 
-def compiled_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
+def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False) -> tuple[Graph, Schedule]:
     """The graph with each region of ``schedule`` fused into one unit, and the schedule on that graph (see
-    the module docstring). A stream schedule is returned unchanged."""
+    the module docstring). A stream schedule is returned unchanged. With ``each_stage``, every one-group
+    stage is a run of its own instead of joining the one-group stages around it (how the measured cost
+    model profiles one region per block)."""
     if schedule.stages is None:
         return graph, schedule
     index = graph.index
     stages = [(st.strategy, [[index[u] for u in g] for g in st.groups], st.threads) for st in schedule.stages]
-    regions = _regions(graph, stages)
+    regions = _regions(graph, stages, each_stage)
     fused_of = {u: k for k, region in enumerate(regions) for u in region}
     durations = {o.name: o.finish - o.start for o in schedule.ops}
     # A region is named after its last unit, whose value it returns: readers, the graph's outputs and the
@@ -88,13 +90,16 @@ class _CarriedCost(TableCost):
         return max(self.op_latency(u) for u in units)
 
 
-def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]]) -> list[list[int]]:
+def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], each_stage: bool) -> list[list[int]]:
     """The regions of the runs of one-group stages, each cut after a unit read outside its region."""
     runs: list[list[int]] = []
     current: list[int] = []
     for strategy, groups, _ in stages:
         if strategy == "concurrent" and len(groups) == 1:
             current.extend(groups[0])
+            if each_stage:
+                runs.append(current)
+                current = []
         elif current:
             runs.append(current)
             current = []

@@ -8,6 +8,8 @@ A unit that can be merged with others may take less than its own latency: a merg
 together, and a cost model may price the merge below its longest unit (which once made the bound exceed a
 valid schedule's latency). Such a unit counts for the cheapest merge of at most three units it belongs to,
 and for an even share of it in the work, so that the bound holds for schedules with merge stages too.
+Likewise a run of units compiled as one region may take less than their sum: each unit of a region the
+cost model priced counts for its share of the region's latency, when that is less.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ def lower_bounds(graph: Graph, cost: CostModel, streams: int = 0) -> dict[str, f
 
 
 def unit_floors(graph: Graph, cost: CostModel) -> tuple[list[float], list[float]]:
-    """For each unit, the least time from its start to its output in any schedule (its own latency, or the
-    latency of the cheapest merge it can be part of: a merge's units finish together) and the least work
-    it adds (its own latency, or its even share of that merge)."""
+    """For each unit, the least time from its start to its output in any schedule (its own latency, the
+    latency of the cheapest merge it can be part of: a merge's units finish together, or its share of a
+    compiled region) and the least work it adds (its own latency, or its share of that merge or region)."""
     floor = [cost.op_latency(u) for u in range(len(graph))]
     share = list(floor)
     siblings: dict[tuple[str, ...], list[int]] = {}
@@ -59,4 +61,10 @@ def unit_floors(graph: Graph, cost: CostModel) -> tuple[list[float], list[float]
                     for u in units:
                         floor[u] = min(floor[u], merged)
                         share[u] = min(share[u], merged / size)
+    for region, latency in cost.regions.items():
+        alone = sum(cost.op_latency(u) for u in region)
+        if 0 < latency < alone:
+            for u in region:
+                floor[u] = min(floor[u], cost.op_latency(u) * latency / alone)
+                share[u] = min(share[u], cost.op_latency(u) * latency / alone)
     return floor, share

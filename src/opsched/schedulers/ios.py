@@ -16,6 +16,11 @@ is reached along exactly one path. Group sizes only grow as units are added, so 
 too large cuts off every ending that would contain it. Groups are tracked in an array giving each taken
 unit the mask of its group, undone on the way back; stage latencies are memoised by mask.
 
+With compiled kernels (a cost model that prices ``region_latencies``), a block may instead run as one compiled
+region, its units back to back, where the compiler fuses across them: a block takes the cheaper of its best
+stages and its region. Then every run of one-group stages, which the runtime fuses into one region across
+blocks too, is priced as that region, and the plan with regions is kept only if it beats the plan without.
+
 Example: two independent chains of two units; the best schedule runs them side by side.
 
 >>> from opsched.models.synthetic import independent_chains
@@ -55,10 +60,16 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     n = len(graph)
     r = max_group_size or n
     s = max_groups or n
-    started = time.perf_counter()
     stage_cost = _StageCost(graph, cost, merge, concurrent)
     blocks = split_blocks(graph, max_block_size if split else 0, at_cuts=split)
     stages: list[tuple[str, list[list[int]]]] = []
+    region_stages: list[tuple[str, list[list[int]]]] = []  # the same, with the blocks that pay as regions
+    # With compiled kernels a block can also run as one compiled region, its units back to back: the
+    # compiler fuses across them, which concurrent stages give up. The cost model prices each block so.
+    # (the first time, a measured cost model profiles them: time not counted as search)
+    region_ms = cost.region_latencies([list(b.units) for b in blocks])
+    started = time.perf_counter()
+    region_blocks = 0
     states = transitions = 0
     old_limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old_limit, 50 * n + 1000))
@@ -74,16 +85,45 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
                 block_stages.append(stage_cost.plan(ending))
                 rest ^= ending
             stages.extend(reversed(block_stages))
+            if region_ms is not None and len(block) > 1 and region_ms[done - 1] < best[block.mask]:
+                block_stages = [("concurrent", [list(block.units)])]
+                region_blocks += 1
+            region_stages.extend(reversed(block_stages))
             if progress:
                 progress(done, len(blocks))
     finally:
         sys.setrecursionlimit(old_limit)
-    seconds = time.perf_counter() - started
-    return from_stages(graph, cost, "ios", stages,
-                       stats={"states": states, "transitions": transitions, "search_seconds": seconds,
-                              "blocks": len(blocks), "stage_latencies_computed": len(stage_cost.memo)},
-                       options={"max_group_size": max_group_size, "max_groups": max_groups, "split": split,
-                                "max_block_size": max_block_size, "merge": merge, "concurrent": concurrent})
+    options = {"max_group_size": max_group_size, "max_groups": max_groups, "split": split,
+               "max_block_size": max_block_size, "merge": merge, "concurrent": concurrent}
+    stats = {"states": states, "transitions": transitions, "blocks": len(blocks),
+             "stage_latencies_computed": len(stage_cost.memo)}
+    schedule = from_stages(graph, cost, "ios", stages, stats=stats, options=options)
+    if region_ms is not None:
+        # Joined runs are priced anew; the plan with regions is kept only if it still beats the one without
+        searched = time.perf_counter() - started
+        joined = _joined_runs(region_stages, cost)
+        started = time.perf_counter() - searched
+        with_regions = from_stages(graph, cost, "ios", joined, stats={**stats, "region_blocks": region_blocks},
+                                   options={**options, "regions": True})
+        if with_regions.predicted_latency < schedule.predicted_latency:
+            schedule = with_regions
+    schedule.stats["search_seconds"] = time.perf_counter() - started
+    return schedule
+
+
+def _joined_runs(stages: list[tuple[str, list[list[int]]]], cost: CostModel) -> list[tuple[str, list[list[int]]]]:
+    """Consecutive one-group stages joined into one stage, priced as the compiled region they run as (the
+    cost model profiles the runs it has not seen): the runtime fuses every such run into one region (see
+    :mod:`opsched.runtime.regions`), across blocks too."""
+    joined: list[tuple[str, list[list[int]]]] = []
+    for strategy, groups in stages:
+        if strategy == "concurrent" and len(groups) == 1 and joined and joined[-1][0] == "concurrent" \
+                and len(joined[-1][1]) == 1:
+            joined[-1] = ("concurrent", [joined[-1][1][0] + list(groups[0])])
+        else:
+            joined.append((strategy, groups))
+    cost.region_latencies([groups[0] for strategy, groups in joined if strategy == "concurrent" and len(groups) == 1])
+    return joined
 
 
 class _StageCost:
