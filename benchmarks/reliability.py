@@ -485,8 +485,9 @@ def interrupt_trial(workdir: Path, delay: float | None, seed_rows: bool = True) 
         seeded.close()
         before = cache_rows(path)
     env = dict(os.environ, OPSCHED_CACHE_DIR=str(cache))
+    # --quiet: the trial checks what the interrupt is reported as, not the progress lines before it
     argv = [sys.executable, "-m", "opsched", "optimize", f"{model}:make", "--method", "ios", "--repeats", "3",
-            "--out", str(workdir / f"plan-{time.monotonic_ns()}.json"), "--json"]
+            "--out", str(workdir / f"plan-{time.monotonic_ns()}.json"), "--json", "--quiet"]
     started = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if delay is None:
@@ -1146,8 +1147,9 @@ def map_interrupt_trial(directory: Path, method: str, delay: float, time_limit: 
     traceback, ``--out`` absent or a complete plan, no process of its session left, and how soon it stopped."""
     dag, platform = chained_mapping_problem(directory) if method == "milp-split" else big_mapping_problem(directory, units)
     out = directory / f"plan-{time.monotonic_ns()}.json"
+    # --quiet: the trial checks what the interrupt is reported as, not MILP-SPLIT's progress lines before it
     argv = [sys.executable, "-m", "opsched", "map", str(dag), "--platform", str(platform), "--method", method,
-            "--time-limit", str(time_limit), "--out", str(out), "--json"]
+            "--time-limit", str(time_limit), "--out", str(out), "--json", "--quiet"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     time.sleep(delay)
     sent = proc.poll() is None

@@ -193,6 +193,12 @@ def test_optimize_measured_runs_verifies_and_times_every_schedule(capsys, tmp_pa
     assert set(doc["measured_ms"]) >= {"eager", "sequential", "greedy", "lios", "ios"}
     assert doc["max_abs_error"] <= 1e-3 and doc["simulated"] is False and doc["eager_threads"] >= 1
     assert plan.exists() and (tmp_path / "plan.png").exists()
+    # off a terminal, what it is doing is plain lines on stderr, a few per step (stdout is the JSON alone)
+    lines = err.splitlines()
+    assert {"capturing squeezenet ...", "scheduling with ios ...", "compiling the schedules ..."} <= set(lines), err
+    assert any(line.startswith("verifying and measuring ") for line in lines), err
+    profiling = [line for line in lines if line.startswith(f"profiling {doc['units']} units: ")]
+    assert profiling[0].endswith(" runs") and ", done in " in profiling[-1], err
     # a second search of the same model measures no unit again
     code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out",
                          str(tmp_path / "again.json"), "--json")

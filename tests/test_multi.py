@@ -234,3 +234,88 @@ class _no_exit:
 
     def __exit__(self, *exc):
         return False
+
+
+# -- opsched run of a multi plan: the batch rebuilt as the plan records it, verified model by model --
+
+@pytest.fixture(scope="module")
+def multi_plan(tmp_path_factory):
+    """A plan written by opsched multi for two copies of the three-model batch (made once for these tests)."""
+    folder = tmp_path_factory.mktemp("multi-run")
+    models = folder / "batch.py"
+    models.write_text(BATCH_FILE)
+    plan = folder / "plan.json"
+    assert main(["multi", f"{models}:batch", "--copies", "2", "--repeats", "2", "--no-cache", "--out", str(plan),
+                 "--json"]) == 0
+    return models, plan
+
+
+def test_fuse_graph_rebuilds_the_graph_a_plan_records():
+    models = [_randomised(Residual(), k) for k in range(3)]
+    batch = ModelBatch(models, [(torch.randn(1, 3, 8, 8),)] * 3)
+    fusion = fuse_graph(batch)  # every batchable group batched
+    assert fusion.batched and fusion.rewrites == ("shared", "same_input", "same_shape")
+    assert fuse_graph(batch, fusion.rewrites, made=fusion.batched).graph.fingerprint == fusion.graph.fingerprint
+    some = fuse_graph(batch, latencies=lambda g: [1.0] * len(g))  # only what the costs say pays
+    assert set(some.batched) < set(fusion.batched)
+    assert fuse_graph(batch, made=some.batched).graph.fingerprint == some.graph.fingerprint
+    assert fuse_graph(batch, made=[]).graph.fingerprint == share_work(combine(batch))[0].fingerprint
+    with pytest.raises(MultiError, match="cannot be made"):
+        fuse_graph(batch, made=["m0-2/nothing"])
+
+
+def test_opsched_run_executes_a_multi_plan_and_verifies_every_model(multi_plan, capsys):
+    models, plan = multi_plan
+    recorded = json.loads(plan.read_text())["options"]["multi"]
+    assert recorded["load"]["models"] == [f"{models}:batch"] and recorded["load"]["copies"] == 2
+    capsys.readouterr()
+    assert main(["run", f"{models}:batch", "--plan", str(plan), "--repeats", "2", "--json"]) == 0  # copies: the plan's
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["models"]) == 6 and len(out["model_errors"]) == 6 and max(out["model_errors"]) <= 1e-3
+    assert "sequential_models" in out["measured_ms"] and out["chosen"] in out["measured_ms"]
+    label = json.loads(plan.read_text())["options"]["measured_as"]
+    assert label in out["measured_ms"] and out["max_abs_error"] <= 1e-3
+    assert main(["run", f"{models}:batch", "--copies", "2", "--plan", str(plan), "--repeats", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "every model within" in table and "x sequential_models" in table
+
+
+@pytest.mark.parametrize("factories, options, message", [
+    (["batch"], ["--copies", "3"], "was made for --copies 2, not 3"),
+    (["batch"], ["--batch", "2"], "was made for batch 1, not 2"),
+    (["batch"], ["--preprocess", "{models}:pre"], "was made without --preprocess"),
+    (["batch", "batch"], [], "was made for the models"),
+    (["empty"], [], "was made for the models"),
+])
+def test_opsched_run_refuses_a_multi_plan_made_for_another_batch(multi_plan, capsys, factories, options, message):
+    models, plan = multi_plan
+    capsys.readouterr()
+    assert main(["run", *[f"{models}:{f}" for f in factories], *[o.format(models=models) for o in options],
+                 "--plan", str(plan)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_opsched_run_executes_the_peer_a_multi_plan_chose(multi_plan, tmp_path, capsys):
+    models, plan = multi_plan
+    doc = json.loads(plan.read_text())
+    doc["options"]["chosen"] = {"name": "vmap", "kind": "peer", "threads": 1}  # as when vmap was fastest
+    edited = tmp_path / "vmap.json"
+    edited.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["run", f"{models}:batch", "--plan", str(edited), "--repeats", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["chosen"] == "vmap" and {"vmap", "sequential_models"} <= set(out["measured_ms"])
+    assert max(out["model_errors"]) <= 1e-3
+
+
+def test_opsched_run_refuses_several_models_for_a_single_model_plan(multi_plan, tmp_path, capsys):
+    models, plan = multi_plan
+    doc = json.loads(plan.read_text())
+    del doc["options"]["multi"]  # a plan opsched optimize could have written
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps(doc))
+    capsys.readouterr()
+    assert main(["run", f"{models}:batch", f"{models}:batch", "--plan", str(single)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "opsched multi" in err[0], err

@@ -2,6 +2,7 @@
 verified chosen; the peers as the design describes them."""
 
 import json
+import os
 import time
 
 import pytest
@@ -70,6 +71,56 @@ def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count():
     with torch.inference_mode():
         want = model(x)
     assert torch.allclose(one.run(), want, atol=1e-4) and torch.allclose(two.run(), want, atol=1e-4)
+
+
+CUDA_HOME_WARNING = "No CUDA runtime is found, using CUDA_HOME='%s'"  # torch.utils.cpp_extension's
+
+
+def test_while_inductor_compiles_the_cuda_home_warning_alone_is_dropped():
+    import logging
+
+    from opsched.runtime.kernels import without_cuda_home_warning
+
+    seen = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    handler = Seen()
+    logger.addHandler(handler)
+    try:
+        with without_cuda_home_warning():
+            logger.warning(CUDA_HOME_WARNING, "/usr/local")
+            logger.warning("Error checking compiler version for %s", "c++")
+        logger.warning(CUDA_HOME_WARNING, "/usr/local")
+    finally:
+        logger.removeHandler(handler)
+    assert seen == ["Error checking compiler version for c++", CUDA_HOME_WARNING % "/usr/local"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not (torch.cuda._is_compiled() and torch.version.cuda),
+                    reason="torch warns of a CUDA toolkit without a CUDA runtime only when built for CUDA without one")
+def test_the_torch_compile_peer_says_nothing_of_a_cuda_toolkit_on_a_machine_without_a_gpu(tmp_path):
+    # on a machine with nvcc and no GPU, the peer's first compilation printed, in the middle of the run:
+    # W1123 05:44:32.789000 18248 site-packages/torch/utils/cpp_extension.py:183] [0/0] No CUDA runtime is found, ...
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from opsched.peers import torch_compile
+
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+        torch_compile(model, (torch.randn(1, 3, 8, 8),), 1)
+    """)
+    env = {**os.environ, "CUDA_HOME": str(tmp_path)}  # a toolkit, as far as torch can tell
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert "No CUDA runtime" not in done.stderr, done.stderr
 
 
 def test_onnxruntime_peer_verifies_against_eager_or_is_left_out_with_a_note():

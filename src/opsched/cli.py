@@ -19,6 +19,7 @@ from opsched import __version__
 from opsched.errors import OpschedError
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.interrupt import CtrlC
+from opsched.progress import PERIOD, quiet
 
 
 def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
@@ -78,15 +79,15 @@ def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _block_progress():
-    """A progress callback for a block-by-block search: a bar on stderr when it is a terminal."""
-    from tqdm import tqdm
+    """A progress callback for a block-by-block search, on stderr (see :mod:`opsched.progress`)."""
+    from opsched.progress import progress_bar
 
     bar = None
 
     def update(done: int, total: int) -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, unit="block", desc="searching", leave=False, disable=not sys.stderr.isatty())
+            bar = progress_bar("searching", total, unit="block")
         bar.update(1)
         if done == total:
             bar.close()
@@ -211,6 +212,14 @@ def _add_ios_options(p: argparse.ArgumentParser) -> None:
                    help=f"ios: cut blocks larger than N units into parts (0: no limit; default {DEFAULT_MAX_SIZE})")
 
 
+def _add_quiet_option(p: argparse.ArgumentParser) -> None:
+    """--quiet, for the commands that say on stderr what they are doing while they work."""
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print no progress on stderr (by default a bar on a terminal, otherwise a line as each "
+                        f"phase or long step starts, at most every {PERIOD:g} s while it runs, and as it ends); "
+                        "warnings and errors still are")
+
+
 def _add_run_options(p: argparse.ArgumentParser, reference: str = "eager", cuda_graph: bool = True) -> None:
     """--threads, --repeats and --tolerance (against ``reference``), and --cuda-graph where a run can use it."""
     p.add_argument("--threads", type=_positive, metavar="T",
@@ -261,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PLAN.json", help="write the schedule (opsched.schedule/1) to this file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_quiet_option(p)
     p.set_defaults(handler=_schedule_command)
 
     p = sub.add_parser("optimize", help="capture, profile, schedule, compile, verify and measure a model",
@@ -298,6 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gantt", metavar="PNG", help="where to draw the Gantt chart (default: the plan's name, .png)")
     p.add_argument("--force", action="store_true", help="overwrite --out and --gantt if they exist")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_quiet_option(p)
     p.set_defaults(handler=_lazy("optimize_command"))
 
     p = sub.add_parser("run", help="execute a plan on its model, verify it and measure it against eager",
@@ -305,10 +316,19 @@ def build_parser() -> argparse.ArgumentParser:
                                    "verify its outputs against eager PyTorch and time both, interleaved. A mapped "
                                    "plan (opsched map) runs its devices as threads of this process (--engine "
                                    "local), or as one Ray actor per device (--engine ray, on a local Ray started "
-                                   "for the run or the cluster at --address; see docs/ray.md).")
-    p.add_argument("model", metavar="MODEL", help=RUNNABLE_MODEL_HELP)
+                                   "for the run or the cluster at --address; see docs/ray.md). A plan made by "
+                                   "opsched multi takes the same MODELs: the batch is rebuilt as the plan records "
+                                   "it (copies, preprocessing, batch, input shapes and rewrites; options not given "
+                                   "are taken from the plan, others refused), every model's outputs are verified "
+                                   "against its own forward, and the plan is timed against sequential_models.")
+    p.add_argument("models", metavar="MODEL", nargs="+",
+                   help=RUNNABLE_MODEL_HELP + "; several for a plan made by opsched multi, as they were given to it")
     p.add_argument("--plan", required=True, metavar="PLAN.json",
-                   help="a plan written by opsched optimize, or a mapped plan written by opsched map")
+                   help="a plan written by opsched optimize or opsched multi, or a mapped plan written by opsched map")
+    p.add_argument("--copies", type=_positive, metavar="K",
+                   help="a multi plan: each MODEL K times, as the plan was made (default: the plan's)")
+    p.add_argument("--preprocess", metavar="FILE.py:FACTORY",
+                   help="a multi plan: the preprocessing it was made with (default: the plan's)")
     _add_model_options(p)
     _add_run_options(p)
     p.add_argument("--engine", choices=["local", "ray"],
@@ -351,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", metavar="PLAN.json", help="write the mapped plan (opsched.schedule/1) here")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_quiet_option(p)
     p.set_defaults(handler=_map_command)
 
     p = sub.add_parser("multi", help="several models as one fused, scheduled program (HiveMind), verified per model",
@@ -393,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "numbered rather than overwrite)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _add_quiet_option(p)
     p.set_defaults(handler=_multi_command)
 
     p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
@@ -413,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-compile", action="store_true", help="also time torch.compile of the whole model")
     p.add_argument("--out", default="opsched-bench", metavar="DIR", help="output directory (default opsched-bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_quiet_option(p)
     p.set_defaults(handler=_lazy("bench_command"))
 
     p = sub.add_parser("cache", help="the cache of measured latencies: info or clear",
@@ -479,7 +502,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     try:
-        result = args.handler(args)
+        with quiet(getattr(args, "quiet", False)):  # only the commands that print progress take --quiet
+            result = args.handler(args)
     except KeyboardInterrupt:
         return _interrupted()
     except (OpschedError, ValueError, RuntimeError) as e:

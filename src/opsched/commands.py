@@ -7,10 +7,12 @@ import argparse
 import contextlib
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from opsched.errors import OpschedError
+from opsched.progress import say
 
 TABLE_METHODS = ("sequential", "greedy", "lios")
 
@@ -37,10 +39,13 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
     if args.cuda_graph and (simulated or args.device != "cuda"):
         raise OpschedError("--cuda-graph needs --device cuda (and measured costs)")
+    from opsched.runtime.kernels import check_kernels
+
+    check_kernels(args.kernels)
     cores = args.threads or torch.get_num_threads()
-    _say(args, f"loading and capturing {model_spec} ...")
     loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
-                                                                    args.device if not simulated else "cpu")
+                                                                    args.device if not simulated else "cpu",
+                                                                    say=say)
     # On a CPU more streams than cores only take turns; LIOS's 8 streams are for a GPU.
     default_streams = 8 if simulated or args.device == "cuda" else cores
     methods = {m: (m, method_options(m, streams=args.streams, max_group_size=args.max_group_size,
@@ -51,7 +56,7 @@ def optimize_command(args: argparse.Namespace) -> dict[str, Any]:
     outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=args.cost, device=args.device,
                           kernels=args.kernels, cores=cores, peers=peers, tolerance=args.tolerance,
                           repeats=args.repeats, cache=not args.no_cache, cuda_graph=args.cuda_graph,
-                          say=lambda text: _say(args, text),
+                          say=say,
                           profile_progress=_progress_bar))
     schedules = outcome.schedules
     requested = schedules[args.method]
@@ -113,6 +118,11 @@ def explain(schedule, graph, cost) -> str:
         return f"{streams} stream(s); units wait only on inputs from other streams"
     concurrent = sum(1 for st in schedule.stages if st.strategy == "concurrent" and len(st.groups) > 1)
     merges = sum(1 for st in schedule.stages if st.strategy == "merge")
+    if schedule.options.get("regions"):
+        blocks = schedule.stats.get("region_blocks", 0)
+        return (f"{blocks} of {schedule.stats.get('blocks', '?')} blocks run as compiled regions (the compiler "
+                f"fuses across their units), {concurrent} concurrent stage(s) and {merges} merge(s) predicted "
+                "to pay; units run back to back form one region")
     if concurrent or merges:
         return f"{concurrent} concurrent stage(s) and {merges} merge(s) predicted to pay"
     if graph.width == 1:
@@ -138,10 +148,20 @@ def run_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
                            "(opsched show) but not run here")
     engine = _run_engine(args, plan, devices)
-    if args.batch is None and plan.batch:
-        args.batch = plan.batch
-    elif args.batch is not None and plan.batch and args.batch != plan.batch:
-        raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
+    if plan.options.get("multi"):  # a model batch's plan (opsched multi): the batch is rebuilt as it was made
+        from opsched.multi.command import check_run_args
+
+        check_run_args(args, plan)
+    else:
+        if len(args.models) > 1 or args.copies is not None or args.preprocess is not None:
+            what = "several MODELs go" if len(args.models) > 1 else \
+                "--copies goes" if args.copies is not None else "--preprocess goes"
+            raise OpschedError(f"{what} with a plan made by opsched multi; {args.plan} was made for one model")
+        args.model = args.models[0]
+        if args.batch is None and plan.batch:
+            args.batch = plan.batch
+        elif args.batch is not None and plan.batch and args.batch != plan.batch:
+            raise OpschedError(f"{args.plan} was made for batch {plan.batch}, not {args.batch}")
     with contextlib.ExitStack() as ray_run:  # a Ray started for the run is shut down at the end, even on error
         cluster = None
         if engine == "ray":  # joined before the model is loaded: a cluster that will not do is said at once
@@ -169,7 +189,14 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
     if cuda_graph and device != "cuda":
         raise OpschedError(f"--cuda-graph needs a plan made for cuda; {args.plan} was made for {plan.device}")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    loaded, graph, _, _ = load_and_capture(args, args.model, device)
+    multi = bool(plan.options.get("multi"))
+    if multi:  # the model is the batch (each model's forward in turn), timed against sequential_models
+        from opsched.multi.command import rebuild_batch
+
+        loaded, graph, names = rebuild_batch(args, plan)
+    else:
+        loaded, graph, _, _ = load_and_capture(args, args.model, device)
+    baseline = "sequential_models" if multi else "eager"
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.options.get("kernels", "eager")
@@ -188,7 +215,7 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
     else:
         candidates, modules = schedule_candidates(graph, {label: plan}, operator, inputs, cores, device, sync,
                                                   cuda_graph)
-    peers = ["eager"] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != "eager" else [])
+    peers = [baseline] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != baseline else [])
     found, notes = peer_candidates(loaded.model, inputs, cores, peers, sync)
     ev = evaluate(candidates + found, reference_outputs(loaded.model, inputs, cores), args.tolerance, args.repeats)
     if label not in ev.measured_ms:
@@ -198,6 +225,13 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
               "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
               "warnings": ev.warnings + notes, "engine": engine}
+    if multi:  # each model's outputs under what ran, against its own forward, as opsched multi reports them
+        from opsched.multi.optimize import model_errors
+
+        run = next(c.run for c in candidates + found if c.name == ran and c.threads == ev.threads[ran])
+        del result["eager_threads"]
+        result.update(models=names, threads={n: t for n, t in ev.threads.items() if t is not None},
+                      model_errors=model_errors(lambda *_: run(), loaded.model, cores))
     if devices is not None:
         result["devices"] = devices
     if engine == "ray":
@@ -221,8 +255,10 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
                                      f"{loaded.name} {plan.method}")
         result["trace"] = args.trace
     if not args.json:
-        eager = ev.measured_ms["eager"]
+        eager = ev.measured_ms[baseline]
         print(f"plan          {args.plan} ({plan.method}, batch {plan.batch}, {kernels} kernels)")
+        if multi:
+            print(f"models        {len(names)}: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}")
         if devices is not None:
             used = sum(1 for n in devices.values() if n)
             if engine == "ray":
@@ -231,13 +267,16 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
             else:
                 how = f"{_count(used, 'device')} as threads"
             print(f"engine        {engine}: {how}")
-        print(f"verified      max abs error {ev.errors[label]:.3g}")
-        print(f"eager         {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads['eager']})")
+        print(f"verified      max abs error {ev.errors[label]:.3g}"
+              + (f"; every model within {max(result['model_errors']):.2g} of its own forward ({ran})"
+                 if multi else ""))
+        width = max(13, len(baseline), len(label), len(ran))
+        print(f"{baseline:<{width}} {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads[baseline]})")
         ms = ev.measured_ms[label]
-        print(f"{label:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager; predicted {plan.predicted_latency:.2f} ms)")
+        print(f"{label:<{width}} {ms:.2f} ms  ({eager / ms:.2f}x {baseline}; predicted {plan.predicted_latency:.2f} ms)")
         if ran != label:
             ms = ev.measured_ms[ran]
-            print(f"{ran:<13} {ms:.2f} ms  ({eager / ms:.2f}x eager): the configuration the plan chose")
+            print(f"{ran:<{width}} {ms:.2f} ms  ({eager / ms:.2f}x {baseline}): the configuration the plan chose")
         if args.trace:
             print(f"trace         {args.trace} (measured)")
     return result
@@ -357,7 +396,7 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
         raise OpschedError(f"{out} exists and is not a directory")
     started = time.perf_counter()
     rows = bench.run(cases, out, repeats=args.repeats, torch_compile=args.torch_compile,
-                     progress=lambda text: _say(args, text))
+                     progress=say)
     (out / "results.md").write_text(bench.markdown(rows) + "\n")
     plots = write_plots(rows, out)
     result = {"preset": args.preset, "out": str(out), "rows": len(rows), "seconds": time.perf_counter() - started,
@@ -371,10 +410,12 @@ def bench_command(args: argparse.Namespace) -> dict[str, Any]:
 
 # -- helpers --
 
-def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = None):
+def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = None,
+                     say: Callable[[str], Any] = lambda text: None):
     """Load the model ``spec`` names (with ``--batch``, ``--input-shape``, ``--image-size``) and capture it:
     (loaded model, graph, seconds loading, seconds capturing). With ``device``, the model is first put in
-    inference mode and moved there with its inputs, as the commands that run it need."""
+    inference mode and moved there with its inputs, as the commands that run it need. ``say`` is told of the
+    capture once the model has loaded: a model specifier that does not load is bad input, reported alone."""
     from opsched.graph.capture import capture
     from opsched.models.spec import load_model, parse_shape
 
@@ -387,6 +428,7 @@ def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = N
             loaded.model.to(device)
             loaded.inputs = tuple(x.to(device) for x in loaded.inputs)
     loaded_at = time.perf_counter()
+    say(f"capturing {loaded.name} ...")
     graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)
     return loaded, graph, loaded_at - started, time.perf_counter() - loaded_at
 
@@ -441,16 +483,12 @@ def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def _say(args, text: str) -> None:
-    if not args.json and sys.stderr.isatty():
-        print(text, file=sys.stderr)
-
-
 def _progress_bar(description: str, total: int):
-    """A tqdm bar on stderr when it is a terminal (the profiler's ``progress``)."""
-    from tqdm import tqdm
+    """The profiler's ``progress``: its runs, as a bar on a terminal or a few lines elsewhere (see
+    :mod:`opsched.progress`)."""
+    from opsched.progress import progress_bar
 
-    return tqdm(total=total, desc=description, unit="run", leave=False, disable=not sys.stderr.isatty())
+    return progress_bar(description, total, unit="run")
 
 
 def _print_optimize(result: dict[str, Any], schedules) -> None:

@@ -64,12 +64,14 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
     import torch._inductor.config as inductor_config
     from torch._inductor.codecache import PyCodeCache
 
+    from opsched.runtime.kernels import without_cuda_home_warning
+
     candidates = []
     for threads in thread_counts(cores):
         torch._dynamo.reset()
         torch.set_num_threads(threads)
         known = len(PyCodeCache.modules)
-        with inductor_config.patch(freezing=True, **{"cpp.threads": threads}):
+        with inductor_config.patch(freezing=True, **{"cpp.threads": threads}), without_cuda_home_warning():
             compiled = torch.compile(model)
             with torch.inference_mode():
                 compiled(*inputs)  # compiles now, while the thread count is pinned

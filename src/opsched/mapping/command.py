@@ -98,28 +98,27 @@ def _unit(problem: Problem) -> str:
 
 
 class _progress:
-    """A progress bar on stderr (when it is a terminal) for the searches that report progress."""
+    """Progress on stderr (see :mod:`opsched.progress`) for the searches that report it."""
 
     def __init__(self, method: str):
         self.method = method
         self.bar = None
 
     def __enter__(self):
-        if self.method not in ("sa", "ea", "milp-split") or not sys.stderr.isatty():
+        if self.method not in ("sa", "ea", "milp-split"):
             return None
-        from tqdm import tqdm
+        from opsched.progress import progress_bar
 
         def update(done: int, total: int) -> None:
             if self.bar is None:
-                self.bar = tqdm(total=total, desc=self.method, leave=False, file=sys.stderr)
-            self.bar.n = done
-            self.bar.refresh()
+                self.bar = progress_bar(self.method, total)
+            self.bar.update(done - self.bar.n)
 
         return update
 
     def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
-            self.bar.close()
+            self.bar.__exit__(*exc)
 
 
 def _print(result: dict[str, Any], problem: Problem) -> None:

@@ -8,7 +8,7 @@ outputs, faster than its members one after another; the decision for every group
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from opsched.graph.ir import Graph
-from opsched.multi.combine import ModelBatch, combine
+from opsched.multi.combine import ModelBatch, MultiError, combine
 from opsched.multi.shared import share_work
 from opsched.multi.stack import FUSIONS, batch_units, batchable_groups, batched_name, fusion_kind
 
@@ -36,20 +36,38 @@ class Fusion:
     combined: Graph
     fused: dict[str, int] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    rewrites: tuple[str, ...] = REWRITES
+
+    @property
+    def batched(self) -> list[str]:
+        """The names of the batched units made: with ``rewrites``, what a plan records to rebuild this graph
+        (see :func:`fuse_graph`'s ``made``)."""
+        return [d["name"] for d in self.decisions if d["made"]]
 
 
 def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
-               latencies: Callable[[Graph], list[float]] | None = None) -> Fusion:
+               latencies: Callable[[Graph], list[float]] | None = None,
+               made: Collection[str] | None = None) -> Fusion:
     """The batch's graph with the ``rewrites`` named made; ``latencies(graph)`` (the predicted milliseconds
     of each unit, from a cost model) decides which batched units pay. Without it, every batchable group is
-    batched."""
+    batched. ``made`` (the names of the batched units an earlier fusion made, as a plan records them) makes
+    exactly those instead, with no cost model asked: the graph that plan was made for. A name this batch has
+    no group for is a :class:`MultiError`."""
     unknown = set(rewrites) - set(REWRITES)
     if unknown:
         raise ValueError(f"unknown rewrite {min(unknown)!r}; choose from {', '.join(REWRITES)}")
     combined = combine(batch)
     graph, shared = share_work(combined) if "shared" in rewrites else (combined, 0)
-    result = Fusion(batch, graph, combined, {"shared": shared, **{kind: 0 for kind in FUSIONS}})
+    result = Fusion(batch, graph, combined, {"shared": shared, **{kind: 0 for kind in FUSIONS}},
+                    rewrites=tuple(rewrites))
     groups = [g for g in batchable_groups(graph) if fusion_kind(graph, g) in rewrites]
+    if made is not None:
+        names = {batched_name(graph, g) for g in groups}
+        missing = [name for name in made if name not in names]
+        if missing:
+            raise MultiError(f"batched unit {missing[0]!r} cannot be made in this batch (it has "
+                             f"{len(names)} batchable group(s))")
+        groups = [g for g in groups if batched_name(graph, g) in set(made)]
     if not groups:
         return result
     from opsched.graph.interpret import all_values
@@ -59,7 +77,7 @@ def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
     batched = batch_units(graph, groups, values)
     decisions = [{"name": batched_name(graph, g), "fusion": fusion_kind(graph, g), "members": len(g), "batched_ms": None, "apart_ms": None,
                   "made": True} for g in groups]
-    if latencies is not None:
+    if latencies is not None and made is None:
         apart, together = latencies(graph), latencies(batched)
         for d, members in zip(decisions, groups):
             selects = [graph.nodes[i].name for i in members if graph.nodes[i].name in batched.index]

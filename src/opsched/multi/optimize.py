@@ -41,9 +41,13 @@ class MultiOutcome:
     predicted_sequential_ms: float | None = None
 
     def plan(self):
+        """The runner's plan (see :meth:`opsched.pipeline.Outcome.plan`), recording in ``options.multi`` the
+        number of models, what the rewrites made, and what rebuilds the fused graph: the rewrites asked for
+        and the batched units made (see :func:`opsched.multi.fuse.fuse_graph`)."""
         plan = self.outcome.plan()
         if plan is not None:
-            plan.options["multi"] = {"models": len(self.fusion.batch.models), "fused": dict(self.fusion.fused)}
+            plan.options["multi"] = {"models": len(self.fusion.batch.models), "fused": dict(self.fusion.fused),
+                                     "rewrites": list(self.fusion.rewrites), "batched": self.fusion.batched}
         return plan
 
 

@@ -20,11 +20,13 @@ intra-op threads it gets to a callable.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +49,24 @@ def unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]
         return merged_operator(nodes)
     run = nodes[0].run
     return run.forward if isinstance(run, torch.fx.GraphModule) else run
+
+
+@contextlib.contextmanager
+def without_cuda_home_warning() -> Iterator[None]:
+    """Inductor's first C++ compilation imports ``torch.utils.cpp_extension``, which, on a machine with a CUDA
+    toolkit but no CUDA device, logs "No CUDA runtime is found, using CUDA_HOME='...'" onto stderr in the
+    middle of a run. That says nothing about the CPU kernels being compiled: while in the block the logger
+    drops that one record, and says everything else."""
+    logger = logging.getLogger("torch.utils.cpp_extension")
+    logger.addFilter(_not_the_cuda_home_warning)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_the_cuda_home_warning)
+
+
+def _not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("No CUDA runtime is found")
 
 
 class CompiledOperator:
@@ -91,7 +111,7 @@ class InductorOperator(CompiledOperator):
         saved = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            with inductor_config.patch(freezing=True), torch.no_grad():
+            with inductor_config.patch(freezing=True), torch.no_grad(), without_cuda_home_warning():
                 compiled = compile_fx(gm, args)
         except Exception as e:  # noqa: BLE001 - inductor raises many kinds; one line for the user
             raise OpschedError(f"inductor could not compile unit {nodes[0].name!r}: "
@@ -167,12 +187,19 @@ def operator_for(kernels: str, example: Callable[[str], Any] | None) -> Operator
     ONNX Runtime."""
     if kernels == "eager":
         return unit_operator
+    check_kernels(kernels)
     if kernels == "inductor":
         return InductorOperator(example)
+    return OnnxRuntimeOperator(example)
+
+
+def check_kernels(kernels: str) -> None:
+    """Raise :class:`OpschedError` unless ``kernels`` names kernels this installation can run (a command
+    checks before loading anything)."""
+    if kernels not in KERNELS:
+        raise OpschedError(f"unknown kernels {kernels!r}; choose from {', '.join(KERNELS)}")
     if kernels == "onnxruntime":
         try:
             import onnxruntime  # noqa: F401
         except ImportError:
             raise OpschedError("--kernels onnxruntime needs ONNX Runtime: pip install 'opsched[onnx]'") from None
-        return OnnxRuntimeOperator(example)
-    raise OpschedError(f"unknown kernels {kernels!r}; choose from {', '.join(KERNELS)}")
