@@ -156,3 +156,16 @@ def test_a_plan_with_regions_priced_by_the_cost_model_runs_and_matches_eager():
     with torch.inference_mode():
         torch.testing.assert_close(module(x), model(x))
     module.close()
+
+
+def test_a_schedule_with_regions_joins_its_runs_and_is_predicted_as_them():
+    from opsched.pipeline import with_regions
+
+    graph = _two_chain_blocks()
+    cost = _RegionPricedTable(graph, 0.5)
+    plan = with_regions(make_schedule("sequential", graph, TableCost(graph)), graph, cost)
+    validate(plan, graph)
+    assert plan.options["regions"] is True and len(plan.stages) == 1 and plan.predicted_latency == pytest.approx(5.0)
+    assert plan.bounds["lower_bound"] <= plan.predicted_latency + 1e-9
+    unpriced = with_regions(make_schedule("sequential", graph, TableCost(graph)), graph, TableCost(graph))
+    assert unpriced.options["regions"] is True and unpriced.predicted_latency == 10.0  # tables fuse nothing

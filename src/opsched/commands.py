@@ -500,7 +500,8 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
     print()
     measured = result.get("measured_ms", {})
     dropped = result.get("dropped", {})
-    header = f"  {'':<14} {kind + ' ms':>14}"
+    width = max(14, *(len(m) for m in schedules))
+    header = f"  {'':<{width}} {kind + ' ms':>14}"
     if measured:
         header += f" {'measured ms':>12} {'vs eager':>9}"
     print(header)
@@ -509,7 +510,7 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
     sequential = result["predicted_ms"]["sequential"]
     for name, predicted in rows:
         mark = "*" if name == result.get("chosen") else " "
-        line = f"{mark} {name:<14} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
+        line = f"{mark} {name:<{width}} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
         if name in measured:
             ms = measured[name]
             threads = result.get("threads", {}).get(name)
@@ -536,7 +537,9 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
     if "cost_model" in result:
         c = result["cost_model"]
         print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "
-              f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached)")
+              f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached"
+              + (f"; {c['regions_measured']} compiled regions measured, {c['regions_cached']} cached"
+                 if c.get("regions_measured") or c.get("regions_cached") else "") + ")")
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")

@@ -93,6 +93,22 @@ def _measured_stream_schedule(schedule: Schedule, graph: Graph, cost: Any) -> Sc
     return schedule
 
 
+def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
+    """A staged schedule run with compiled regions: each run of its one-group stages joined into one stage and,
+    where the cost model prices regions, predicted as the region it runs as (the lower bounds with it)."""
+    from opsched.cost.measure import stages_of
+    from opsched.schedule import from_stages, joined_runs
+    from opsched.schedulers.bounds import lower_bounds
+
+    options = {**schedule.options, "regions": True}
+    if cost.region_latencies([]) is None:  # nothing fuses: the prediction stays the units'
+        return dataclasses.replace(schedule, options=options, stats=dict(schedule.stats))
+    plan = from_stages(graph, cost, schedule.method, joined_runs(stages_of(schedule, graph)),
+                       stats=dict(schedule.stats), options=options)
+    plan.device, plan.batch, plan.bounds = schedule.device, schedule.batch, lower_bounds(graph, cost)
+    return plan
+
+
 def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, device: str = "cpu",
                kernels: str = "eager", cores: int | None = None, cache: bool = True,
                progress: Callable[[str, int], Any] | None = None) -> tuple[CostModel, Any]:
@@ -399,8 +415,7 @@ def run_job(job: Job) -> Outcome:
         # chose its own, block by block): which pays is measured.
         for name, schedule in list(schedules.items()):
             if schedule.stages is not None and not schedule.options.get("regions"):
-                schedules[f"{name}+regions"] = dataclasses.replace(
-                    schedule, options={**schedule.options, "regions": True}, stats=dict(schedule.stats))
+                schedules[f"{name}+regions"] = with_regions(schedule, job.graph, cost)
     sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)
     job.say("compiling the schedules ...")
     candidates, outcome.modules = schedule_candidates(job.graph, schedules, operator, job.inputs, cores, job.device,

@@ -260,6 +260,8 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
     out_stages: list[Stage] = []
     clock = 0.0
     regions = bool(extra.get("options", {}).get("regions"))
+    if regions:  # asked together, so that a measured cost model profiles the runs it has not seen in one go
+        cost.region_latencies([groups[0] for strategy, groups in stages if strategy == "concurrent" and len(groups) == 1])
     for strategy, groups in stages:
         groups = [list(g) for g in groups]
         if strategy == "merge":
@@ -284,6 +286,24 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
     ops.sort(key=lambda o: graph.index[o.name])
     return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
                     predicted_latency=clock, stages=out_stages, cost=cost.name, **extra)
+
+
+def joined_runs(stages: Sequence[tuple[str, Sequence[Sequence[int]]]]) -> list[tuple[str, list[list[int]]]]:
+    """``stages`` with each run of consecutive one-group stages joined into one stage: what a plan with
+    compiled regions runs as one region (see :mod:`opsched.runtime.regions`), so that :func:`from_stages` prices
+    it as one.
+
+    >>> joined_runs([("concurrent", [[0]]), ("concurrent", [[1, 2]]), ("concurrent", [[3], [4]]), ("concurrent", [[5]])])
+    [('concurrent', [[0, 1, 2]]), ('concurrent', [[3], [4]]), ('concurrent', [[5]])]
+    """
+    joined: list[tuple[str, list[list[int]]]] = []
+    for strategy, groups in stages:
+        if strategy == "concurrent" and len(groups) == 1 and joined and joined[-1][0] == "concurrent" \
+                and len(joined[-1][1]) == 1:
+            joined[-1] = ("concurrent", [joined[-1][1][0] + list(groups[0])])
+        else:
+            joined.append((strategy, [list(g) for g in groups]))
+    return joined
 
 
 def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[Sequence[int]],

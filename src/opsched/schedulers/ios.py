@@ -41,7 +41,7 @@ from collections.abc import Callable
 from opsched.cost.base import CostModel
 from opsched.graph.blocks import DEFAULT_MAX_SIZE, split_blocks
 from opsched.graph.ir import Graph, can_merge, components, indices
-from opsched.schedule import Schedule, from_stages
+from opsched.schedule import Schedule, from_stages, joined_runs
 
 
 def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int = 8, split: bool = True,
@@ -99,31 +99,16 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
              "stage_latencies_computed": len(stage_cost.memo)}
     schedule = from_stages(graph, cost, "ios", stages, stats=stats, options=options)
     if region_ms is not None:
-        # Joined runs are priced anew; the plan with regions is kept only if it still beats the one without
+        # The runs are priced as the regions they run as (profiled: not search time); the plan with regions
+        # is kept only if it beats the plan without.
         searched = time.perf_counter() - started
-        joined = _joined_runs(region_stages, cost)
+        with_regions = from_stages(graph, cost, "ios", joined_runs(region_stages),
+                                   stats={**stats, "region_blocks": region_blocks}, options={**options, "regions": True})
         started = time.perf_counter() - searched
-        with_regions = from_stages(graph, cost, "ios", joined, stats={**stats, "region_blocks": region_blocks},
-                                   options={**options, "regions": True})
         if with_regions.predicted_latency < schedule.predicted_latency:
             schedule = with_regions
     schedule.stats["search_seconds"] = time.perf_counter() - started
     return schedule
-
-
-def _joined_runs(stages: list[tuple[str, list[list[int]]]], cost: CostModel) -> list[tuple[str, list[list[int]]]]:
-    """Consecutive one-group stages joined into one stage, priced as the compiled region they run as (the
-    cost model profiles the runs it has not seen): the runtime fuses every such run into one region (see
-    :mod:`opsched.runtime.regions`), across blocks too."""
-    joined: list[tuple[str, list[list[int]]]] = []
-    for strategy, groups in stages:
-        if strategy == "concurrent" and len(groups) == 1 and joined and joined[-1][0] == "concurrent" \
-                and len(joined[-1][1]) == 1:
-            joined[-1] = ("concurrent", [joined[-1][1][0] + list(groups[0])])
-        else:
-            joined.append((strategy, groups))
-    cost.region_latencies([groups[0] for strategy, groups in joined if strategy == "concurrent" and len(groups) == 1])
-    return joined
 
 
 class _StageCost:
