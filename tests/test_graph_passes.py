@@ -120,3 +120,46 @@ def test_only_pools_that_pay_are_rewritten(shape, kernel, rewritten):
     gm.recompile()
     assert torch.equal(gm(x), pool(x))
     assert (max_pool2d_by_slices in _calls(gm)) == bool(rewritten)
+
+
+class _ShapeAndWeightWork(torch.nn.Module):
+    """A mask built from the input's shape, a weight standardised on every call, noise drawn on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.squares = torch.nn.Parameter(torch.randn(4, 6, 6))
+
+    def forward(self, x):
+        mask = x.new_zeros(x.shape[-2:])
+        mask[1:3, 1:3] = 1.0
+        w = (self.weight - self.weight.mean((1, 2, 3), keepdim=True)) / self.weight.std((1, 2, 3), keepdim=True)
+        y = torch.nn.functional.conv2d(x, w, padding=1) + mask
+        return y + torch.rand_like(y) * 0 + self.squares @ self.squares
+
+
+def test_constants_are_computed_once_at_capture_and_the_outputs_stay_the_same():
+    from opsched.cost.table import TableCost
+    from opsched.graph import constants
+    from opsched.runtime.module import OptimizedModule
+    from opsched.schedulers import make_schedule
+
+    model = _ShapeAndWeightWork().eval()
+    x = torch.randn(1, 3, 6, 6)
+    graph = capture(model, (x,))
+    targets = [str(n.target) for u in graph.nodes for n in u.run.graph.nodes if n.op == "call_function"]
+    assert not any(op in t for t in targets for op in ("new_zeros", "slice_scatter", "std", "mean", "matmul"))
+    assert any("rand_like" in t for t in targets)  # drawn anew on every call: never folded
+    for n in graph.nodes:
+        n.latency = 1.0
+    module = OptimizedModule(graph, make_schedule("sequential", graph, TableCost(graph)), 2)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), model(x))
+    old = constants.MAX_FOLDED_BYTES
+    constants.MAX_FOLDED_BYTES = 4 * 6 * 6 * 4 - 1  # the weights' product is one byte too large to be copied
+    try:
+        graph = capture(_ShapeAndWeightWork().eval(), (x,))
+    finally:
+        constants.MAX_FOLDED_BYTES = old
+    targets = [str(n.target) for u in graph.nodes for n in u.run.graph.nodes if n.op == "call_function"]
+    assert any("matmul" in t for t in targets) and not any("std" in t for t in targets)

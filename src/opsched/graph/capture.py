@@ -48,6 +48,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from opsched.errors import CaptureError
 from opsched.graph import ops
 from opsched.graph.ir import Graph, Node
+from opsched.graph.constants import fold_constants
 from opsched.graph.maxpool import max_pools_by_slices
 
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -68,7 +69,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
     model.eval()
     with _pytorch_quiet():
         gm = _trace(model, args, label)
-    return _group_units(gm, label)
+    return _group_units(fold_constants(gm), label)
 
 
 _QUIET = threading.Lock()
