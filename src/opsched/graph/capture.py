@@ -47,8 +47,8 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from opsched.errors import CaptureError
 from opsched.graph import ops
-from opsched.graph.ir import Graph, Node
 from opsched.graph.constants import fold_constants
+from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices
 
 _COMPUTE = ("call_function", "call_method", "call_module")
