@@ -14,7 +14,8 @@ def check(model, *inputs, **kw):
     with torch.no_grad():
         expected = model(*inputs)
         got = opsched.run_graph(g, *inputs)
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    # exact, but for the batch norms folded into their convolutions (rounding)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     return g
 
 

@@ -48,6 +48,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 from opsched.errors import CaptureError
 from opsched.graph import ops
 from opsched.graph.constants import fold_constants
+from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices
 
@@ -418,4 +419,5 @@ def _unit_module(unit: Sequence[fx.Node], external: Sequence[fx.Node], const: se
                 flat += "_"
             attributes[flat] = value
             node.target = flat
-    return fx.GraphModule(attributes, g, class_name="Unit")
+    # Inference batch norms folded into their convolutions: one kernel instead of two passes over the output
+    return fold_batch_norms(fx.GraphModule(attributes, g, class_name="Unit"))
