@@ -1,6 +1,7 @@
 """Several models at once (issue 10): every rewrite checked against the unfused units and each model's own
 eager forward; the hivemind scheduler's schedules valid; the command's bad input refused in one line."""
 
+import copy
 import json
 
 import pytest
@@ -131,9 +132,244 @@ def test_fused_training_gives_each_model_its_own_gradients():
               for k in range(3)]
     x = torch.randn(4, 3, 8, 8)
     result = compare_training(models, (x,), steps=5, lrs=[0.01, 0.05, 0.1], repeats=1)
-    assert result["max_param_diff"] <= 1e-5, result
+    assert result["max_param_diff"] <= 1e-5 and result["method"] == "channels" and result["fallback"] is None, result
     with pytest.raises(MultiError, match="one architecture"):
         FusedTraining([torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)], (torch.randn(1, 2),))
+
+
+# -- fused training in the channel-stacked layout: outputs, gradients and running statistics of every model
+#    the same as the model's alone (atol 1e-5), the vmap program as the fallback --
+
+class GroupedCNN(torch.nn.Module):
+    """Batch norm, max pooling, two convolutions with groups > 1, a residual add and a Linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                                        torch.nn.ReLU(), torch.nn.MaxPool2d(2))
+        self.grouped = torch.nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.widen = torch.nn.Conv2d(8, 12, 1, groups=4, bias=False)
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        y = self.stem(x)
+        y = torch.relu(y + self.norm(self.grouped(y)))
+        y = torch.nn.functional.adaptive_avg_pool2d(self.widen(y), 1)
+        return self.head(y.view(y.size(0), -1))
+
+
+ARCHITECTURES = {
+    "grouped_cnn": (GroupedCNN, (6, 3, 8, 8)),
+    "grouped_first_layer": (lambda: torch.nn.Sequential(  # groups > 1 on the shared input, BN without affine
+        torch.nn.Conv2d(4, 6, 3, groups=2), torch.nn.BatchNorm2d(6, affine=False), torch.nn.Tanh(),
+        torch.nn.AvgPool2d(2), torch.nn.Flatten(), torch.nn.Linear(6 * 9, 7), torch.nn.GELU(), torch.nn.Linear(7, 3)),
+        (5, 4, 8, 8)),
+    "mlp": (lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 9), torch.nn.BatchNorm1d(9),
+                                        torch.nn.SiLU(), torch.nn.Linear(9, 4)), (7, 3, 4)),
+}
+
+
+def _train_apart_and_fused(models, x, lrs, steps=2, method="auto", statistics=True):
+    """One forward and backward of the fused models and of each model alone, compared (outputs, every
+    parameter's gradient and, with ``statistics``, the running statistics), then SGD; ``steps`` times.
+    Returns both sides."""
+    fused = FusedTraining([copy.deepcopy(m) for m in models], (x,), method=method)
+    apart = [copy.deepcopy(m).train() for m in models]
+    labels = torch.randint(0, 3, (x.shape[0],), generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        out = fused.stacked_forward(x)
+        fused.summed_loss(out, labels).backward()
+        for k, model in enumerate(apart):
+            own = model(x)
+            torch.testing.assert_close(out[k], own, atol=1e-5, rtol=1e-5)
+            model.zero_grad()
+            torch.nn.functional.cross_entropy(own, labels).backward()
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(fused.stacked[fused.names.index(name)].grad[k], p.grad, atol=1e-5,
+                                           rtol=1e-5, msg=f"model {k}: gradient of {name}")
+            for name, b in model.named_buffers() if statistics else ():
+                torch.testing.assert_close(fused.buffers_of(k)[name], b, atol=1e-5, rtol=1e-5)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lrs[k] * p.grad
+        fused.step(lrs)
+    return fused, apart
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_channel_stacked_training_gives_each_model_its_outputs_gradients_and_statistics(name):
+    make, shape = ARCHITECTURES[name]
+    models = [_randomised(make(), k).train() for k in range(3)]
+    x = torch.randn(*shape)
+    fused, apart = _train_apart_and_fused(models, x, lrs=[0.05, 0.1, 0.2])
+    assert fused.method == "channels" and fused.fallback is None
+    assert "permute" not in fused.program.code and "vmap" not in fused.program.code
+    fused.eval()  # evaluation after training: the running statistics were carried along
+    for k, model in enumerate(apart):
+        model.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x)[k], model(x), atol=1e-5, rtol=1e-5)
+        fresh = make()
+        fresh.load_state_dict(fused.state_of(k))
+        with torch.no_grad():
+            torch.testing.assert_close(fresh.eval()(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+class _ReluReadTwice(torch.nn.Module):
+    """An in-place ReLU whose argument is read again after it: it must not be moved past the pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.relu, self.pool = torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(inplace=True), torch.nn.MaxPool2d(2)
+        self.head = torch.nn.Linear(4 * 9, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        a = self.pool(self.relu(y))
+        return self.head(torch.flatten(a + self.pool(y), 1))
+
+
+def test_a_relu_moves_past_max_pooling_only_when_exact():
+    ties = torch.nn.Sequential(torch.nn.Conv2d(2, 4, 2, bias=False), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+                               torch.nn.Flatten(), torch.nn.Linear(4 * 9, 3))
+    models = []
+    for k in range(3):  # small integers everywhere: windows with tied maxima, positive and zero
+        model = copy.deepcopy(ties)
+        torch.manual_seed(k)
+        model[0].weight.data = torch.randint(-1, 2, model[0].weight.shape).float()
+        models.append(model.train())
+    x = torch.randint(-1, 2, (4, 2, 7, 7)).float()
+    fused, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2, 0.3])
+    (relu,) = [n for n in fused.program.graph.nodes if n.target is torch.relu]
+    assert relu.args[0].target == "2", fused.program.code  # the ReLU after the pooling, on a quarter of the data
+    models = [_randomised(_ReluReadTwice(), k).train() for k in range(2)]
+    fused, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1, 0.2])
+    (relu,) = [n for n in fused.program.graph.nodes if n.target == "relu"]  # the in-place module, where it was
+    assert fused.method == "channels" and relu.args[0].target is torch.nn.functional.conv2d, fused.program.code
+
+
+def test_the_first_convolution_reads_the_shared_input_once():
+    models = [_randomised(GroupedCNN(), k).train() for k in range(4)]
+    program = FusedTraining(models, (torch.randn(2, 3, 8, 8),)).program
+    convs = [n for n in program.graph.nodes if n.target is torch.nn.functional.conv2d]
+    first = convs[0].args[0]
+    while first.op != "placeholder":  # through the change of memory format, nothing else
+        assert first.target == "contiguous", program.code
+        first = first.args[0]
+    assert [c.args[-1] for c in convs] == [1, 8, 16]  # groups: 1 on the input, then 2 and 4, times 4 models
+    assert all(c.args[1].target == "flatten" and c.args[1].args[1:] == (0, 1) for c in convs)  # stacked weights' views
+    assert "repeat" not in program.code and "permute" not in program.code  # nothing copied once per model
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_global_average_pooling_has_pytorchs_gradient_bit_for_bit(memory_format):
+    from opsched.multi.channels import global_average_pool
+
+    x = torch.randn(4, 6, 7, 5).contiguous(memory_format=memory_format).requires_grad_()
+    grad = torch.randn(4, 6, 1, 1)
+    (want,) = torch.autograd.grad(torch.nn.functional.adaptive_avg_pool2d(x, 1), x, grad)
+    (got,) = torch.autograd.grad(global_average_pool(x), x, grad)
+    assert torch.equal(got, want) and torch.equal(global_average_pool(x), torch.nn.functional.adaptive_avg_pool2d(x, 1))
+
+
+class _Concatenating(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 2, 3), torch.nn.Conv2d(3, 2, 3)
+        self.head = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([self.a(x), self.b(x)], 1).mean((2, 3)))
+
+
+def test_an_architecture_the_rewrite_does_not_know_falls_back_to_vmap_and_says_why():
+    models = [_randomised(_Concatenating(), k).train() for k in range(2)]
+    x = torch.randn(4, 3, 6, 6)
+    fused, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2])
+    assert fused.method == "vmap" and "cat" in fused.fallback, fused.fallback
+    with pytest.raises(MultiError, match="channel-stacked rewrite cannot run.*cat"):
+        FusedTraining(models, (x,), method="channels")
+    result = compare_training(models, (x,), steps=3, lrs=[0.1, 0.2])
+    assert result["method"] == "vmap" and "cat" in result["fallback"] and result["max_param_diff"] <= 1e-5
+
+
+def test_the_vmap_program_stays_reachable_and_agrees():
+    models = [_randomised(ARCHITECTURES["grouped_cnn"][0](), k).train() for k in range(3)]
+    fused, _ = _train_apart_and_fused(models, torch.randn(4, 3, 8, 8), lrs=[0.05, 0.1, 0.2], method="vmap",
+                                      statistics=False)  # vmap's batch norm does not carry them
+    assert fused.method == "vmap" and fused.fallback is None
+
+
+def test_dropout_gives_every_model_its_own_mask():
+    models = [torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, 64), torch.nn.Dropout(0.5)) for _ in range(2)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())  # equal models: only the masks can differ
+    fused = FusedTraining(models, (torch.randn(4, 8),))
+    assert fused.method == "channels"
+    out = fused.stacked_forward(torch.ones(4, 8))
+    assert not torch.equal(out[0] == 0, out[1] == 0)
+    fused.eval()
+    out = fused.stacked_forward(torch.ones(4, 8))
+    assert torch.equal(out[0], out[1])
+
+
+class _ResidualConv(torch.nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv(x)
+
+
+_LAYERS = ("conv", "grouped", "bn", "relu", "maxpool", "avgpool", "residual")
+
+
+@settings(deadline=None, database=None, derandomize=True, max_examples=12, suppress_health_check=list(HealthCheck))
+@given(layers=st.lists(st.sampled_from(_LAYERS), min_size=1, max_size=5), width=st.sampled_from([2, 4]),
+       linears=st.integers(1, 2), count=st.integers(1, 3))
+def test_channel_stacked_training_is_exact_on_random_small_architectures(layers, width, linears, count):
+    def make():
+        torch.manual_seed(0)
+        mods, channels, size = [], 3, 8
+        for layer in layers:
+            if layer in ("conv", "grouped") or (layer == "residual" and channels == 3):
+                groups = 2 if layer == "grouped" and channels % 2 == 0 else 1
+                mods.append(torch.nn.Conv2d(channels, width * 2, 3, padding=1, groups=groups))
+                channels = width * 2
+            elif layer == "bn":
+                mods.append(torch.nn.BatchNorm2d(channels))
+            elif layer == "relu":
+                mods.append(torch.nn.ReLU())
+            elif layer in ("maxpool", "avgpool") and size > 2:
+                mods.append(torch.nn.MaxPool2d(2) if layer == "maxpool" else torch.nn.AvgPool2d(2))
+                size //= 2
+            elif layer == "residual":
+                mods.append(_ResidualConv(channels))
+        mods += [torch.nn.Flatten(), torch.nn.Linear(channels * size * size, 6)]
+        if linears == 2:
+            mods += [torch.nn.ReLU(), torch.nn.Linear(6, 3)]
+        return torch.nn.Sequential(*mods)
+
+    models = [_randomised(make(), k).train() for k in range(count)]
+    fused, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1] * count, steps=1)
+    assert fused.method == "channels", fused.fallback
+
+
+def test_training_small_cnns_for_20_steps_stays_within_the_target_of_each_model_alone():
+    def small_cnn():  # benchmarks/multi.py's small CNN, on 16 x 16 images here
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+            torch.nn.Linear(32, 10))
+
+    torch.manual_seed(0)
+    result = compare_training([small_cnn() for _ in range(4)], (torch.randn(4, 3, 16, 16),), steps=20,
+                              lrs=[0.02, 0.04, 0.06, 0.08], also=("vmap",))
+    assert result["method"] == "channels" and result["max_param_diff"] <= 1e-4, result
+    assert result["also"]["fused_vmap"]["max_param_diff"] <= 1e-4
+    assert set(result["ms_per_step"]) == {"sequential_models", "fused", "fused_vmap"}
 
 
 BATCH_FILE = '''

@@ -1,12 +1,16 @@
 """Training several models of one architecture as one (HiveMind's hyperparameter-search workload).
 
 :class:`FusedTraining` holds the models' parameters stacked (one tensor per parameter, model ``k`` at index
-``k``) and runs their forward as one program: ``vmap`` over the architecture's ``functional_call``, traced
-with ``make_fx`` into plain ATen operators (convolutions become grouped convolutions, linear layers batched
-matmuls). The sum of the models' losses has, for each slice of a stacked parameter, exactly the gradient
-that model's own loss gives it alone, so :meth:`FusedTraining.step` with one learning rate per model is K
-independent SGD runs in one. Batch norm's running statistics are not carried over from the fused run
-(training uses batch statistics either way; only evaluation after training would see the difference).
+``k``) and runs their forward as one program. The sum of the models' losses has, for each slice of a stacked
+parameter, exactly the gradient that model's own loss gives it alone, so :meth:`FusedTraining.step` with one
+learning rate per model is K independent SGD runs in one.
+
+The program is, when the architecture allows it, the *channel-stacked* rewrite
+(:mod:`opsched.multi.channels`): the models' activations live as ``(N, K*C, H, W)`` from the first layer to
+the last, convolutions are grouped convolutions over views of the stacked weights, batch norm is one batch
+norm over ``K*C`` channels (running statistics updated, so evaluation after training matches). Otherwise it
+is ``vmap`` over the architecture's ``functional_call`` traced with ``make_fx`` (``method="vmap"``), and
+``fallback`` says which node the rewrite did not know.
 """
 
 from __future__ import annotations
@@ -20,13 +24,24 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opsched.multi.channels import NotStackable, channel_stacked, trace
 from opsched.multi.combine import MultiError
 from opsched.multi.optimize import model_batch
+
+METHODS = ("auto", "channels", "vmap")
 
 
 class FusedTraining(torch.nn.Module):
     """K models of one architecture as one trainable module: ``forward(*inputs)`` returns a tuple with each
     model's output on the shared ``inputs``; ``step(lrs)`` applies SGD to every model with its own rate.
+
+    ``method``: ``"auto"`` runs the channel-stacked program when the rewrite knows every node of the
+    architecture and its check on ``example_inputs`` (each model alone, in training mode) passes, and the vmap
+    program otherwise; ``"channels"`` refuses (:class:`MultiError`) rather than fall back; ``"vmap"`` is the
+    vmap program. After construction ``method`` says which runs and ``fallback`` why the rewrite was not used
+    (the node it did not know), or ``None``. ``channels_last``: the channel-stacked program's memory format.
+    ``train()`` / ``eval()`` choose batch norm's and dropout's mode (``eval()`` uses the running statistics
+    that training updated; the vmap program does not update them).
 
     >>> import torch
     >>> models = [torch.nn.Linear(4, 3) for _ in range(2)]
@@ -37,8 +52,11 @@ class FusedTraining(torch.nn.Module):
     True
     """
 
-    def __init__(self, models: Sequence[torch.nn.Module], example_inputs: Any):
+    def __init__(self, models: Sequence[torch.nn.Module], example_inputs: Any, method: str = "auto",
+                 channels_last: bool = True):
         super().__init__()
+        if method not in METHODS:
+            raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         batch = model_batch(models, example_inputs)
         if not batch.same_architecture:
             raise MultiError("fused training needs models of one architecture reading one input (a sweep)")
@@ -48,7 +66,51 @@ class FusedTraining(torch.nn.Module):
         self.buffer_names = list(buffers)
         self.stacked = torch.nn.ParameterList(torch.nn.Parameter(p.detach().clone()) for p in params.values())
         self.buffers_ = [b.clone() for b in buffers.values()]
-        base = copy.deepcopy(batch.models[0]).to("meta").train()
+        self.fallback: str | None = None  # why the channel-stacked rewrite was not used, when it was not
+        self._programs: dict[bool, Any] = {}
+        if method != "vmap":
+            try:
+                self._programs = self._channel_stacked(batch, channels_last)
+            except NotStackable as e:
+                if method == "channels":
+                    raise MultiError(f"the channel-stacked rewrite cannot run this architecture: {e}") from None
+                self.fallback = str(e)
+        if not self._programs:
+            self._programs = {mode: self._vmap(batch, mode) for mode in (True, False)}
+        self.method = "channels" if self.fallback is None and method != "vmap" else "vmap"
+
+    @property
+    def program(self) -> torch.fx.GraphModule:
+        """The program the forward runs in the current mode (``train()`` / ``eval()``): its ``.code`` shows it."""
+        return self._programs[self.training]
+
+    def _channel_stacked(self, batch: Any, channels_last: bool) -> dict[bool, Any]:
+        traced = trace(batch.models[0], batch.inputs)
+        programs = {mode: channel_stacked(traced, self.count, self.names, self.buffer_names, training=mode,
+                                          channels_last=channels_last) for mode in (True, False)}
+        # a check of the rewrite on the example inputs: each model alone in training mode (batch norm's
+        # batch statistics and running-statistics update; dropout off, its masks are random), exact or refused
+        check = channel_stacked(traced, self.count, self.names, self.buffer_names, training=True, dropout=False,
+                                channels_last=channels_last)
+        single = copy.deepcopy(batch.models[0]).train()
+        for m in single.modules():
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+                m.eval()
+        buffers = [b.clone() for b in self.buffers_]
+        with torch.no_grad():
+            got = check(list(self.stacked), buffers, *batch.inputs)
+            for k in range(self.count):
+                mine = {n: b[k].clone() for n, b in zip(self.buffer_names, self.buffers_)}
+                want = torch.func.functional_call(single, {**self.parameters_of(k), **mine}, tuple(batch.inputs))
+                pairs = [(got[k], want), *((buffers[j][k], mine[n]) for j, n in enumerate(self.buffer_names))]
+                for a, b in pairs:
+                    if not isinstance(want, torch.Tensor) or a.shape != b.shape or not _close(a, b):
+                        raise NotStackable(f"the channel-stacked program differs from model {k} alone on the example "
+                                           "inputs (a rewrite rule is wrong for this architecture)")
+        return programs
+
+    def _vmap(self, batch: Any, training: bool) -> Any:
+        base = copy.deepcopy(batch.models[0]).to("meta").train(training)
 
         def one(p: dict, b: dict, *args: Any) -> Any:
             return torch.func.functional_call(base, (p, b), args)
@@ -58,11 +120,32 @@ class FusedTraining(torch.nn.Module):
         def forward(plist: list, blist: list, *args: Any) -> Any:
             return batched(dict(zip(self.names, plist)), dict(zip(self.buffer_names, blist)), *args)
 
-        self.program = make_fx(forward)(list(self.stacked), self.buffers_, *batch.inputs)
+        return make_fx(forward)(list(self.stacked), self.buffers_, *batch.inputs)
 
     def forward(self, *inputs: Any) -> tuple:
-        out = self.program(list(self.stacked), self.buffers_, *inputs)
+        out = self.stacked_forward(*inputs)
         return tuple(out[k] for k in range(self.count))
+
+    def stacked_forward(self, *inputs: Any) -> Any:
+        """The models' outputs as one tensor, model ``k``'s at index ``k`` (what the program computes)."""
+        return self.program(list(self.stacked), self.buffers_, *inputs)
+
+    def summed_loss(self, stacked: torch.Tensor, target: torch.Tensor, loss: Any = None) -> torch.Tensor:
+        """The sum over the models of ``loss(output_k, target)`` averaged over the batch (cross-entropy by
+        default; ``loss`` must take ``reduction="sum"``), computed as one loss over the models' outputs side by
+        side: one kernel instead of K small ones, and every model's gradient the same as its own loss gives.
+
+        >>> import torch
+        >>> fused = FusedTraining([torch.nn.Linear(4, 3) for _ in range(2)], (torch.randn(5, 4),))
+        >>> x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+        >>> apart = sum(torch.nn.functional.cross_entropy(o, y) for o in fused(x))
+        >>> torch.allclose(fused.summed_loss(fused.stacked_forward(x), y), apart)
+        True
+        """
+        loss = loss or torch.nn.functional.cross_entropy
+        batch = target.shape[0]
+        return loss(stacked.flatten(0, 1), target.repeat(self.count, *[1] * (target.dim() - 1)),
+                    reduction="sum") / batch
 
     @torch.no_grad()
     def step(self, lrs: Sequence[float]) -> None:
@@ -77,6 +160,20 @@ class FusedTraining(torch.nn.Module):
         """Model ``k``'s parameters by name."""
         return {name: p[k] for name, p in zip(self.names, self.stacked)}
 
+    def buffers_of(self, k: int) -> dict[str, torch.Tensor]:
+        """Model ``k``'s buffers by name (batch norm's running statistics, as training updated them)."""
+        return {name: b[k] for name, b in zip(self.buffer_names, self.buffers_)}
+
+    def state_of(self, k: int) -> dict[str, torch.Tensor]:
+        """Model ``k``'s parameters and buffers, for ``model.load_state_dict`` (copies)."""
+        return {name: t.detach().clone() for name, t in {**self.parameters_of(k), **self.buffers_of(k)}.items()}
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to rounding (a wrong rewrite rule is off by far more)."""
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return torch.allclose(a, b, rtol=1e-3, atol=1e-3 * max(1.0, b.abs().max().item() if b.numel() else 0.0))
+
 
 def _rates(lrs: Sequence[float], count: int) -> list[float]:
     if len(lrs) == 1:
@@ -87,18 +184,26 @@ def _rates(lrs: Sequence[float], count: int) -> list[float]:
 
 
 def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: int = 20,
-                     lrs: Sequence[float] = (0.01,), cores: int | None = None, repeats: int = 15) -> dict[str, Any]:
+                     lrs: Sequence[float] = (0.01,), cores: int | None = None, repeats: int = 15,
+                     method: str = "auto", also: Sequence[str | tuple[str, dict]] = ()) -> dict[str, Any]:
     """Train copies of ``models`` (SGD, each with its rate; cross-entropy against fixed seeded random labels)
-    one after another and fused, step by step interleaved: milliseconds per step (medians) and the largest
-    difference between their parameters after ``steps`` steps (``max_param_diff``)."""
+    one after another and fused, step by step interleaved (the order rotating every step): milliseconds per
+    step (medians, the first step left out) and the largest difference between their parameters after
+    ``steps`` steps (``max_param_diff``). ``method`` is :class:`FusedTraining`'s; each of ``also`` (a method,
+    say ``"vmap"``, or a pair ``(label, FusedTraining options)``) trains one more fused copy that way, timed
+    in the same rotation as ``fused_<label>``, with its ``max_param_diff`` in ``also``. ``repeats`` is accepted
+    for the command's sake; ``steps`` are the timed rounds."""
     torch.set_num_threads(cores or torch.get_num_threads())
     rates = _rates(lrs, len(models))
     apart = [copy.deepcopy(m).train() for m in models]
-    fused = FusedTraining([copy.deepcopy(m).train() for m in models], inputs)
+    fused = {"fused": FusedTraining([copy.deepcopy(m).train() for m in models], inputs, method=method)}
+    for other in also:
+        label, options = (other, {"method": other}) if isinstance(other, str) else other
+        fused[f"fused_{label}"] = FusedTraining([copy.deepcopy(m).train() for m in models], inputs, **options)
     batch = model_batch(apart, inputs)
     args = batch.inputs
     with torch.no_grad():
-        classes = apart[0](*args).shape[-1]
+        classes = copy.deepcopy(apart[0])(*args).shape[-1]
     labels = torch.randint(classes, (args[0].shape[0],), generator=torch.Generator().manual_seed(0))
     optimizers = [torch.optim.SGD(m.parameters(), lr=r) for m, r in zip(apart, rates)]
     loss = torch.nn.functional.cross_entropy
@@ -109,18 +214,27 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
             loss(m(*args), labels).backward()
             opt.step()
 
-    def step_fused() -> None:
-        sum(loss(out, labels) for out in fused(*args)).backward()
-        fused.step(rates)
+    def stepper(trainer: FusedTraining) -> Any:
+        def step_fused() -> None:
+            trainer.summed_loss(trainer.stacked_forward(*args), labels).backward()
+            trainer.step(rates)
+        return step_fused
 
-    times: dict[str, list[float]] = {"sequential_models": [], "fused": []}
-    for _ in range(steps):
-        for name, run in (("sequential_models", step_apart), ("fused", step_fused)):
+    runs = [("sequential_models", step_apart), *((name, stepper(t)) for name, t in fused.items())]
+    times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    for i in range(steps):
+        for name, run in runs[i % len(runs):] + runs[:i % len(runs)]:
             started = time.perf_counter()
             run()
             times[name].append((time.perf_counter() - started) * 1e3)
-    diff = max((fused.parameters_of(k)[name] - p).abs().max().item()
-               for k, m in enumerate(apart) for name, p in m.named_parameters())
+
+    def diff(trainer: FusedTraining) -> float:
+        return max((trainer.parameters_of(k)[name] - p).abs().max().item()
+                   for k, m in enumerate(apart) for name, p in m.named_parameters())
+
     ms = {name: statistics.median(t[1:] or t) for name, t in times.items()}  # the first step warms up
-    return {"steps": steps, "models": len(models), "max_param_diff": diff, "ms_per_step": ms,
-            "speedup": ms["sequential_models"] / ms["fused"]}
+    main = fused["fused"]
+    return {"steps": steps, "models": len(models), "max_param_diff": diff(main), "ms_per_step": ms,
+            "speedup": ms["sequential_models"] / ms["fused"], "method": main.method, "fallback": main.fallback,
+            "also": {name: {"method": t.method, "max_param_diff": diff(t), "fused_speedup": ms[name] / ms["fused"]}
+                     for name, t in fused.items() if name != "fused"}}
