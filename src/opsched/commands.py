@@ -120,9 +120,9 @@ def explain(schedule, graph, cost) -> str:
     merges = sum(1 for st in schedule.stages if st.strategy == "merge")
     if schedule.options.get("regions"):
         blocks = schedule.stats.get("region_blocks", 0)
-        return (f"{blocks} of {schedule.stats.get('blocks', '?')} blocks run as compiled regions (the compiler "
-                f"fuses across their units), {concurrent} concurrent stage(s) and {merges} merge(s) predicted "
-                "to pay; units run back to back form one region")
+        return (f"{blocks} of {schedule.stats.get('blocks_of_several', '?')} blocks of several units run as "
+                f"compiled regions (the compiler fuses across their units), {concurrent} concurrent stage(s) and "
+                f"{merges} merge(s) predicted to pay; units run back to back form one region")
     if concurrent or merges:
         return f"{concurrent} concurrent stage(s) and {merges} merge(s) predicted to pay"
     if graph.width == 1:

@@ -102,8 +102,10 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
         # The runs are priced as the regions they run as (profiled: not search time); the plan with regions
         # is kept only if it beats the plan without.
         searched = time.perf_counter() - started
+        several = sum(1 for b in blocks if len(b) > 1)
         with_regions = from_stages(graph, cost, "ios", joined_runs(region_stages),
-                                   stats={**stats, "region_blocks": region_blocks}, options={**options, "regions": True})
+                                   stats={**stats, "region_blocks": region_blocks, "blocks_of_several": several},
+                                   options={**options, "regions": True})
         started = time.perf_counter() - searched
         if with_regions.predicted_latency < schedule.predicted_latency:
             schedule = with_regions
