@@ -127,6 +127,25 @@ def test_milp_split_is_optimal_on_single_channel_chains():
     assert lower_bound(problem) <= replay(problem, whole.mapping).makespan + 1e-9
 
 
+
+@settings(max_examples=6, deadline=None)
+@given(st.integers(0, 10_000))
+def test_milp_split_skips_only_solves_that_cannot_win(seed):
+    # a slow third device (as the Xeon beside two GPUs): a chain whose exit is on it is longer than moving the
+    # next module's inputs costs, so its solves are skipped; the DP must still reach the whole MILP's optimum
+    graph = _chain_of_modules(4, seed=seed)
+    rng = random.Random(seed)
+    latencies = {n.name: {"a": float(rng.randint(1, 6)), "b": float(rng.randint(1, 6)), "slow": 40.0}
+                 for n in graph.nodes}
+    platform = platform_from_dict({"devices": [{"name": "a"}, {"name": "b"}, {"name": "slow"}],
+                                   "links": {"default": {"bandwidth": 1, "latency": 0.5}}})
+    problem = build_problem(graph, platform, device_latencies=latencies, edge_bytes={e: 1.0 for e in graph.edges})
+    whole = milp(problem, time_limit=20)
+    split = milp_split(problem, time_limit=20, min_module=1)
+    pairs = 3 + 9 * (len(split.decomposition.modules) - 2) + 3  # every (input, output) device pair of every module
+    assert whole.optimal and split.optimal and split.solves < pairs
+    assert replay(problem, split.mapping).makespan == pytest.approx(replay(problem, whole.mapping).makespan)
+
 def test_replay_hand_checked_with_transfers_and_pieces():
     graph = Graph([Node("a", latency=4.0), Node("b", args=("a",), latency=4.0)])
     platform = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}],

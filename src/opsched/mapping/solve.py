@@ -90,7 +90,9 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
         stats.update(modules=len(result.decomposition.modules), channels=result.decomposition.channels,
                      single_channel=result.decomposition.single_channel, solves=result.solves,
                      symmetry_factor=result.symmetry_factor,
-                     module_sizes=[len(m) for m in result.decomposition.modules])
+                     module_sizes=[len(m) for m in result.decomposition.modules],
+                     cut_by=result.decomposition.cut_by,
+                     decomposition_out_of_time=result.decomposition.out_of_time)
     else:
         raise MappingError(f"unknown mapping method {method!r}; choose from {', '.join(METHODS)}")
     check(problem, mapping)
