@@ -25,7 +25,7 @@ from opsched.mapping.problem import build_problem
 from opsched.mapping.replay import replay
 from opsched.mapping.solve import solve
 from opsched.mapping.split import milp_split
-from opsched.mapping.symmetry import SYMMETRIES, amount_of, canonical, orbits
+from opsched.mapping.symmetry import SYMMETRIES, amount_of, balanced, canonical, orbits
 
 
 def _two_nodes(memory: float | None = None) -> dict:
@@ -108,6 +108,27 @@ def test_canonical_mapping_takes_the_same_time_and_is_ordered(seed, symmetry):
     for orbit in found.node_orbits:
         totals = [sum(amount(d) for d in members) for members in orbit]
         assert all(a >= b - 1e-9 for a, b in itertools.pairwise(totals))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000))
+def test_a_balanced_mapping_takes_the_same_time_and_puts_the_busiest_where_load_is_least(seed):
+    problem = _problem(seed, 6, "throughput", batch=4)
+    rng = random.Random(seed)
+    genes = [[rng.randrange(problem.devices)] * problem.pieces for _ in range(problem.n)]
+    mapping = Mapping.from_pieces(problem, genes, range(problem.n))
+    load = [rng.uniform(0, 10) for _ in range(problem.devices)]
+    spread = balanced(problem, mapping, load)
+    check(problem, spread)
+    assert replay(problem, spread).makespan == pytest.approx(replay(problem, mapping).makespan)
+
+    def busy(d):
+        return amount_of(problem, "time", spread.order[d])
+
+    for orbit in orbits(problem, "time").device_orbits:  # the less loaded of two devices has the more work
+        for a, b in itertools.combinations(orbit, 2):
+            if load[a] < load[b]:
+                assert busy(a) >= busy(b) - 1e-9
 
 
 @settings(max_examples=40, deadline=None)

@@ -38,6 +38,7 @@ from opsched.mapping.plan import Job, Mapping
 from opsched.mapping.platform import Platform
 from opsched.mapping.problem import Problem
 from opsched.mapping.replay import replay
+from opsched.mapping.symmetry import balanced
 
 
 @dataclass
@@ -142,6 +143,7 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
     # batch split, their weights copied onto several devices) leave too little for the rest.
     need = [sum(problem.memory(u) for u in units) for units in modules]
     rest = [sum(need[t:]) for t in range(len(modules))]
+    busy = [0.0] * k  # each device's time in the modules mapped so far
     factor = 1
     for t, units in enumerate(modules):
         entries = sorted({a for u in units for a in indices(problem.graph.preds[u]) if position[a] < t})
@@ -164,12 +166,16 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
                                    f"{problem.graph.nodes[units[0]].name!r}): {error}") from None
             chosen = result.mapping
             factor = max(factor, result.symmetry_factor)
+        # The module's solve sees none of the modules' jobs before it: among devices it cannot tell apart, its
+        # busiest contents go to the least busy (else every module's largest share lands on one device)
+        chosen = balanced(sub, chosen, busy, fixed=pinned.values())
         for d in range(k):
             for j in chosen.order[d]:
                 if back[j.unit] is not None:
                     order[d].append(Job(back[j.unit], d, j.pieces))
                     device_of[back[j.unit]] = d
                     left_memory[d] -= problem.memory(back[j.unit], len(j.pieces))
+                    busy[d] += problem.time(back[j.unit], d, len(j.pieces))
         if progress:
             progress(t + 1, len(modules))
     return Mapping(order), len(modules), factor

@@ -96,6 +96,43 @@ def canonical(problem: Problem, mapping: Mapping, symmetry: str, fixed: Iterable
     return Mapping([[Job(j.unit, d, j.pieces) for j in jobs] for d, jobs in enumerate(order)])
 
 
+def balanced(problem: Problem, mapping: Mapping, load: Sequence[float], fixed: Iterable[int] = ()) -> Mapping:
+    """``mapping`` with interchangeable nodes and devices permuted so that the busiest contents go where
+    ``load`` (each device's busy time before this problem's jobs) is least. For ``problem`` alone nothing
+    changes (only the devices' names do); for a chain of problems solved one after another, each blind to the
+    others' jobs, it keeps the chain's work spread instead of every problem's largest share landing on the
+    same first device of each orbit, which canonical forms (and solvers' tie-breaking) would do.
+
+    >>> from opsched.graph.ir import Graph, Node
+    >>> from opsched.mapping.platform import platform_from_dict
+    >>> from opsched.mapping.problem import build_problem
+    >>> p = platform_from_dict({"devices": [{"name": "x"}, {"name": "y"}], "links": {"default": {"bandwidth": 1}}})
+    >>> prob = build_problem(Graph([Node("a", latency=1.0), Node("b", latency=2.0)]), p)
+    >>> m = balanced(prob, Mapping.from_devices(2, [0, 0], [0, 1], 2), load=[5.0, 0.0])
+    >>> [[j.unit for j in jobs] for jobs in m.order]
+    [[], [0, 1]]
+    """
+    found = orbits(problem, "time", fixed)
+    if not found.device_orbits and not found.node_orbits:
+        return mapping
+    order = [list(jobs) for jobs in mapping.order]
+
+    def busy(jobs: Sequence[Job]) -> float:
+        return amount_of(problem, "time", jobs)
+
+    for orbit in found.node_orbits:
+        contents = sorted(([order[d] for d in members] for members in orbit), key=lambda c: -sum(map(busy, c)))
+        targets = sorted(orbit, key=lambda members: sum(load[d] for d in members))
+        for members, content in zip(targets, contents, strict=True):
+            for d, jobs in zip(members, content, strict=True):
+                order[d] = jobs
+    for orbit in found.device_orbits:
+        contents = sorted((order[d] for d in orbit), key=lambda jobs: -busy(jobs))
+        for d, jobs in zip(sorted(orbit, key=lambda d: load[d]), contents, strict=True):
+            order[d] = jobs
+    return Mapping([[Job(j.unit, d, j.pieces) for j in jobs] for d, jobs in enumerate(order)])
+
+
 def amount_of(problem: Problem, symmetry: str, jobs: Sequence[Job]) -> float:
     """What ``symmetry`` counts of a device's ``jobs``."""
     if symmetry == "batch":
