@@ -16,8 +16,9 @@ def small():
     return m, capture(m.model, m.inputs)
 
 
-def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path):
+def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path, monkeypatch):
     m, g = small
+    monkeypatch.setattr(measure_module, "CACHE_DISAGREEMENT", float("inf"))  # however busy the machine is now
     cache = LatencyCache(tmp_path / "c.sqlite")
     first = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
     assert first.counts["units_measured"] == 2 * len(g)  # at 2 threads and at 1
@@ -27,6 +28,18 @@ def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path):
     # the cached timings at each thread count (op_latency also depends on which count the whole graph ran
     # fastest with, timed afresh each time: on a busy machine the choice can differ between the two)
     assert again.latency == first.latency
+
+
+def test_cached_unit_timings_far_from_the_graph_timed_now_are_measured_again(small, tmp_path):
+    m, g = small
+    cache = LatencyCache(tmp_path / "c.sqlite")
+    first = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    for threads, latencies in first.latency.items():  # as if profiled while something else held the cores
+        for u in range(len(g)):
+            cache.put(first.device, first.signatures[u], "eager", first.batch, str(threads), 50 * latencies[u], 3)
+    again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    assert again.counts["units_measured"] == 2 * len(g) and again.counts["units_cached"] == 0
+    assert sum(again.best) < 10 * sum(first.best)
 
 
 def test_a_cache_from_another_device_is_never_used(small, tmp_path, monkeypatch):
@@ -94,6 +107,7 @@ def test_stream_schedules_on_measured_costs_predict_their_measured_run(small, tm
 def test_the_thread_count_is_timed_whole_never_taken_from_cached_unit_timings(small, tmp_path, monkeypatch):
     # unit timings cached while the machine was busy once put every unit of VoVNet on one thread
     m, g = small
+    monkeypatch.setattr(measure_module, "CACHE_DISAGREEMENT", float("inf"))  # however busy the machine is now
     cache = LatencyCache(tmp_path / "c.sqlite")
     MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
     timed = []
