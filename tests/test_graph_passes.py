@@ -163,3 +163,20 @@ def test_constants_are_computed_once_at_capture_and_the_outputs_stay_the_same():
         constants.MAX_FOLDED_BYTES = old
     targets = [str(n.target) for u in graph.nodes for n in u.run.graph.nodes if n.op == "call_function"]
     assert any("matmul" in t for t in targets) and not any("std" in t for t in targets)
+
+
+def test_a_batch_norm_is_folded_once_for_the_same_unchanged_weights():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 6, 6)
+
+    def folded_weight():
+        unit = capture(model, (x,)).nodes[0].run
+        return next(t for name, t in unit.named_buffers() if name.endswith("folded_" + name.split("_folded_")[-1])
+                    and not name.endswith("_bias"))
+
+    first, again = folded_weight(), folded_weight()
+    assert first is again
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # changed in place: folded anew
+    changed = folded_weight()
+    assert changed is not first and torch.allclose(changed, 2 * first)

@@ -555,3 +555,15 @@ def test_opsched_run_refuses_several_models_for_a_single_model_plan(multi_plan, 
     assert main(["run", f"{models}:batch", f"{models}:batch", "--plan", str(single)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "opsched multi" in err[0], err
+
+
+def test_models_sharing_a_trunk_with_batch_norm_share_its_work():
+    from opsched.multi.combine import ModelBatch, combine
+    from opsched.multi.shared import share_work
+
+    torch.manual_seed(0)
+    trunk = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
+    models = [torch.nn.Sequential(trunk, torch.nn.Conv2d(8, 2, 1)).eval() for _ in range(3)]
+    x = torch.randn(1, 3, 8, 8)
+    graph, shared = share_work(combine(ModelBatch(models, [(x,)] * 3)))
+    assert shared == 2  # capture folds the batch norm into the convolution once for the three models

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import operator
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -76,6 +77,28 @@ def _batch_norm_args(node: fx.Node) -> dict[str, Any]:
     return values
 
 
+# Folds made, by the tensors they were made from (ids and versions): weak references to those, the folded pair
+_FOLDS: dict[tuple, tuple[list, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`folded_conv` of ``sources``, the very same tensors each time it is asked for the same unchanged
+    tensors: two models that share a module still share its folded weights, which is how a model batch finds
+    their shared work (by storage, :mod:`opsched.multi.shared`). A source changed in place since (its version)
+    makes a new fold; a fold is forgotten when one of its sources is collected."""
+    present = [t for t in sources if t is not None]
+    key = (tuple((id(t), t._version) if t is not None else None for t in sources), eps)
+    made = _FOLDS.get(key)
+    if made is not None and all(ref() is t for ref, t in zip(made[0], present, strict=True)):
+        return made[1]
+    with torch.no_grad():
+        pair = folded_conv(*[t.detach() if t is not None else None for t in sources], eps)
+    _FOLDS[key] = ([weakref.ref(t) for t in present], pair)
+    for t in present:
+        weakref.finalize(t, _FOLDS.pop, key, None)
+    return pair
+
+
 def folded_conv(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,
                 beta: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,10 +127,10 @@ def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
         conv_bias = conv.args[2] if len(conv.args) > 2 else None
 
         def value(n: Any) -> torch.Tensor | None:
-            return get_attr_value(n, folded).detach() if isinstance(n, fx.Node) else None
+            return get_attr_value(n, folded) if isinstance(n, fx.Node) else None
 
-        tensors = folded_conv(value(conv.args[1]), value(conv_bias), value(bn.weight), value(bn.bias),
-                              value(bn.mean), value(bn.var), bn.eps)
+        tensors = _folded_once([value(conv.args[1]), value(conv_bias), value(bn.weight), value(bn.bias),
+                                value(bn.mean), value(bn.var)], bn.eps)
         # named after the weight and the statistics folded, unique in the model (a shared weight may be folded
         # with several batch norms): the units inlined into one compiled region keep their attributes apart by name
         base = "".join(c if c.isalnum() else "_" for c in str(conv.args[1].target))
