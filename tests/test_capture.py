@@ -186,8 +186,8 @@ def test_units_read_weights_under_flat_names_and_activate_in_place_only_what_the
         for node in n.run.graph.nodes:
             if node.target is torch.ops.aten.relu_.default:
                 assert node.args[0].op != "placeholder"
-    with torch.inference_mode():
-        assert torch.allclose(run_graph(g, x), model(x))
+    with torch.inference_mode():  # the batch norm folded into the convolution: equal up to rounding
+        torch.testing.assert_close(run_graph(g, x), model(x), rtol=1e-5, atol=1e-6)
 
 
 def test_units_merge_only_when_the_operators_around_the_convolution_are_the_same():

@@ -565,5 +565,5 @@ def test_models_sharing_a_trunk_with_batch_norm_share_its_work():
     trunk = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU())
     models = [torch.nn.Sequential(trunk, torch.nn.Conv2d(8, 2, 1)).eval() for _ in range(3)]
     x = torch.randn(1, 3, 8, 8)
-    graph, shared = share_work(combine(ModelBatch(models, [(x,)] * 3)))
+    _, shared = share_work(combine(ModelBatch(models, [(x,)] * 3)))
     assert shared == 2  # capture folds the batch norm into the convolution once for the three models
