@@ -285,13 +285,21 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
 def _run_engine(args: argparse.Namespace, plan, devices: dict[str, int] | None) -> str:
     """The engine ``opsched run`` uses: ``--engine``, else ray when ``--address`` is given, else local (every
     device in this process). Ray is refused for what it cannot run, and when it is not installed."""
+    from opsched.mapping.execute import cuda_devices
+
     engine = args.engine or ("ray" if args.address else "local")
+    on_cuda = ", ".join(name for name, _ in cuda_devices(plan)) if devices is not None else ""
     if engine != "ray":
         if args.address:
             raise OpschedError("--address names a Ray cluster: it goes with --engine ray")
+        if args.trace and on_cuda:
+            raise OpschedError(f"--trace records per-unit times, which a plan on CUDA devices ({on_cuda}) does not")
         return engine
     if devices is None:
         raise OpschedError(f"--engine ray runs a mapped plan (made by opsched map); {args.plan} maps no devices")
+    if on_cuda:
+        raise OpschedError(f"--engine ray runs CPU devices; {args.plan} maps units onto CUDA device(s) {on_cuda}: "
+                           "run it with --engine local")
     if args.trace:
         raise OpschedError("--trace records the local engine's threads; it cannot be used with --engine ray")
     if plan.options.get("kernels", "eager") != "eager":

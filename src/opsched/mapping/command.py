@@ -72,19 +72,23 @@ def load_problem(args: argparse.Namespace, platform) -> Problem:
     costs: dict[tuple[str, int], list[float]] = {}
 
     def measure(device, threads: int) -> list[float]:
-        if device.kind.startswith("cuda:"):
-            import torch
+        from opsched.mapping.execute import check_cuda_devices, cuda_index, on_cuda_device
 
-            if not torch.cuda.is_available():
-                raise MappingError(f"device {device.name!r} is {device.kind}, but this machine has no GPU")
-        key = (device.kind, threads)
+        gpu = cuda_index(device.kind)
+        if gpu is not None:
+            check_cuda_devices([(device.name, device.kind)], "the platform has")
+        key = (device.kind, 1 if gpu is not None else threads)  # threads are a CPU device's
         if key not in costs:
             from opsched.commands import _flat
             from opsched.pipeline import cost_model
 
-            cost, _ = cost_model(graph, _flat(loaded.inputs), "measured", cores=threads,
-                                 device="cpu" if device.kind == "cpu" else "cuda")
-            costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
+            if gpu is None:
+                cost, _ = cost_model(graph, _flat(loaded.inputs), "measured", cores=threads, device="cpu")
+                costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
+            else:  # the units' weights and the inputs on that GPU, timed there
+                with on_cuda_device(graph, _flat(loaded.inputs), gpu) as (placed, inputs):
+                    cost, _ = cost_model(placed, inputs, "measured", device="cuda")
+                costs[key] = [cost.best[u] for u in range(len(graph))]
         return costs[key]
 
     return build_problem(graph, platform, args.objective, args.batch or int(loaded.inputs[0].shape[0]),

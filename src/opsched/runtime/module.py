@@ -38,7 +38,8 @@ class VerificationError(OpschedError):
 class OptimizedModule(torch.nn.Module):
     """Runs ``graph`` as ``schedule`` says: on the CPU with ``cores`` intra-op threads to share between the
     streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
-    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`). Inputs and outputs are structured as the model's.
+    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices
+    (see :mod:`opsched.mapping.execute`). Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
     replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
     (:mod:`opsched.runtime.regions`)."""
@@ -61,7 +62,11 @@ class OptimizedModule(torch.nn.Module):
             graph, schedule = compiled_regions(graph, schedule)
         self.program: StreamProgram = compile_program(schedule, graph, cores or torch.get_num_threads())
         self.units = torch.nn.ModuleList(n.run for n in graph.nodes if isinstance(n.run, torch.nn.Module))
-        self.executor = make_executor(self.program, operator, device, cuda_graph)
+        from opsched.mapping.execute import mapped_executor
+
+        # a plan mapped onto CUDA devices runs on them, taking the inputs on the host (see mapping/execute.py)
+        self.executor = mapped_executor(self.program, schedule, operator, cuda_graph) \
+            or make_executor(self.program, operator, device, cuda_graph)
 
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)
