@@ -172,3 +172,23 @@ def test_a_schedule_with_regions_joins_its_runs_and_is_predicted_as_them():
     assert plan.bounds["lower_bound"] <= plan.predicted_latency + 1e-9
     unpriced = with_regions(make_schedule("sequential", graph, TableCost(graph)), graph, TableCost(graph))
     assert unpriced.options["regions"] is True and unpriced.predicted_latency == 10.0  # tables fuse nothing
+
+
+def test_units_whose_attributes_have_the_same_names_keep_their_own_in_one_region():
+    from torch import fx
+
+    from opsched.graph.ir import Graph, Node
+
+    def scaled(factor: float) -> fx.GraphModule:  # each unit names its weight w0, as a batched unit does
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(torch.mul, (x, g.get_attr("w0"))))
+        return fx.GraphModule({"w0": torch.tensor(factor)}, g)
+
+    graph = Graph([Node("a", args=("x",), run=scaled(2.0), latency=1.0),
+                   Node("b", args=("a",), run=scaled(3.0), latency=1.0)], inputs=["x"])
+    fused, plan = compiled_regions(graph, make_schedule("sequential", graph, TableCost(graph)))
+    assert len(fused) == 1
+    x = torch.ones(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(OptimizedModule(fused, plan, 1)(x), x * 6)

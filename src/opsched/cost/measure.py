@@ -118,6 +118,7 @@ class MeasuredCost:
         self.latency: dict[int, list[float]] = {}
         self.measured_stages: dict[StageKey, float] = {}
         self.regions: dict[tuple[int, ...], float] = {}
+        self.region_error: str | None = None
         self.predicted_when_measured: dict[StageKey, float] = {}
         self.contention = CONTENTION_PRIOR
         self.merge_factor = MERGE_PRIOR
@@ -168,8 +169,9 @@ class MeasuredCost:
     def region_latencies(self, regions: Sequence[Sequence[int]]) -> list[float] | None:
         """Each run of units (a block, in topological order) compiled as one region and run back to back
         on every core, measured in place; None with eager kernels, which have nothing to fuse. From then on
-        a plan with regions prices a one-group stage of exactly those units at what its region measured."""
-        if self.kernels == "eager" or self.gpu:
+        a plan with regions prices a one-group stage of exactly those units at what its region measured. If
+        profiling them fails (a region a compiler cannot take), None too, and ``region_error`` says why."""
+        if self.kernels == "eager" or self.gpu or self.region_error:
             return None
         wanted = [tuple(r) for r in regions]
         missing = []
@@ -187,8 +189,13 @@ class MeasuredCost:
                 self.counts["regions_cached"] += 1
         if missing:
             started = time.perf_counter()
-            self._measure_regions(missing)
-            self.profile_seconds += time.perf_counter() - started
+            try:
+                self._measure_regions(missing)
+            except Exception as e:  # noqa: BLE001 - a region that fails to compile or run: plans without regions
+                self.region_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                return None
+            finally:
+                self.profile_seconds += time.perf_counter() - started
         return [self.regions[r] for r in wanted]
 
     def stream_latency(self, makespan: float, streams: Sequence[Sequence[int]]) -> float:
@@ -202,6 +209,8 @@ class MeasuredCost:
                      "cores": self.cores, "sync_overhead_ms": self.sync_overhead, "contention": self.contention,
                      "merge_factor": self.merge_factor, "profile_seconds": round(self.profile_seconds, 3),
                      **self.counts}
+        if self.region_error:
+            described["region_error"] = self.region_error
         if self.gpu:
             del described["cores"]
             described["capacity"] = self.capacity

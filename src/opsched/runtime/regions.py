@@ -33,6 +33,7 @@ from torch import fx
 
 from opsched.cost.table import TableCost
 from opsched.graph.ir import Graph, Node, indices
+from opsched.graph.ops import get_attr_value
 from opsched.schedule import Schedule, from_stages
 
 
@@ -143,7 +144,7 @@ def _fused_node(graph: Graph, region: Sequence[int], durations: dict[str, float]
     g = fx.Graph()
     env: dict[str, fx.Node] = {a: g.placeholder(f"in{k}") for k, a in enumerate(args)}
     attributes: dict[str, Any] = {}
-    for u in region:
+    for k, u in enumerate(region):
         unit = graph.nodes[u]
         module = unit.run
         inputs = iter(unit.args)
@@ -154,9 +155,12 @@ def _fused_node(graph: Graph, region: Sequence[int], durations: dict[str, float]
             elif node.op == "output":
                 env[unit.name] = mapping[node.args[0]]
             else:
-                if node.op in ("get_attr", "call_module"):
-                    attributes[str(node.target)] = getattr(module, str(node.target))
                 mapping[node] = g.node_copy(node, mapping.__getitem__)
+                if node.op in ("get_attr", "call_module"):
+                    # each unit names its attributes for itself (a batched unit's are w0, w1, ...): kept apart
+                    name = f"u{k}_{str(node.target).replace('.', '_')}"
+                    attributes[name] = get_attr_value(node, module)
+                    mapping[node].target = name
     g.output(env[graph.nodes[region[-1]].name])
     last = graph.nodes[region[-1]]
     members = [graph.nodes[u] for u in region]
@@ -166,3 +170,4 @@ def _fused_node(graph: Graph, region: Sequence[int], durations: dict[str, float]
                 param_bytes=sum(n.param_bytes for n in members), ops=tuple(op for n in members for op in n.ops),
                 latency=sum(durations[n.name] for n in members),
                 run=fx.GraphModule(attributes, g, class_name="Region"))
+
