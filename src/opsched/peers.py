@@ -28,6 +28,7 @@ Each peer is a list of :class:`opsched.pipeline.Candidate` (one per thread count
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,7 +101,9 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
         return [], "onnxruntime is not installed (pip install 'opsched[onnx]')"
     buffer = io.BytesIO()
     try:
-        torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's deprecation and constant-folding notes, mid-run
+            torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
     except Exception as e:  # noqa: BLE001 - any export failure only leaves this peer out
         return [], f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
     candidates = []
