@@ -522,7 +522,7 @@ def _print_optimize(result: dict[str, Any], schedules) -> None:
         if name in measured:
             ms = measured[name]
             threads = result.get("threads", {}).get(name)
-            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({threads} threads)" if threads else "")
+            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({_count(threads, 'thread')})" if threads else "")
         elif name in dropped:
             line += f"  dropped: {dropped[name]}"
         elif predicted and not measured:
