@@ -6,10 +6,12 @@ plans, both refusing in one line where there is no GPU. The same plans on real G
 where PyTorch sees none)."""
 
 import argparse
+import inspect
 import json
 import textwrap
 
 import pytest
+import test_mapping_run
 import torch
 from cuda_standin import BrokenRule, CudaStandIn
 from torch import nn
@@ -140,12 +142,17 @@ def test_on_meta_every_tensor_of_the_gpus_is_made_on_their_device():
     assert out.device.type == "meta" and out.shape == (1, 4, 12, 12) and mean.shape == ()
 
 
-def test_googlenet_mapped_onto_two_gpus_and_the_cpu_equals_eager():
+def _googlenet():
+    """GoogLeNet at 64x64, seeded, and its captured graph."""
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(0)
     model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).eval()
     x = torch.randn(1, 3, 64, 64)
-    graph = capture(model, (x,))
+    return model, x, capture(model, (x,))
+
+
+def test_googlenet_mapped_onto_two_gpus_and_the_cpu_equals_eager():
+    model, x, graph = _googlenet()
     plan = _plan(graph, "heft")
     assert {op.stream for op in plan.ops} == {0, 1, 2}
     standin = CudaStandIn(devices=2)
@@ -375,27 +382,18 @@ def test_the_default_interface_calls_torch_cuda_for_several_devices_as_documente
 
 # -- opsched map and opsched run --
 
-MODEL_FILE = '''
+# the branchy CNN test_mapping_run maps onto CPU devices, as a model file for the command line
+MODEL_FILE = f"""
 import torch
 from torch import nn
 
 
-class Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.stem = nn.Conv2d(3, 8, 3, padding=1)
-        self.branches = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, k, padding=k // 2), nn.ReLU()) for k in (1, 3, 5))
-        self.head = nn.Conv2d(24, 4, 1)
-
-    def forward(self, x):
-        x = torch.relu(self.stem(x))
-        return self.head(torch.cat([b(x) for b in self.branches], 1))
-
+{inspect.getsource(test_mapping_run.Branchy)}
 
 def make():
     torch.manual_seed(0)
     return Branchy().eval(), (torch.randn(1, 3, 12, 12),)
-'''
+"""
 
 
 @pytest.fixture
@@ -517,11 +515,7 @@ def test_on_two_real_gpus_every_crossing_equals_eager(chain, crossing):
 @needs_two_gpus
 @pytest.mark.usefixtures("full_precision")
 def test_on_two_real_gpus_googlenet_equals_eager():
-    torchvision = pytest.importorskip("torchvision")
-    torch.manual_seed(0)
-    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).eval()
-    x = torch.randn(1, 3, 64, 64)
-    graph = capture(model, (x,))
+    model, x, graph = _googlenet()
     module = OptimizedModule(graph, _plan(graph, "heft"), cores=2)
     with torch.inference_mode():
         assert (module(x) - model(x)).abs().max().item() <= 1e-3

@@ -13,7 +13,6 @@ capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> run, verif
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,11 +99,9 @@ def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
     from opsched.schedule import from_stages, joined_runs
     from opsched.schedulers.bounds import lower_bounds
 
-    options = {**schedule.options, "regions": True}
-    if cost.region_latencies([]) is None:  # nothing fuses: the prediction stays the units'
-        return dataclasses.replace(schedule, options=options, stats=dict(schedule.stats))
+    # (a cost model that prices no regions prices each joined run as its units, one after another)
     plan = from_stages(graph, cost, schedule.method, joined_runs(stages_of(schedule, graph)),
-                       stats=dict(schedule.stats), options=options)
+                       stats=dict(schedule.stats), options={**schedule.options, "regions": True})
     plan.device, plan.batch, plan.bounds = schedule.device, schedule.batch, lower_bounds(graph, cost)
     return plan
 

@@ -56,10 +56,10 @@ def fold_constants(gm: fx.GraphModule) -> fx.GraphModule:
         elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in values:
             values[node] = values[node.args[0]][node.args[1]]
         elif _foldable(node) and (node.target in VALUE_FREE or all(a in values for a in node.all_input_nodes)):
-            missing = [a for a in node.all_input_nodes if a not in values and _stand_in(a) is None]
-            if missing:
+            known = {a: values[a] if a in values else _stand_in(a) for a in node.all_input_nodes}
+            if any(v is None for v in known.values()):
                 continue
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: values[a] if a in values else _stand_in(a))
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs), known.__getitem__)
             with torch.no_grad():
                 values[node] = node.target(*args, **kwargs)
     folded = 0

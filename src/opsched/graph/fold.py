@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import copy
-import hashlib
 import operator
 import weakref
 from typing import Any, NamedTuple
@@ -131,11 +130,8 @@ def fold_batch_norms(gm: fx.GraphModule) -> fx.GraphModule:
 
         tensors = _folded_once([value(conv.args[1]), value(conv_bias), value(bn.weight), value(bn.bias),
                                 value(bn.mean), value(bn.var)], bn.eps)
-        # named after the weight and the statistics folded, unique in the model (a shared weight may be folded
-        # with several batch norms): the units inlined into one compiled region keep their attributes apart by name
-        base = "".join(c if c.isalnum() else "_" for c in str(conv.args[1].target))
-        key = hashlib.sha1(f"{conv.args[1].target}|{bn.mean.target}".encode()).hexdigest()[:8]
-        names = (f"{base}_folded_{key}", f"{base}_folded_{key}_bias")
+        base = "".join(c if c.isalnum() else "_" for c in str(conv.args[1].target))  # named after the weight
+        names = (f"{base}_folded_{folds}", f"{base}_folded_{folds}_bias")
         for name, tensor in zip(names, tensors):
             folded.register_buffer(name, tensor)
         with graph.inserting_before(conv):
