@@ -10,10 +10,10 @@ Variables and constraints, in the paper's numbering:
   indicator ``b[u][d][k]`` per size, only sizes the device accepts; the job's duration is that size's cost;
 - (6) memory: weights of every job plus its share of inputs and output within each device's budget;
 - (7) no overlap on a device: for the latency objective, a disjunction only for pairs of units on no common
-  path (pairs on a path are ordered by (3)), as the paper prunes with the transitive closure; CP-SAT's
-  global no-overlap over the same intervals is added as a redundant constraint (implied by the
-  disjunctions, it lets the solver reason about a device's whole load at once). For throughput, pieces of units on one path can overlap on a
-  device, so every pair of jobs is covered, by the global constraint.
+  path (pairs on a path are ordered by (3)), as the paper prunes with the transitive closure (a redundant
+  global no-overlap on top made CP-SAT's presolve prove a wrong optimum, so it is not stated). For
+  throughput, pieces of units on one path can overlap on a device, so every pair of jobs is covered, by
+  CP-SAT's global no-overlap.
 - symmetry (``none|batch|task|time``): interchangeable devices within a node and interchangeable nodes are
   ordered by their pieces / units / busy time (DiviML Section VI; ``symmetry.py``), the hint permuted to fit.
 
@@ -176,9 +176,10 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
         placed = [[x[u][q][d] for q in range(pieces)] for u in range(n) for d in range(k)]
         pieces_on = [[x[u][q][d] for u in range(n) for q in range(pieces)] for d in range(k)]
     for d, device in enumerate(problem.platform.devices):
-        if pieces > 1 or solver == "cp-sat":
-            # for latency it is redundant (the pairs' disjunctions above imply it), there for CP-SAT's reasoning
-            # about a device's whole load; HiGHS would get it as one more order variable per pair of units
+        if pieces > 1:
+            # For latency the pairs' disjunctions above imply it. Stated there too, over optional intervals that
+            # share each unit's start and end across devices, it made CP-SAT's presolve (OR-Tools 9.15) prove a
+            # wrong optimum: 17.0 on a 6-unit DAG where 16.5 is feasible (found by HiGHS; presolve off gave 16.5).
             m.AddNoOverlap(intervals[d])
         if math.isfinite(device.memory):
             m.Add(sum(c * lit for lit, c in usage[d]) <= math.floor(device.memory / mem_unit))
