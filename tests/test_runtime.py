@@ -1,6 +1,9 @@
 """The runtime: StreamPrograms, the CPU executor, operator merge, and compiled modules that verify."""
 
+import os
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -123,6 +126,34 @@ def test_executor_is_safe_to_call_from_several_threads():
     for t in threads:
         t.join()
     assert not errors
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info(),
+                    reason="counts the OpenMP threads of this process through /proc")
+def test_a_worker_that_ran_several_threads_leaves_no_openmp_pool_behind():
+    # With GNU OpenMP, a thread that opened a 2-thread parallel region keeps a pool thread while it lives, and
+    # pools holding more threads than cores make every later parallel region wait for sleeping threads (1.5x
+    # slower eager SqueezeNet, measured). Such a worker must be gone once the call returns.
+    g = Graph([Node("a", args=("x",), run=torch.exp), Node("b", args=("x",), run=torch.neg),
+               Node("c", args=("a", "b"), run=torch.add)], inputs=["x"])
+    for n in g.nodes:
+        n.latency = 1.0
+    s = from_streams(g, TableCost(g), "t", [[1, 2], [0]])
+    s.options["stream_threads"] = [1, 2]  # exp runs on the worker, on 2 threads
+    program = compile_program(s, g, cores=2)
+    assert [run.threads for run in program.streams[1] if isinstance(run, Run)] == [2]
+    ex = CPUExecutor(program, unit_operator)
+    x = torch.randn(1 << 22)
+    expected = torch.exp(x) - x  # on this thread's own OpenMP pool, made now if it had none
+    threads_in_process = lambda: len(os.listdir("/proc/self/task"))
+    before = threads_in_process()
+    for _ in range(3):
+        assert torch.allclose(ex(x)[0], expected)
+    deadline = time.monotonic() + 5
+    while threads_in_process() > before + 1 and time.monotonic() < deadline:  # a retired worker may be exiting
+        time.sleep(0.01)
+    assert threads_in_process() == before + 1  # one idle worker, with no OpenMP pool
+    ex.close()
 
 
 def test_timeline_records_every_unit():

@@ -129,19 +129,26 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
 
     import torch
 
-    pool = ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer")
-    weakref.finalize(batch, pool.shutdown, wait=False)
+    pools: list[ThreadPoolExecutor] = []
+    weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools])
 
-    def one(model: Any, args: tuple) -> Any:
+    def one(model: Any, args: tuple, count: int) -> Any:
+        torch.set_num_threads(count)  # the OpenMP setting is per thread: set in the caller, it would not reach here
         with torch.inference_mode():
             return model(*args)
 
     def at(count: int) -> Callable[[], Any]:
         def run() -> Any:
-            torch.set_num_threads(count)
-            futures = [pool.submit(one, m, a) for m, a in zip(batch.models, batch.split(inputs))]
+            if not pools:
+                pools.append(ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer"))
+            futures = [pools[0].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
             out = tuple(f.result() for f in futures)
             sync()
+            if count > 1:
+                # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel
+                # region in the process, the other candidates' too (see opsched.runtime.cpu); opsched's own
+                # workers are ended after such a call, and so are these.
+                pools.pop().shutdown()
             return out
         return run
 

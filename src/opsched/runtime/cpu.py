@@ -6,6 +6,15 @@ other streams run on persistent worker threads, each applying the intra-op threa
 not reach the workers, and workers left at the default would oversubscribe the cores). Events are
 ``threading.Event`` s; PyTorch releases the GIL inside its kernels, so streams really run at the same time.
 
+A worker that ran a step on more than one intra-op thread ends after the call, and a fresh thread takes its
+place. With GNU OpenMP (PyTorch's CPU builds), every thread that opens a parallel region of several threads
+keeps its own pool of OpenMP threads for as long as it lives; once the process's pools hold more threads
+than there are cores, libgomp stops spinning between parallel regions everywhere in the process, and each
+region then waits for sleeping threads to wake. Measured here (2 cores, SqueezeNet, see docs/runtime.md):
+the model's own forward on 2 threads ran 1.5x slower, in the caller's thread, for as long as one idle
+worker that had once run a 2-thread step was alive. A new thread costs about 0.1 ms per call, and only
+programs with such steps pay it.
+
 Calls are serialised by a lock, so an executor is safe to share between threads: two calls interleaving on
 shared workers could otherwise wait on each other's streams.
 
@@ -95,11 +104,21 @@ class CPUExecutor:
                 torch.set_num_threads(caller_threads)
             for k in range(1, len(self._steps)):
                 call.finished[k].wait()
+            self._retire_wide_workers(call)
             if call.error is not None:
                 raise call.error
             if record_timeline:
                 self.timeline = sorted(call.timeline, key=lambda t: t[2])
             return [call.values[s] for s in self._outputs]
+
+    def _retire_wide_workers(self, call: _Call) -> None:
+        """End every worker that ran a step on several threads in ``call`` (see the module's docstring), and
+        wait for it, so that its OpenMP pool is gone before the caller goes on."""
+        for k, worker in enumerate(self._workers, 1):
+            if call.wide[k]:
+                worker.stop()
+                worker.join()
+                self._workers[k - 1] = _Worker()
 
     def close(self) -> None:
         """Stop the worker threads and wait for them to end (a later call starts new ones)."""
@@ -127,6 +146,7 @@ class _Call:
         self.remaining = list(executor._readers)
         self.events = [threading.Event() for _ in range(executor.program.events)]
         self.finished = [threading.Event() for _ in executor._steps]
+        self.wide = [False] * len(executor._steps)  # ran a step on more than one thread
         self.lock = threading.Lock()
         self.error: BaseException | None = None
         self.timeline: list | None = [] if record_timeline else None
@@ -157,6 +177,7 @@ class _Call:
                 if threads != threads_now:
                     torch.set_num_threads(threads)
                     threads_now = threads
+                    self.wide[k] = self.wide[k] or threads > 1
                 began = time.perf_counter() if self.timeline is not None else 0.0
                 try:
                     result = fn(*[values[a] for a in args])

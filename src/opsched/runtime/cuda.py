@@ -479,6 +479,11 @@ class DevicesExecutor:
                 torch.set_num_threads(caller_threads)
             for other in others:
                 other.result()
+            if any(call.wide[1:]):
+                # A worker thread that ran several OpenMP threads keeps an OpenMP pool that slows every later
+                # parallel region in the process (see opsched.runtime.cpu): end the workers now.
+                self._workers.shutdown()
+                self._workers = None
             return call.finish()
 
     def close(self) -> None:
@@ -506,6 +511,7 @@ class _DevicesCall:
                        if executor.devices[k] is not None}
         self.lock = threading.Lock()
         self.error: BaseException | None = None
+        self.wide = [False] * len(executor._steps)  # per stream: ran a step on more than one CPU thread
 
     def run_stream(self, k: int) -> None:
         device = self.executor.devices[k]
@@ -531,6 +537,7 @@ class _DevicesCall:
                 if device is None and threads != threads_now:
                     torch.set_num_threads(threads)
                     threads_now = threads
+                    self.wide[k] = self.wide[k] or threads > 1
                 try:
                     result = fn(*[self._value(slot, k, device) for slot in args])
                 except Exception as e:
