@@ -567,3 +567,29 @@ def test_models_sharing_a_trunk_with_batch_norm_share_its_work():
     x = torch.randn(1, 3, 8, 8)
     _, shared = share_work(combine(ModelBatch(models, [(x,)] * 3)))
     assert shared == 2  # capture folds the batch norm into the convolution once for the three models
+
+
+class _ThreadCountProbe(torch.nn.Module):
+    """Records the intra-op thread count its forward runs with, in the thread that runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(torch.get_num_threads())
+        return x + 1
+
+
+def test_threads_peer_runs_each_model_at_its_thread_count():
+    from opsched.peers import threads
+
+    models = [_ThreadCountProbe(), _ThreadCountProbe()]
+    x = torch.randn(3)
+    batch = ModelBatch(models, [(x,)] * 2)
+    runners = {c.threads: c.run for c in threads(batch, (x,), cores=2)}
+    for count in (2, 1, 2, 1):  # set in the caller, the count would never reach the pool's threads
+        for m in models:
+            m.seen.clear()
+        runners[count]()
+        assert [m.seen for m in models] == [[count], [count]]

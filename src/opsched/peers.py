@@ -129,26 +129,27 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
 
     import torch
 
-    pools: list[ThreadPoolExecutor] = []
-    weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools])
+    pools: dict[int, ThreadPoolExecutor] = {}  # one per thread count
+    weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools.values()])
 
     def one(model: Any, args: tuple, count: int) -> Any:
-        torch.set_num_threads(count)  # the OpenMP setting is per thread: set in the caller, it would not reach here
+        if torch.get_num_threads() != count:  # per thread: set in the caller, it would not reach here; set only
+            torch.set_num_threads(count)      # when it changes, as setting it clears oneDNN's primitive cache
         with torch.inference_mode():
             return model(*args)
 
     def at(count: int) -> Callable[[], Any]:
         def run() -> Any:
-            if not pools:
-                pools.append(ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer"))
-            futures = [pools[0].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
+            if count not in pools:
+                pools[count] = ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer")
+            futures = [pools[count].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
             out = tuple(f.result() for f in futures)
             sync()
             if count > 1:
                 # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel
                 # region in the process, the other candidates' too (see opsched.runtime.cpu); opsched's own
                 # workers are ended after such a call, and so are these.
-                pools.pop().shutdown()
+                pools.pop(count).shutdown()
             return out
         return run
 
