@@ -180,3 +180,38 @@ def test_a_batch_norm_is_folded_once_for_the_same_unchanged_weights():
         model[0].weight.mul_(2)  # changed in place: folded anew
     changed = folded_weight()
     assert changed is not first and torch.allclose(changed, 2 * first)
+
+
+def _conv_then_add(added_shape):
+    """A convolution without bias, its output reshaped to models x batch layout, then an add of a tensor of
+    ``added_shape`` (a buffer): what vmap's batching rule makes of four stacked convolutions with biases."""
+    class Stacked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+            self.register_buffer("b", torch.randn(*added_shape))
+
+        def forward(self, x):
+            y = torch.ops.aten.convolution.default(x, self.w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+            y = torch.ops.aten.permute.default(torch.ops.aten.view.default(y, [1, 4, 2, 6, 6]), [1, 0, 2, 3, 4])
+            return torch.ops.aten.relu.default(torch.ops.aten.add.Tensor(y, self.b))
+
+    return torch.fx.symbolic_trace(Stacked())
+
+
+@pytest.mark.parametrize("added_shape, folded", [
+    ((4, 1, 2, 1, 1), 1),  # one value per model and channel: the convolution's bias
+    ((1, 1, 1, 1, 1), 1),  # one value for all: a bias too
+    ((4, 1, 2, 6, 1), 0),  # varies along the height: not a bias
+    ((4, 1, 2, 6, 6), 0),
+])
+def test_an_add_after_a_convolution_becomes_its_bias_only_when_it_is_one(added_shape, folded):
+    from opsched.graph.convbias import conv_biases_folded
+
+    gm = _conv_then_add(added_shape)
+    x = torch.randn(1, 3, 6, 6)
+    expected = gm(x)
+    assert conv_biases_folded(gm, [x]) == folded
+    assert torch.allclose(gm(x), expected, atol=1e-6)
+    adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
+    assert len(adds) == 1 - folded

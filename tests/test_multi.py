@@ -593,3 +593,21 @@ def test_threads_peer_runs_each_model_at_its_thread_count():
             m.seen.clear()
         runners[count]()
         assert [m.seen for m in models] == [[count], [count]]
+
+
+def test_batched_convolutions_take_their_biases_in_the_kernel():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 2, 3)).eval()
+              for _ in range(4)]
+    x = torch.randn(1, 3, 8, 8)
+    fusion = fuse_graph(ModelBatch(models, [(x,)] * 4))
+    batched = [n.run for n in fusion.graph.nodes if isinstance(n.run, torch.fx.GraphModule)
+               and any(m.target is torch.ops.aten.convolution.default for m in n.run.graph.nodes)]
+    assert len(batched) == 2  # the same-input and the same-shape convolution
+    for unit in batched:
+        convolution = next(m for m in unit.graph.nodes if m.target is torch.ops.aten.convolution.default)
+        assert convolution.args[2] is not None
+        assert not any(m.target is torch.ops.aten.add.Tensor for m in unit.graph.nodes)
+    outputs = run_graph(fusion.graph, x)
+    with torch.no_grad():
+        assert all(torch.allclose(out, m(x), atol=1e-5) for out, m in zip(outputs, models))

@@ -59,6 +59,18 @@ def test_evaluate_says_when_a_figure_cannot_be_trusted():
     assert any("its prediction" in w for w in ev.warnings)
 
 
+def test_a_candidates_settle_runs_after_each_call_and_is_not_timed():
+    settled = []
+
+    def settle():
+        time.sleep(0.005)
+        settled.append(1)
+
+    ev = evaluate([Candidate("quick", lambda: torch.ones(1), settle=settle)], torch.ones(1), repeats=4)
+    assert ev.measured_ms["quick"] < 2.0  # the 5 ms of each settle are not in it
+    assert len(settled) >= 2 + 4  # two warm-up calls, four timed ones (a re-timing may add more)
+
+
 def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count():
     from opsched.peers import torch_compile
 

@@ -125,11 +125,10 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
 def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
     """Each model of ``batch`` (a :class:`opsched.multi.ModelBatch`) on its own thread, all at once."""
     import weakref
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
-    pools: dict[int, ThreadPoolExecutor] = {}  # one per thread count
+    pools: dict[int, Any] = {}  # a thread pool per thread count
     weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools.values()])
 
     def one(model: Any, args: tuple, count: int) -> Any:
@@ -141,19 +140,52 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
     def at(count: int) -> Callable[[], Any]:
         def run() -> Any:
             if count not in pools:
-                pools[count] = ThreadPoolExecutor(len(batch.models), thread_name_prefix="opsched-peer")
+                pools[count] = _started_pool(len(batch.models))
             futures = [pools[count].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
             out = tuple(f.result() for f in futures)
             sync()
-            if count > 1:
-                # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel
-                # region in the process, the other candidates' too (see opsched.runtime.cpu); opsched's own
-                # workers are ended after such a call, and so are these.
-                pools.pop(count).shutdown()
             return out
         return run
 
-    return [Candidate("threads", at(t), "peer", t) for t in thread_counts(cores)]
+    def renew(count: int) -> Callable[[], Any]:
+        # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel region in
+        # the process, the other candidates' too (see opsched.runtime.cpu): after each timed call, untimed,
+        # the pool is ended, its threads waited for, and a new one started, as a user's would already be.
+        def settle() -> None:
+            _ended(pools.pop(count))
+            pools[count] = _started_pool(len(batch.models))
+        return settle
+
+    return [Candidate("threads", at(t), "peer", t, settle=renew(t) if t > 1 else None) for t in thread_counts(cores)]
+
+
+def _started_pool(size: int) -> Any:
+    """A thread pool whose ``size`` threads are all running (a pool starts them on demand, one a task)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(size, thread_name_prefix="opsched-peer")
+    everyone = threading.Barrier(size)
+    for future in [pool.submit(everyone.wait) for _ in range(size)]:
+        future.result()
+    return pool
+
+
+def _ended(pool: Any) -> None:
+    """Shut ``pool`` down and wait until its threads, and the OpenMP threads they started, have left the
+    process (on Linux, where the process's threads can be counted; at most a second)."""
+    import os
+    import time
+
+    tasks = "/proc/self/task"
+    before = len(os.listdir(tasks)) if os.path.isdir(tasks) else None
+    threads = len(pool._threads)
+    pool.shutdown(wait=True)
+    if before is None:
+        return
+    deadline = time.monotonic() + 1.0
+    while len(os.listdir(tasks)) > before - threads and time.monotonic() < deadline:
+        time.sleep(0.0005)
 
 
 def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:

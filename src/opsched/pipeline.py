@@ -134,7 +134,9 @@ class Candidate:
     outputs (after waiting for the device). ``kind`` is ``schedule`` (an opsched plan) or ``peer`` (what the
     user would run instead); a peer timed at several thread counts is one candidate per count, under one
     ``name``, and the best count is kept. ``expected_ms`` is a prediction: a median far above it is
-    re-measured. ``source`` is the code a compiler generated for it, where one did."""
+    re-measured. ``source`` is the code a compiler generated for it, where one did. ``settle()``, when
+    given, is called after each timed call, untimed: it undoes what the call left behind that would slow
+    the configurations timed after it (the ``threads`` peer's OpenMP pools)."""
 
     name: str
     run: Callable[[], Any]
@@ -142,6 +144,7 @@ class Candidate:
     threads: int | None = None
     expected_ms: float | None = None
     source: str = ""
+    settle: Callable[[], Any] | None = None
 
     @property
     def label(self) -> str:
@@ -179,6 +182,9 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
     tensors), drop those that raise or differ by more than ``tolerance`` (saying why), time the rest
     interleaved (medians of ``repeats`` rounds) and choose the fastest.
 
+    Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
+    so that no configuration pays page faults for what another allocated before it.
+
     A timing that cannot be trusted is measured again, every candidate with it so that they stay comparable:
     one whose median is more than twice its own fastest sample (something else held the cores for most of
     the run), or more than three times its prediction. If it stays so, the result says the machine was too
@@ -192,8 +198,9 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
     ('double', ['double'], 'outputs differ from the reference by up to 1 (tolerance 0.001)')
     """
     from opsched.runtime.module import output_error
-    from opsched.timing import interleaved_samples, unsteady
+    from opsched.timing import interleaved_samples, steady_allocator, unsteady
 
+    steady_allocator()
     result = Evaluation()
     verified = []
     for c in candidates:
@@ -214,11 +221,13 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
             result.warnings.append(f"{name} dropped: {why}")
     if not verified:
         return result
-    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress)
+    settles = [c.settle for c in verified]
+    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress, settles=settles)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(verified, samples):
             break
-        samples = interleaved_samples([c.run for c in verified], repeats, warmup=1, after_each=progress)
+        samples = interleaved_samples([c.run for c in verified], repeats, warmup=1, after_each=progress,
+                                      settles=settles)
     for c, s in zip(verified, samples):
         if unsteady(s, UNSTEADY_SPREAD):
             result.warnings.append(f"{c.label}: timings stayed unsteady over {1 + MAX_RETIMINGS} measurements "

@@ -45,6 +45,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opsched.graph.convbias import conv_biases_folded
 from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices, plain_max_pools
@@ -208,7 +209,9 @@ def batched_module(members: Sequence[Node], dims: Sequence[Any], examples: Seque
     traced.graph.eliminate_dead_code()  # first: the indices vmap's pooling returns are read by dead views
     plain_max_pools(traced.graph)
     max_pools_by_slices(traced.graph)
-    return fx.GraphModule(traced, traced.graph, class_name="Batched")
+    batched_unit = fx.GraphModule(traced, traced.graph, class_name="Batched")
+    conv_biases_folded(batched_unit, examples)
+    return batched_unit
 
 
 @contextlib.contextmanager
