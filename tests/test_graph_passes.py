@@ -215,3 +215,46 @@ def test_an_add_after_a_convolution_becomes_its_bias_only_when_it_is_one(added_s
     assert torch.allclose(gm(x), expected, atol=1e-6)
     adds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor]
     assert len(adds) == 1 - folded
+
+
+def test_an_add_that_is_not_a_plain_constant_bias_stays():
+    from opsched.graph.convbias import conv_biases_folded
+
+    class Scaled(torch.nn.Module):  # a constant added with alpha != 1, and one that depends on the input
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 3, 3, 3))
+            self.register_buffer("b", torch.randn(8, 1, 1))
+
+        def forward(self, x):
+            conv = torch.ops.aten.convolution.default
+            y = conv(x, self.w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+            z = conv(x, self.w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+            return (torch.ops.aten.add.Tensor(y, self.b, alpha=2),
+                    torch.ops.aten.add.Tensor(torch.ops.aten.mean.dim(x, [1], True), z))
+
+    gm = torch.fx.symbolic_trace(Scaled())
+    x = torch.randn(1, 3, 6, 6)
+    expected = gm(x)
+    assert conv_biases_folded(gm, [x]) == 0
+    assert all(torch.equal(a, b) for a, b in zip(gm(x), expected))
+
+
+def test_a_constant_bias_on_the_left_of_the_add_is_folded_and_its_buffer_dropped():
+    from opsched.graph.convbias import conv_biases_folded
+
+    class Left(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 2, 3, 3))
+            self.register_buffer("b", torch.randn(8))
+
+        def forward(self, x):  # a grouped convolution, its bias as a (C, 1, 1) view, on the left
+            y = torch.ops.aten.convolution.default(x, self.w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)
+            return torch.ops.aten.add.Tensor(torch.ops.aten.view.default(self.b, [8, 1, 1]), y)
+
+    gm = torch.fx.symbolic_trace(Left())
+    x = torch.randn(1, 4, 6, 6)
+    expected = gm(x)
+    assert conv_biases_folded(gm, [x]) == 1
+    assert torch.allclose(gm(x), expected, atol=1e-6) and not hasattr(gm, "b")

@@ -128,8 +128,17 @@ def test_executor_is_safe_to_call_from_several_threads():
     assert not errors
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info(),
-                    reason="counts the OpenMP threads of this process through /proc")
+def _gnu_openmp() -> bool:
+    """PyTorch runs on GNU OpenMP (libgomp) here, whose pools are per thread; Linux, where /proc counts them."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libgomp" in maps.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not _gnu_openmp(),
+                    reason="counts GNU OpenMP's per-thread pools through /proc")
 def test_a_worker_that_ran_several_threads_leaves_no_openmp_pool_behind():
     # With GNU OpenMP, a thread that opened a 2-thread parallel region keeps a pool thread while it lives, and
     # pools holding more threads than cores make every later parallel region wait for sleeping threads (1.5x

@@ -17,8 +17,9 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
 
 - ``sequential_models``: each model's forward one after another (the batch module's own forward), with 1
   and all threads;
-- ``threads``: each model's forward on a thread of its own, all at once (a pool made once), with 1 and all
-  intra-op threads;
+- ``threads``: each model's forward on a thread of its own, all at once, with 1 and all intra-op threads (set
+  in each thread); the pool is made once, except that at several intra-op threads it is ended and made again
+  between timed calls, untimed (its threads' OpenMP pools would slow every other configuration);
 - ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
   the same architecture and they read one input; its stacked outputs are split back into one per model.
 
@@ -132,15 +133,15 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
     weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools.values()])
 
     def one(model: Any, args: tuple, count: int) -> Any:
-        if torch.get_num_threads() != count:  # per thread: set in the caller, it would not reach here; set only
-            torch.set_num_threads(count)      # when it changes, as setting it clears oneDNN's primitive cache
+        _use_threads(count)
         with torch.inference_mode():
             return model(*args)
 
     def at(count: int) -> Callable[[], Any]:
         def run() -> Any:
+            _use_threads(count)
             if count not in pools:
-                pools[count] = _started_pool(len(batch.models))
+                pools[count] = _started_pool(len(batch.models), count)
             futures = [pools[count].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
             out = tuple(f.result() for f in futures)
             sync()
@@ -150,42 +151,51 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
     def renew(count: int) -> Callable[[], Any]:
         # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel region in
         # the process, the other candidates' too (see opsched.runtime.cpu): after each timed call, untimed,
-        # the pool is ended, its threads waited for, and a new one started, as a user's would already be.
+        # the pool is ended, its threads waited for, and a new one started and warmed (its OpenMP pools made),
+        # so that the next timed call finds it as a user's long-lived pool would be.
         def settle() -> None:
-            _ended(pools.pop(count))
-            pools[count] = _started_pool(len(batch.models))
+            from opsched.runtime.cpu import wait_until_gone
+
+            pool = pools.pop(count, None)
+            if pool is not None:
+                ended = [t.native_id for t in list(pool._threads)]
+                pool.shutdown(wait=True)
+                wait_until_gone(ended)
+            pools[count] = _started_pool(len(batch.models), count)
         return settle
 
     return [Candidate("threads", at(t), "peer", t, settle=renew(t) if t > 1 else None) for t in thread_counts(cores)]
 
 
-def _started_pool(size: int) -> Any:
-    """A thread pool whose ``size`` threads are all running (a pool starts them on demand, one a task)."""
+def _use_threads(count: int) -> None:
+    """The calling thread's intra-op threads (the OpenMP setting is per thread), set only when it changes:
+    setting it clears oneDNN's primitive cache."""
+    import torch
+
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
+
+
+def _started_pool(size: int, count: int) -> Any:
+    """A thread pool whose ``size`` threads all run, each at ``count`` intra-op threads with its OpenMP pool
+    made (a pool starts its threads one task at a time, and OpenMP its own at a thread's first parallel
+    region)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    import torch
+
     pool = ThreadPoolExecutor(size, thread_name_prefix="opsched-peer")
     everyone = threading.Barrier(size)
-    for future in [pool.submit(everyone.wait) for _ in range(size)]:
+
+    def start() -> None:
+        _use_threads(count)
+        torch.ones(1 << 16).exp_()  # above ATen's grain: a parallel region on ``count`` threads
+        everyone.wait()
+
+    for future in [pool.submit(start) for _ in range(size)]:
         future.result()
     return pool
-
-
-def _ended(pool: Any) -> None:
-    """Shut ``pool`` down and wait until its threads, and the OpenMP threads they started, have left the
-    process (on Linux, where the process's threads can be counted; at most a second)."""
-    import os
-    import time
-
-    tasks = "/proc/self/task"
-    before = len(os.listdir(tasks)) if os.path.isdir(tasks) else None
-    threads = len(pool._threads)
-    pool.shutdown(wait=True)
-    if before is None:
-        return
-    deadline = time.monotonic() + 1.0
-    while len(os.listdir(tasks)) > before - threads and time.monotonic() < deadline:
-        time.sleep(0.0005)
 
 
 def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:

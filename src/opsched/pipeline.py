@@ -210,6 +210,9 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             result.dropped.setdefault(c.name, f"failed: {type(e).__name__}: {first}")
             continue
+        finally:
+            if c.settle is not None:  # dropped or not, what its call left behind must not slow the others
+                c.settle()
         if not error <= tolerance:
             result.dropped.setdefault(c.name, f"outputs differ from the reference by up to {error:.3g} "
                                               f"(tolerance {tolerance:g})")

@@ -64,23 +64,30 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
     advance a progress bar); ``settles[i]``, when given, after each call of runner i, untimed."""
     settles = list(settles) if settles is not None else [None] * len(runners)
 
-    def call(i: int) -> float:
-        began = time.perf_counter()
-        runners[i]()
-        spent = time.perf_counter() - began
-        if settles[i] is not None:
+    def calls(i: int, times: int) -> float:
+        """Seconds ``times`` calls of runner i took: timed together, unless each needs settling after it."""
+        if settles[i] is None:
+            began = time.perf_counter()
+            for _ in range(times):
+                runners[i]()
+            return time.perf_counter() - began
+        spent = 0.0
+        for _ in range(times):
+            began = time.perf_counter()
+            runners[i]()
+            spent += time.perf_counter() - began
             settles[i]()
         return spent
 
     inner = []
     for i in range(len(runners)):
         for _ in range(max(1, warmup)):
-            once = call(i)
+            once = calls(i, 1)
         inner.append(max(1, min(MAX_INNER, int(min_sample_seconds / max(once, 1e-7)))))
     samples: list[list[float]] = [[] for _ in runners]
     for _ in range(repeats):
         for i in range(len(runners)):
-            samples[i].append(sum(call(i) for _ in range(inner[i])) / inner[i] * 1000.0)
+            samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:
                 after_each()
     return samples

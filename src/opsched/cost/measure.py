@@ -429,8 +429,12 @@ class MeasuredCost:
             return cached
         nodes = [Node("a", args=("x",), run=_identity), Node("b", args=("x",), run=_identity)]
         tiny = Graph(nodes, inputs=["x"])
-        one = make_executor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores), unit_operator, self.where)
-        two = make_executor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores), unit_operator, self.where)
+        # One thread a step: empty steps open no parallel region, and a worker given several threads would be
+        # ended after every call (see opsched.runtime.cpu), a cost a real call pays once, not per stage.
+        one = make_executor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores, [[[1, 1]]]), unit_operator,
+                            self.where)
+        two = make_executor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores, [[[1], [1]]]),
+                            unit_operator, self.where)
         if self.gpu:  # the device's time, from events: the host's clock would count launches, not the GPU
             from opsched.runtime.cuda import current_api, time_cuda
 

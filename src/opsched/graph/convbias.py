@@ -40,14 +40,20 @@ from torch import fx
 _CONVOLUTION = torch.ops.aten.convolution.default
 _ADD = torch.ops.aten.add.Tensor
 _LAYOUT = {torch.ops.aten.view.default, torch.ops.aten.permute.default, torch.ops.aten._unsafe_view.default}
+# What may lie between a module's own tensor and the add for the added value to count as constant: views only
+# (an operator that draws random numbers or writes to its input would be baked in at its example value).
+_VIEWS = _LAYOUT | {torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.expand.default,
+                    torch.ops.aten.reshape.default}
 
 
 def conv_biases_folded(gm: fx.GraphModule, examples: Sequence[Any]) -> int:
     """Rewrite ``gm`` in place, as the module docstring says; ``examples`` are its inputs. Returns how many
     adds were moved into their convolutions."""
     values = _values(gm, examples)
+    attributes = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     folded = 0
-    for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ADD]:
+    for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ADD
+                and n.kwargs.get("alpha", 1) == 1]:
         for side, other in ((0, 1), (1, 0)):
             chain = _layout_chain(add.args[side])
             if chain is None or not _constant(add.args[other]):
@@ -68,6 +74,8 @@ def conv_biases_folded(gm: fx.GraphModule, examples: Sequence[Any]) -> int:
             break
     if folded:
         gm.graph.eliminate_dead_code()
+        for name in attributes - {n.target for n in gm.graph.nodes if n.op == "get_attr"}:
+            delattr(gm, name)  # the stacked biases the adds read
         gm.recompile()
     return folded
 
@@ -85,8 +93,7 @@ def _layout_chain(node: Any) -> list[fx.Node] | None:
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _LAYOUT:
         chain.append(node)
         node = node.args[0]
-    if not (isinstance(node, fx.Node) and node.target is _CONVOLUTION and node.args[2] is None
-            and not node.args[6]):  # not transposed: the output channels are dimension 1
+    if not (isinstance(node, fx.Node) and node.target is _CONVOLUTION and node.args[2] is None):
         return None
     chain.append(node)
     chain.reverse()
@@ -101,9 +108,7 @@ def _constant(node: Any) -> bool:
         return False
     if node.op == "get_attr":
         return True
-    if node.op != "call_function":
-        return False
-    return all(_constant(a) for a in node.all_input_nodes)
+    return node.op == "call_function" and node.target in _VIEWS and _constant(node.args[0])
 
 
 def _channel_bias(values: dict[fx.Node, Any], chain: list[fx.Node], added: torch.Tensor,
@@ -116,12 +121,17 @@ def _channel_bias(values: dict[fx.Node, Any], chain: list[fx.Node], added: torch
     if output.dim() < 2 or total.shape != tail.shape or total.dtype != tail.dtype:
         return None
     channels = output.shape[1]
-    index = torch.arange(channels, device=output.device).view(1, channels, *[1] * (output.dim() - 2)).expand(output.shape).contiguous()
-    for node in chain[1:]:
-        index = node.target(index, *node.args[1:])
-    spread = added.expand(tail.shape)
+    # Each output position's channel, laid out as the output is, so that the chain's views apply as they do
+    index = torch.empty_strided(output.shape, output.stride(), dtype=torch.long, device=output.device)
+    index.copy_(torch.arange(channels, device=output.device).view(1, channels, *[1] * (output.dim() - 2)))
+    try:
+        for node in chain[1:]:
+            index = node.target(index, *node.args[1:])
+        spread = added.to(device=output.device, dtype=tail.dtype).expand(tail.shape)
+    except RuntimeError:  # a view the index cannot take, a value that does not broadcast: left as it is
+        return None
     bias = torch.zeros(channels, dtype=tail.dtype, device=output.device)
-    bias[index.reshape(-1)] = spread.reshape(-1).to(tail.dtype)
-    if not torch.equal(bias[index], spread.to(tail.dtype)):
+    bias[index.reshape(-1)] = spread.reshape(-1)
+    if not torch.equal(bias[index], spread):
         return None
     return bias

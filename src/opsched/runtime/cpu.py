@@ -26,6 +26,7 @@ garbage collected.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -113,12 +114,15 @@ class CPUExecutor:
 
     def _retire_wide_workers(self, call: _Call) -> None:
         """End every worker that ran a step on several threads in ``call`` (see the module's docstring), and
-        wait for it, so that its OpenMP pool is gone before the caller goes on."""
+        wait until it has left the process, so that its OpenMP pool is gone before the caller goes on."""
+        ended = []
         for k, worker in enumerate(self._workers, 1):
             if call.wide[k]:
                 worker.stop()
                 worker.join()
+                ended.append(worker.native_id)
                 self._workers[k - 1] = _Worker()
+        wait_until_gone(ended)
 
     def close(self) -> None:
         """Stop the worker threads and wait for them to end (a later call starts new ones)."""
@@ -219,6 +223,10 @@ class _Worker:
         if self._thread is not threading.current_thread():
             self._thread.join()
 
+    @property
+    def native_id(self) -> int | None:
+        return self._thread.native_id
+
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             call, stream = item
@@ -226,3 +234,16 @@ class _Worker:
             # A call refers to its executor: held here while waiting for the next one, it would keep the
             # executor, and so this thread, alive after its module was dropped.
             del item, call
+
+
+def wait_until_gone(native_ids: Sequence[int | None], timeout: float = 1.0) -> None:
+    """Wait until the threads of ``native_ids`` have left the process (at most ``timeout`` seconds; Linux,
+    where /proc lists them). A joined Python thread has finished its Python code, but the C library frees its
+    thread-local state, the OpenMP pool among it, a moment later, as the thread exits."""
+    tasks = "/proc/self/task"
+    wanted = [f"{tasks}/{n}" for n in native_ids if n is not None]
+    if not wanted or not os.path.isdir(tasks):
+        return
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(t) for t in wanted) and time.monotonic() < deadline:
+        time.sleep(0.0002)
