@@ -59,16 +59,23 @@ def test_evaluate_says_when_a_figure_cannot_be_trusted():
     assert any("its prediction" in w for w in ev.warnings)
 
 
-def test_a_candidates_settle_runs_after_each_call_and_is_not_timed():
-    settled = []
+def test_a_candidates_prepare_and_settle_surround_each_call_untimed():
+    events = []
 
-    def settle():
-        time.sleep(0.005)
-        settled.append(1)
+    def step(name):
+        def run():
+            if name != "run":
+                time.sleep(0.005)
+            events.append(name)
+            return torch.ones(1)
+        return run
 
-    ev = evaluate([Candidate("quick", lambda: torch.ones(1), settle=settle)], torch.ones(1), repeats=4)
-    assert ev.measured_ms["quick"] < 2.0  # the 5 ms of each settle are not in it
-    assert len(settled) >= 2 + 4  # two warm-up calls, four timed ones (a re-timing may add more)
+    ev = evaluate([Candidate("quick", step("run"), prepare=step("prepare"), settle=step("settle"))], torch.ones(1),
+                  repeats=4)
+    assert ev.measured_ms["quick"] < 2.0  # the 10 ms of each prepare and settle are not in it
+    calls = len(events) // 3
+    assert calls >= 1 + 2 + 4  # the verifying call, two warm-up calls, four timed ones (a re-timing adds more)
+    assert events == ["prepare", "run", "settle"] * calls
 
 
 def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count():

@@ -18,8 +18,8 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
 - ``sequential_models``: each model's forward one after another (the batch module's own forward), with 1
   and all threads;
 - ``threads``: each model's forward on a thread of its own, all at once, with 1 and all intra-op threads (set
-  in each thread); the pool is made once, except that at several intra-op threads it is ended and made again
-  between timed calls, untimed (its threads' OpenMP pools would slow every other configuration);
+  in each thread); the pool is made once, except that at several intra-op threads it is made before and ended
+  after each call, untimed (its threads' OpenMP pools would slow every other configuration while they live);
 - ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
   the same architecture and they read one input; its stacked outputs are split back into one per model.
 
@@ -148,11 +148,17 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
             return out
         return run
 
-    def renew(count: int) -> Callable[[], Any]:
-        # Threads that ran several OpenMP threads keep OpenMP pools that slow every later parallel region in
-        # the process, the other candidates' too (see opsched.runtime.cpu): after each timed call, untimed,
-        # the pool is ended, its threads waited for, and a new one started and warmed (its OpenMP pools made),
-        # so that the next timed call finds it as a user's long-lived pool would be.
+    # Threads that ran several OpenMP threads keep OpenMP pools that slow every parallel region in the process
+    # while they live, the other candidates' too (see opsched.runtime.cpu). So at several threads the pool
+    # lives only around its own calls: made and warmed (its OpenMP pools made) before each, ended after it
+    # and its threads waited for, all untimed; each timed call finds a pool as a long-lived one would be.
+    def make(count: int) -> Callable[[], Any]:
+        def prepare() -> None:
+            if count not in pools:
+                pools[count] = _started_pool(len(batch.models), count)
+        return prepare
+
+    def end(count: int) -> Callable[[], Any]:
         def settle() -> None:
             from opsched.runtime.cpu import wait_until_gone
 
@@ -161,10 +167,10 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
                 ended = [t.native_id for t in list(pool._threads)]
                 pool.shutdown(wait=True)
                 wait_until_gone(ended)
-            pools[count] = _started_pool(len(batch.models), count)
         return settle
 
-    return [Candidate("threads", at(t), "peer", t, settle=renew(t) if t > 1 else None) for t in thread_counts(cores)]
+    return [Candidate("threads", at(t), "peer", t, prepare=make(t) if t > 1 else None,
+                      settle=end(t) if t > 1 else None) for t in thread_counts(cores)]
 
 
 def _use_threads(count: int) -> None:

@@ -134,9 +134,10 @@ class Candidate:
     outputs (after waiting for the device). ``kind`` is ``schedule`` (an opsched plan) or ``peer`` (what the
     user would run instead); a peer timed at several thread counts is one candidate per count, under one
     ``name``, and the best count is kept. ``expected_ms`` is a prediction: a median far above it is
-    re-measured. ``source`` is the code a compiler generated for it, where one did. ``settle()``, when
-    given, is called after each timed call, untimed: it undoes what the call left behind that would slow
-    the configurations timed after it (the ``threads`` peer's OpenMP pools)."""
+    re-measured. ``source`` is the code a compiler generated for it, where one did. ``prepare()`` and
+    ``settle()``, when given, are called before and after each call, untimed: what the configuration needs
+    ready and must not leave behind, because it would slow the others (the ``threads`` peer's pool, whose
+    threads' OpenMP pools slow every parallel region in the process while they live)."""
 
     name: str
     run: Callable[[], Any]
@@ -144,6 +145,7 @@ class Candidate:
     threads: int | None = None
     expected_ms: float | None = None
     source: str = ""
+    prepare: Callable[[], Any] | None = None
     settle: Callable[[], Any] | None = None
 
     @property
@@ -205,6 +207,8 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
     verified = []
     for c in candidates:
         try:
+            if c.prepare is not None:
+                c.prepare()
             error, _ = output_error(c.run(), reference)
         except Exception as e:  # noqa: BLE001 - a failing candidate is reported and left out, never fatal
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -224,13 +228,13 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
             result.warnings.append(f"{name} dropped: {why}")
     if not verified:
         return result
-    settles = [c.settle for c in verified]
-    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress, settles=settles)
+    around = [(c.prepare, c.settle) for c in verified]
+    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress, around=around)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(verified, samples):
             break
         samples = interleaved_samples([c.run for c in verified], repeats, warmup=1, after_each=progress,
-                                      settles=settles)
+                                      around=around)
     for c, s in zip(verified, samples):
         if unsteady(s, UNSTEADY_SPREAD):
             result.warnings.append(f"{c.label}: timings stayed unsteady over {1 + MAX_RETIMINGS} measurements "

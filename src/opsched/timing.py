@@ -57,26 +57,32 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
 
 def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1,
                         min_sample_seconds: float = 0.0, after_each: Callable[[], Any] | None = None,
-                        settles: Sequence[Callable[[], Any] | None] | None = None) -> list[list[float]]:
+                        around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None
+                        ) -> list[list[float]]:
     """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
     calls each. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
     that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
-    advance a progress bar); ``settles[i]``, when given, after each call of runner i, untimed."""
-    settles = list(settles) if settles is not None else [None] * len(runners)
+    advance a progress bar); ``around[i]``, when given, is (prepare, settle), called before and after each
+    call of runner i, untimed (either may be None)."""
+    around = list(around) if around is not None else [(None, None)] * len(runners)
 
     def calls(i: int, times: int) -> float:
-        """Seconds ``times`` calls of runner i took: timed together, unless each needs settling after it."""
-        if settles[i] is None:
+        """Seconds ``times`` calls of runner i took: timed together, unless each needs preparing or settling."""
+        prepare, settle = around[i]
+        if prepare is None and settle is None:
             began = time.perf_counter()
             for _ in range(times):
                 runners[i]()
             return time.perf_counter() - began
         spent = 0.0
         for _ in range(times):
+            if prepare is not None:
+                prepare()
             began = time.perf_counter()
             runners[i]()
             spent += time.perf_counter() - began
-            settles[i]()
+            if settle is not None:
+                settle()
         return spent
 
     inner = []
