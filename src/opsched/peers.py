@@ -160,13 +160,11 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
 
     def end(count: int) -> Callable[[], Any]:
         def settle() -> None:
-            from opsched.runtime.cpu import wait_until_gone
+            from opsched.runtime.cpu import end_pool
 
             pool = pools.pop(count, None)
             if pool is not None:
-                ended = [t.native_id for t in list(pool._threads)]
-                pool.shutdown(wait=True)
-                wait_until_gone(ended)
+                end_pool(pool)
         return settle
 
     return [Candidate("threads", at(t), "peer", t, prepare=make(t) if t > 1 else None,

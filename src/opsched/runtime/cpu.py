@@ -247,3 +247,11 @@ def wait_until_gone(native_ids: Sequence[int | None], timeout: float = 1.0) -> N
     deadline = time.monotonic() + timeout
     while any(os.path.exists(t) for t in wanted) and time.monotonic() < deadline:
         time.sleep(0.0002)
+
+
+def end_pool(pool: Any) -> None:
+    """Shut a ``concurrent.futures.ThreadPoolExecutor`` down and wait until its threads have left the process
+    (see :func:`wait_until_gone`), so that their OpenMP pools no longer slow anything."""
+    ended = [t.native_id for t in list(pool._threads)]
+    pool.shutdown(wait=True)
+    wait_until_gone(ended)

@@ -75,7 +75,7 @@ from typing import Any, Protocol
 import torch
 
 from opsched.errors import OpschedError
-from opsched.runtime.cpu import StreamFailed, UnitFailed, wait_until_gone
+from opsched.runtime.cpu import StreamFailed, UnitFailed, end_pool
 from opsched.runtime.kernels import Operator
 from opsched.runtime.program import Record, Run, StreamProgram, Wait, store_outputs
 
@@ -482,10 +482,8 @@ class DevicesExecutor:
             if any(call.wide[1:]):
                 # A worker thread that ran several OpenMP threads keeps an OpenMP pool that slows every later
                 # parallel region in the process (see opsched.runtime.cpu): end the workers now.
-                ended = [t.native_id for t in list(self._workers._threads)]
-                self._workers.shutdown()
+                end_pool(self._workers)
                 self._workers = None
-                wait_until_gone(ended)
             return call.finish()
 
     def close(self) -> None:
