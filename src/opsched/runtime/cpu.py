@@ -228,6 +228,9 @@ class _Worker:
         return self._thread.native_id
 
     def _loop(self) -> None:
+        # PyTorch sets a thread's intra-op count at its first parallel operator, from the count last set in any
+        # thread, over what this thread set before: asked now, it does that now, and the steps' counts hold.
+        torch.get_num_threads()
         while (item := self._queue.get()) is not None:
             call, stream = item
             call.run_stream(stream)

@@ -469,7 +469,9 @@ class DevicesExecutor:
             raise CudaError("a program on several devices takes its inputs on the host and moves them itself")
         with self._lock:  # a call's streams run on the shared worker threads, one call at a time
             if self._workers is None and len(self._steps) > 1:
-                self._workers = ThreadPoolExecutor(len(self._steps) - 1, thread_name_prefix="opsched-device")
+                # torch.get_num_threads: PyTorch's first-use count setting, done before the steps set theirs
+                self._workers = ThreadPoolExecutor(len(self._steps) - 1, thread_name_prefix="opsched-device",
+                                                   initializer=torch.get_num_threads)
             call = _DevicesCall(self, inputs)
             others = [self._workers.submit(call.run_stream, k) for k in range(1, len(self._steps))]
             caller_threads = torch.get_num_threads()
