@@ -258,3 +258,47 @@ def test_a_constant_bias_on_the_left_of_the_add_is_folded_and_its_buffer_dropped
     expected = gm(x)
     assert conv_biases_folded(gm, [x]) == 1
     assert torch.allclose(gm(x), expected, atol=1e-6) and not hasattr(gm, "b")
+
+
+def test_work_on_the_module_own_tensors_is_done_once_and_nothing_else_is():
+    from opsched.graph.constfold import constants_folded
+
+    # weight-only work, input-dependent work, a random draw and an in-place write (written as a graph:
+    # symbolic tracing would run the work on buffers itself)
+    root = torch.nn.Module()
+    root.w, root.b, root.state = torch.randn(4, 3), torch.randn(4), torch.zeros(4)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    w = g.call_function(aten.mul.Scalar, (g.call_function(aten.t.default, (g.get_attr("w"),)), 2))
+    b = g.get_attr("b")
+    y = g.call_function(aten.add.Tensor, (g.call_function(aten.mm.default, (x, w)),
+                                          g.call_function(aten.mul.Scalar, (b, 1))))
+    noise = g.call_function(aten.mul.Scalar, (g.call_function(aten.rand_like.default, (b,)), 0))
+    g.call_function(aten.add_.Tensor, (g.get_attr("state"), 1))
+    g.output(g.call_function(aten.add.Tensor, (y, noise)))
+    gm = torch.fx.GraphModule(root, g)
+    x = torch.randn(2, 3)
+    expected = gm(x)
+    assert constants_folded(gm) == 3  # t, mul on w, mul on b; never rand_like (nor its product) or add_
+    remaining = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.rand_like.default in remaining and aten.add_.Tensor in remaining
+    assert aten.t.default not in remaining and len(remaining) == 6
+    assert torch.equal(gm(x), expected)
+    assert not hasattr(gm, "w") and hasattr(gm, "b")  # w is read by nothing now; b still by rand_like
+
+
+def test_a_folded_view_keeps_the_strides_the_kernel_read():
+    from opsched.graph.constfold import constants_folded
+
+    root = torch.nn.Module()
+    root.w = torch.randn(5, 4, 3)
+    g = torch.fx.Graph()
+    g.output(g.call_function(aten.bmm.default, (g.placeholder("x"),
+                                                g.call_function(aten.transpose.int, (g.get_attr("w"), 1, 2)))))
+    gm = torch.fx.GraphModule(root, g)
+    x = torch.randn(5, 2, 3)
+    expected = gm(x)
+    assert constants_folded(gm) == 1
+    folded = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    assert folded.stride() == root.w.transpose(1, 2).stride()
+    assert torch.equal(gm(x), expected)

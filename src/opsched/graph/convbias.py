@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from opsched.graph.constfold import attributes_read, forget_unread
+
 _CONVOLUTION = torch.ops.aten.convolution.default
 _ADD = torch.ops.aten.add.Tensor
 _LAYOUT = {torch.ops.aten.view.default, torch.ops.aten.permute.default, torch.ops.aten._unsafe_view.default}
@@ -50,7 +52,7 @@ def conv_biases_folded(gm: fx.GraphModule, examples: Sequence[Any]) -> int:
     """Rewrite ``gm`` in place, as the module docstring says; ``examples`` are its inputs. Returns how many
     adds were moved into their convolutions."""
     values = _values(gm, examples)
-    attributes = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    attributes = attributes_read(gm)
     folded = 0
     for add in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _ADD
                 and n.kwargs.get("alpha", 1) == 1]:
@@ -74,8 +76,7 @@ def conv_biases_folded(gm: fx.GraphModule, examples: Sequence[Any]) -> int:
             break
     if folded:
         gm.graph.eliminate_dead_code()
-        for name in attributes - {n.target for n in gm.graph.nodes if n.op == "get_attr"}:
-            delattr(gm, name)  # the stacked biases the adds read
+        forget_unread(gm, attributes)  # the stacked biases the adds read
         gm.recompile()
     return folded
 

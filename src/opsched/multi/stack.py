@@ -45,6 +45,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opsched.graph.constfold import constants_folded
 from opsched.graph.convbias import conv_biases_folded
 from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
@@ -211,6 +212,7 @@ def batched_module(members: Sequence[Node], dims: Sequence[Any], examples: Seque
     max_pools_by_slices(traced.graph)
     batched_unit = fx.GraphModule(traced, traced.graph, class_name="Batched")
     conv_biases_folded(batched_unit, examples)
+    constants_folded(batched_unit)  # vmap's views and scalings of the stacked weights, done once
     return batched_unit
 
 
