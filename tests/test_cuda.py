@@ -120,3 +120,17 @@ def test_cuda_graph_without_a_cuda_device_is_bad_input(capsys):
     assert main(["optimize", "squeezenet", "--image-size", "32", "--cuda-graph"]) == 2
     err = capsys.readouterr().err
     assert "--cuda-graph needs --device cuda" in err and len(err.strip().splitlines()) == 1
+
+
+@needs_cuda
+def test_a_model_batch_is_fused_scheduled_verified_and_timed_on_the_gpu():
+    from opsched.multi.optimize import optimize
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                                  torch.nn.Flatten(), torch.nn.Linear(8, 4)).eval().cuda() for _ in range(4)]
+    x = torch.randn(1, 3, 16, 16, device="cuda")
+    result = optimize(models, (x,), methods=("sequential", "hivemind"), repeats=3, cache=False)
+    ev = result.outcome.evaluation
+    assert {"sequential", "hivemind", "sequential_models", "threads", "vmap"} <= set(ev.measured_ms)
+    assert max(result.model_errors) <= 1e-3 and result.plan().device == "cuda"

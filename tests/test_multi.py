@@ -464,6 +464,13 @@ def test_opsched_multi_refuses_bad_input_in_one_line(batch_file, capsys, argv, m
     assert message in err[-1]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for a machine without a GPU")
+def test_opsched_multi_on_cuda_without_a_gpu_says_so_in_one_line(batch_file, capsys):
+    assert main(["multi", f"{batch_file}:batch", "--device", "cuda"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "sees no CUDA device" in err[0]
+
+
 class _no_exit:
     def __enter__(self):
         return self

@@ -193,7 +193,7 @@ def _run_plan(args: argparse.Namespace, plan, devices: dict[str, int] | None, ra
     if multi:  # the model is the batch (each model's forward in turn), timed against sequential_models
         from opsched.multi.command import rebuild_batch
 
-        loaded, graph, names = rebuild_batch(args, plan)
+        loaded, graph, names = rebuild_batch(args, plan, device)
     else:
         loaded, graph, _, _ = load_and_capture(args, args.model, device)
     baseline = "sequential_models" if multi else "eager"

@@ -17,9 +17,10 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
 
 - ``sequential_models``: each model's forward one after another (the batch module's own forward), with 1
   and all threads;
-- ``threads``: each model's forward on a thread of its own, all at once, with 1 and all intra-op threads (set
-  in each thread); the pool is made once, except that at several intra-op threads it is made before and ended
-  after each call, untimed (its threads' OpenMP pools would slow every other configuration while they live);
+- ``threads``: each model's forward on a thread of its own, all at once (on CUDA, each thread's kernels on a
+  stream of its own), with 1 and all intra-op threads (set in each thread); the pool is made once, except
+  that at several intra-op threads it is made before and ended after each call, untimed (its threads'
+  OpenMP pools would slow every other configuration while they live);
 - ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
   the same architecture and they read one input; its stacked outputs are split back into one per model.
 
@@ -124,17 +125,24 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
 
 
 def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
-    """Each model of ``batch`` (a :class:`opsched.multi.ModelBatch`) on its own thread, all at once."""
+    """Each model of ``batch`` (a :class:`opsched.multi.ModelBatch`) on its own thread, all at once (on CUDA,
+    each on its own stream; ``sync`` waits for the device)."""
+    import contextlib
     import weakref
 
     import torch
 
     pools: dict[int, Any] = {}  # a thread pool per thread count
     weakref.finalize(batch, lambda: [pool.shutdown(wait=False) for pool in pools.values()])
+    streams = None
+    if batch.device == "cuda":  # each thread's kernels on a stream of its own, as a GPU user would run them
+        from opsched.runtime.cuda import StreamPerTask
 
-    def one(model: Any, args: tuple, count: int) -> Any:
+        streams = StreamPerTask(len(batch.models))
+
+    def one(k: int, model: Any, args: tuple, count: int) -> Any:
         _use_threads(count)
-        with torch.inference_mode():
+        with torch.inference_mode(), streams.on(k) if streams else contextlib.nullcontext():
             return model(*args)
 
     def at(count: int) -> Callable[[], Any]:
@@ -142,7 +150,10 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
             _use_threads(count)
             if count not in pools:
                 pools[count] = _started_pool(len(batch.models), count)
-            futures = [pools[count].submit(one, m, a, count) for m, a in zip(batch.models, batch.split(inputs))]
+            if streams:
+                streams.fork()
+            futures = [pools[count].submit(one, k, m, a, count)
+                       for k, (m, a) in enumerate(zip(batch.models, batch.split(inputs)))]
             out = tuple(f.result() for f in futures)
             sync()
             return out

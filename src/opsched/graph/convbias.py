@@ -121,6 +121,8 @@ def _channel_bias(values: dict[fx.Node, Any], chain: list[fx.Node], added: torch
     tail = values[chain[-1]]
     if output.dim() < 2 or total.shape != tail.shape or total.dtype != tail.dtype:
         return None
+    if output.device.type == "meta":  # no values to check that the add is a bias: left as it is
+        return None
     channels = output.shape[1]
     # Each output position's channel, laid out as the output is, so that the chain's views apply as they do
     index = torch.empty_strided(output.shape, output.stride(), dtype=torch.long, device=output.device)

@@ -77,6 +77,7 @@ class ModelBatch(torch.nn.Module):
         devices |= {p.device.type for m in models for p in m.parameters()}
         if len(devices) > 1:
             raise MultiError(f"the models and inputs of a batch must be on one device, found {', '.join(sorted(devices))}")
+        self.device = devices.pop() if devices else "cpu"  # a device type: cpu, cuda or meta
         self.shared_input = len({_layout(i) for i in per_model}) == 1
         self.per_model = [per_model[0]] * len(models) if self.shared_input else per_model
         self.inputs = self.raw_inputs or (per_model[0] if self.shared_input else tuple(a for i in per_model for a in i))

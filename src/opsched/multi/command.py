@@ -45,15 +45,27 @@ def _load_preprocessing(args: argparse.Namespace) -> tuple[Any, tuple]:
     return found[0].model.eval(), found[0].inputs
 
 
-def load_command_batch(args: argparse.Namespace) -> tuple[list[str], list[Any], Any, Any]:
+def load_command_batch(args: argparse.Namespace, device: str = "cpu") -> tuple[list[str], list[Any], Any, Any]:
     """The model batch the command line names (MODELs, ``--copies``, ``--preprocess``, ``--batch``,
     ``--input-shape``, ``--image-size``), as ``opsched multi`` loads it and ``opsched run`` rebuilds it from a
-    plan: the models' names and LoadedModels, the inputs :func:`opsched.multi.optimize.model_batch` takes
-    (each model's own, or the raw inputs the preprocessing reads) and the preprocessing module (or None)."""
+    plan, on ``device``: the models' names and LoadedModels, the inputs
+    :func:`opsched.multi.optimize.model_batch` takes (each model's own, or the raw inputs the preprocessing
+    reads) and the preprocessing module (or None)."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from opsched.models.spec import LoadedModel
+
+    def moved(value: Any) -> Any:
+        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
     names, loaded = load_batch(args)
+    if device != "cpu":
+        loaded = [LoadedModel(m.name, m.model.to(device), moved(m.inputs)) for m in loaded]
     inputs, preprocess = [m.inputs for m in loaded], None
     if args.preprocess:
         preprocess, inputs = _load_preprocessing(args)
+        preprocess, inputs = preprocess.to(device), moved(inputs)
     return names, loaded, inputs, preprocess
 
 
@@ -137,16 +149,17 @@ def _same_spec(given: str, recorded: str) -> bool:
                 and Path(path).resolve() == Path(other).resolve())
 
 
-def rebuild_batch(args: argparse.Namespace, plan: Any) -> tuple[Any, Any, list[str]]:
+def rebuild_batch(args: argparse.Namespace, plan: Any, device: str = "cpu") -> tuple[Any, Any, list[str]]:
     """The model batch a multi plan was made for, loaded from the command line as ``opsched multi`` loads it
-    (see :func:`check_run_args`), and its graph with the plan's rewrites made: (a LoadedModel whose model is
-    the :class:`opsched.multi.ModelBatch` and whose inputs are the batch's, the graph, the models' names)."""
+    (see :func:`check_run_args`) onto ``device``, and its graph with the plan's rewrites made: (a LoadedModel
+    whose model is the :class:`opsched.multi.ModelBatch` and whose inputs are the batch's, the graph, the
+    models' names)."""
     from opsched.models.spec import LoadedModel
     from opsched.multi.fuse import fuse_graph
     from opsched.multi.optimize import model_batch
 
     record = plan.options["multi"]
-    names, loaded, inputs, preprocess = load_command_batch(args)
+    names, loaded, inputs, preprocess = load_command_batch(args, device)
     batch = model_batch([m.model for m in loaded], inputs, preprocess)
     for m in batch.models:
         m.eval()
@@ -166,17 +179,19 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
         device_named(args.cost)
     elif args.cost != "measured":
         raise OpschedError(f"--cost takes measured or sim:NAME, got {args.cost!r}")
-    if args.device == "cuda":
+    device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
+    if device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
-        raise OpschedError("opsched multi runs on the CPU for now; study a GPU with --cost sim:NAME")
+        if args.train:
+            raise OpschedError("--train runs on the CPU for now: leave out --device cuda")
     args.gantt = None
     plan_path, _ = _output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
     if args.preprocess and args.train:
         raise OpschedError("--train trains the models on their own inputs: leave out --preprocess")
-    names, loaded, inputs, preprocess = load_command_batch(args)
+    names, loaded, inputs, preprocess = load_command_batch(args, device)
     say(f"loaded {len(args.models)} model(s) x {args.copies}")
     methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
     result = optimize([m.model for m in loaded], inputs, methods=methods, cost=args.cost, preprocess=preprocess,
@@ -190,7 +205,7 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
         "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
         "fusions": fusion.decisions,
-        "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
+        "cost": args.cost, "simulated": simulated, "device": args.cost if simulated else device, "method": args.method, "kernels": args.kernels,
         "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
                          **{m: s.predicted_latency for m, s in schedules.items()}},
     }

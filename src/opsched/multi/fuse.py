@@ -95,8 +95,9 @@ def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
 
 
 def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
-                   cache: bool = True, progress: Any = None) -> Callable[[Graph], list[float]]:
-    """Each unit's predicted milliseconds under the cost model ``spec`` (see :func:`opsched.pipeline.cost_model`)."""
+                   cache: bool = True, progress: Any = None, device: str = "cpu") -> Callable[[Graph], list[float]]:
+    """Each unit's predicted milliseconds under the cost model ``spec`` (measured on ``device``; see
+    :func:`opsched.pipeline.cost_model`)."""
     from opsched.pipeline import cost_model
 
     flat = pytree.tree_leaves(tuple(inputs))
@@ -104,7 +105,8 @@ def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cor
 
     def latencies(graph: Graph) -> list[float]:
         if graph.fingerprint not in known:
-            cost, _ = cost_model(graph, flat, spec, kernels=kernels, cores=cores, cache=cache, progress=progress)
+            cost, _ = cost_model(graph, flat, spec, device=device, kernels=kernels, cores=cores, cache=cache,
+                                 progress=progress)
             known[graph.fingerprint] = [cost.op_latency(u) for u in range(len(graph))]
         return known[graph.fingerprint]
 

@@ -58,7 +58,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
              say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
     ``torch_compile`` for torch.compile of the loop over the models). ``preprocess`` runs once on
-    ``inputs`` and every model reads its result (see :class:`ModelBatch`).
+    ``inputs`` and every model reads its result (see :class:`ModelBatch`). The batch runs where its models
+    and inputs are: on the CPU, or with them moved to ``cuda``, on the GPU's streams (costs measured there).
 
     >>> import torch
     >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
@@ -74,13 +75,14 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     cores = cores or torch.get_num_threads()
     simulated = cost.startswith("sim:")
     say("combining the models and choosing the fusions that pay ...")
-    latencies = cost_latencies(cost, batch.inputs, kernels, cores, cache, progress)
+    device = "cpu" if simulated else batch.device
+    latencies = cost_latencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
     fusion = fuse_graph(batch, rewrites, latencies)
     sequential_ms = sum(latencies(fusion.combined))
-    default_streams = 8 if simulated else cores
+    default_streams = 8 if simulated or device == "cuda" else cores
     jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
-    outcome = run_job(Job(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, kernels=kernels, cores=cores,
-                          peers=peers, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
+    outcome = run_job(Job(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device, kernels=kernels,
+                          cores=cores, peers=peers, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
                           profile_progress=progress))
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()
@@ -125,10 +127,13 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     for m in batch.models:
         m.eval()
     cores = cores or torch.get_num_threads()
-    fusion = fuse_graph(batch, rewrites, cost_latencies(cost, batch.inputs, cores=cores, cache=cache))
-    model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, cores=cores, cache=cache)
-    schedule = search(fusion.graph, model, method, **method_options(method, default_streams=cores))
-    module = OptimizedModule(fusion.graph, schedule, cores, unit_operator)
+    device = batch.device
+    fusion = fuse_graph(batch, rewrites, cost_latencies(cost, batch.inputs, cores=cores, cache=cache, device=device))
+    model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, device=device, cores=cores,
+                          cache=cache)
+    streams = 8 if device == "cuda" else cores
+    schedule = search(fusion.graph, model, method, **method_options(method, default_streams=streams))
+    module = OptimizedModule(fusion.graph, schedule, cores, unit_operator, device=device)
     errors = model_errors(module, batch, cores)
     worst = max(range(len(errors)), key=errors.__getitem__)
     if not errors[worst] <= tolerance:

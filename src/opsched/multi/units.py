@@ -39,8 +39,12 @@ def identity_key(node: Node) -> Any:
     layout = layout_key(node)
     if layout is None:
         return None
-    return (layout, tuple((t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.stride()))
-                          for t in tensors_of(node).values()))
+    return (layout, tuple((_memory_of(t), t.storage_offset(), tuple(t.stride())) for t in tensors_of(node).values()))
+
+
+def _memory_of(t: torch.Tensor) -> int:
+    # a meta tensor has no memory (every data pointer is 0): only the same tensor object is the same weight
+    return id(t) if t.device.type == "meta" else t.untyped_storage().data_ptr()
 
 
 def local_name(name: str) -> str:

@@ -241,6 +241,28 @@ def available() -> bool:
     return current_api().available()
 
 
+class StreamPerTask:
+    """A CUDA stream for each of ``count`` tasks that host threads run at once (the ``threads`` peer of a model
+    batch: each model's forward on a thread of its own). A task queues its kernels on its own stream
+    (:meth:`on`) instead of the one default stream every thread shares, which would run them one after
+    another; :meth:`fork`, called by the submitting thread first, makes every stream wait for what that
+    thread queued before (the inputs). The caller synchronises the device before reading the outputs, so
+    no stream's memory is read or freed while it is still being written."""
+
+    def __init__(self, count: int, api: CudaApi | None = None):
+        self.api = api or current_api()
+        self.streams = [self.api.new_stream() for _ in range(count)]
+
+    def fork(self) -> None:
+        event = self.api.new_event()
+        self.api.record(event, self.api.current_stream())
+        for stream in self.streams:
+            self.api.wait(stream, event)
+
+    def on(self, task: int) -> contextlib.AbstractContextManager:
+        return self.api.use_stream(self.streams[task])
+
+
 class CUDAExecutor:
     """Execute ``program`` on the current CUDA device (see the module docstring) through ``api`` (default:
     :func:`current_api`)."""
