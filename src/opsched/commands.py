@@ -433,8 +433,7 @@ def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = N
     if device is not None:
         loaded.model.eval()
         if device != "cpu":
-            loaded.model.to(device)
-            loaded.inputs = tuple(x.to(device) for x in loaded.inputs)
+            loaded.to(device)
     loaded_at = time.perf_counter()
     say(f"capturing {loaded.name} ...")
     graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)

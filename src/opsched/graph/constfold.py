@@ -27,6 +27,8 @@ instead. The result is the same tensor, strides included, so the kernels that re
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
@@ -42,7 +44,7 @@ def constants_folded(gm: fx.GraphModule) -> int:
     folded = 0
     for node in list(graph.nodes):
         if node.op == "get_attr":
-            value = _attribute(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
             if isinstance(value, torch.Tensor):
                 constant[node] = value
             continue
@@ -56,7 +58,7 @@ def constants_folded(gm: fx.GraphModule) -> int:
             value = node.target(*args, **kwargs)
         if not isinstance(value, torch.Tensor):
             continue
-        name = _free_name(gm, "_folded")
+        name = free_name(gm, "_folded")
         gm.register_buffer(name, value)
         with graph.inserting_before(node):
             attribute = graph.get_attr(name)
@@ -72,15 +74,8 @@ def constants_folded(gm: fx.GraphModule) -> int:
     return folded
 
 
-def _attribute(gm: fx.GraphModule, target: str) -> object:
-    owner = gm
-    *path, name = target.split(".")
-    for part in path:
-        owner = getattr(owner, part)
-    return getattr(owner, name)
-
-
-def _free_name(gm: fx.GraphModule, prefix: str) -> str:
+def free_name(gm: fx.GraphModule, prefix: str) -> str:
+    """``prefix`` with the first number that names no attribute of ``gm`` yet."""
     k = 0
     while hasattr(gm, f"{prefix}{k}"):
         k += 1

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from opsched.graph.constfold import attributes_read, forget_unread
+from opsched.graph.constfold import attributes_read, forget_unread, free_name
 
 _CONVOLUTION = torch.ops.aten.convolution.default
 _ADD = torch.ops.aten.add.Tensor
@@ -64,9 +64,7 @@ def conv_biases_folded(gm: fx.GraphModule, examples: Sequence[Any]) -> int:
             if bias is None:
                 continue
             convolution = chain[0]
-            name = f"conv_bias_{folded}"
-            while hasattr(gm, name):
-                name += "_"
+            name = free_name(gm, "conv_bias_")
             gm.register_buffer(name, bias)
             with gm.graph.inserting_before(convolution):
                 convolution.update_arg(2, gm.graph.get_attr(name))

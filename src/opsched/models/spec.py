@@ -49,6 +49,12 @@ class LoadedModel:
     model: torch.nn.Module
     inputs: tuple
 
+    def to(self, device: str) -> LoadedModel:
+        """Move the model and its example inputs to ``device``, in place; returns this LoadedModel."""
+        self.model.to(device)
+        self.inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in self.inputs)
+        return self
+
 
 def load_model(spec: str, *, batch: int | None = None, input_shapes: Sequence[Sequence[int]] | None = None,
                image_size: int | None = None) -> LoadedModel:

@@ -35,13 +35,15 @@ def load_batch(args: argparse.Namespace) -> tuple[list[str], list[Any]]:
     return [m.name for m in loaded], loaded
 
 
-def _load_preprocessing(args: argparse.Namespace) -> tuple[Any, tuple]:
-    """``--preprocess``: the module every model's input goes through once, and its example (raw) inputs."""
+def _load_preprocessing(args: argparse.Namespace, device: str = "cpu") -> tuple[Any, tuple]:
+    """``--preprocess``: the module every model's input goes through once, and its example (raw) inputs, on
+    ``device``."""
     from opsched.models.spec import load_models
 
     found = load_models(args.preprocess, batch=args.batch, image_size=args.image_size)
     if len(found) != 1:
         raise OpschedError(f"--preprocess {args.preprocess}: expected one module, found {len(found)}")
+    found[0].to(device)
     return found[0].model.eval(), found[0].inputs
 
 
@@ -51,21 +53,12 @@ def load_command_batch(args: argparse.Namespace, device: str = "cpu") -> tuple[l
     plan, on ``device``: the models' names and LoadedModels, the inputs
     :func:`opsched.multi.optimize.model_batch` takes (each model's own, or the raw inputs the preprocessing
     reads) and the preprocessing module (or None)."""
-    import torch
-    import torch.utils._pytree as pytree
-
-    from opsched.models.spec import LoadedModel
-
-    def moved(value: Any) -> Any:
-        return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
-
     names, loaded = load_batch(args)
-    if device != "cpu":
-        loaded = [LoadedModel(m.name, m.model.to(device), moved(m.inputs)) for m in loaded]
+    for m in loaded:
+        m.to(device)
     inputs, preprocess = [m.inputs for m in loaded], None
     if args.preprocess:
-        preprocess, inputs = _load_preprocessing(args)
-        preprocess, inputs = preprocess.to(device), moved(inputs)
+        preprocess, inputs = _load_preprocessing(args, device)
     return names, loaded, inputs, preprocess
 
 
@@ -205,7 +198,8 @@ def multi_command(args: argparse.Namespace) -> dict[str, Any]:
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
         "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
         "fusions": fusion.decisions,
-        "cost": args.cost, "simulated": simulated, "device": args.cost if simulated else device, "method": args.method, "kernels": args.kernels,
+        "cost": args.cost, "simulated": simulated, "device": args.cost if simulated else device,
+        "method": args.method, "kernels": args.kernels,
         "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
                          **{m: s.predicted_latency for m, s in schedules.items()}},
     }
