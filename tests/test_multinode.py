@@ -188,11 +188,27 @@ def test_milp_split_when_memory_binds_leaves_room_for_the_modules_after():
     assert not result.optimal and math.isfinite(replay(problem, result.mapping).makespan)
 
 
-def test_milp_memory_total_caps_what_the_mapping_holds():
+def test_milp_split_when_memory_binds_shares_out_the_fast_devices():
+    # six modules of one unit; splitting a unit's batch over the two fast devices halves its time and copies
+    # its weights, so modules free to fill them (the first three) leave the last three the slow device: 13.5.
+    # Each module's share of the fast devices' memory keeps every unit whole on a fast one: 6.
+    nodes = [Node(f"u{i}", args=(f"u{i - 1}",) if i else (), latency=1.0, param_bytes=10, bytes_written=1)
+             for i in range(6)]
+    platform = platform_from_dict({"devices": [{"name": "f0", "memory": 35}, {"name": "f1", "memory": 35},
+                                               {"name": "slow", "scale": 4, "memory": 1000}],
+                                   "links": {"default": {"bandwidth": 100, "latency": 0.0}}})
+    problem = build_problem(Graph(nodes), platform, "throughput", 4)
+    result = milp_split(problem, time_limit=10, min_module=1)
+    check(problem, result.mapping)
+    assert result.decomposition.modules == [[u] for u in range(6)]
+    assert replay(problem, result.mapping).makespan == pytest.approx(6.0, abs=0.01)
+
+
+def test_milp_memory_caps_cap_what_the_mapping_holds():
     problem = _problem(4, 4, "throughput", batch=4)
     free = milp(problem, time_limit=10)
     need = sum(problem.memory(u) for u in range(problem.n))
-    capped = milp(problem, time_limit=10, memory_total=need)
+    capped = milp(problem, time_limit=10, memory_caps=[(range(problem.devices), need)])
     held = sum(problem.memory(j.unit, len(j.pieces)) for j in capped.mapping.jobs())
     assert held <= need + 1e-9
     assert replay(problem, capped.mapping).makespan >= replay(problem, free.mapping).makespan - 1e-9

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 
@@ -58,12 +58,12 @@ class MilpResult:
 
 def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None, symmetry: str = "none",
          pinned: MappingType[int, int] | None = None, workers: int = 2,
-         progress: Callable[[float], None] | None = None, memory_total: float | None = None,
-         solver: str = "cp-sat") -> MilpResult:
+         progress: Callable[[float], None] | None = None,
+         memory_caps: Sequence[tuple[Sequence[int], float]] = (), solver: str = "cp-sat") -> MilpResult:
     """The optimal mapping of ``problem`` (or the best found within ``time_limit`` seconds). ``hint`` starts
     the search from a known mapping; ``pinned`` fixes some units (all their pieces) on a device;
-    ``memory_total`` caps the bytes the mapping holds on all devices together (what MILP-SPLIT leaves a
-    module so that the modules after it still fit). ``solver``: CP-SAT, or HiGHS on the same model read as a
+    ``memory_caps`` (devices, bytes) caps what the mapping holds on each group of devices together (what
+    MILP-SPLIT leaves a module so that the modules after it still fit). ``solver``: CP-SAT, or HiGHS on the same model read as a
     MILP (``highs.py``; no ``progress`` reports, one thread), for comparing them.
 
     >>> from opsched.graph.ir import Graph, Node
@@ -183,11 +183,12 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
             m.AddNoOverlap(intervals[d])
         if math.isfinite(device.memory):
             m.Add(sum(c * lit for lit, c in usage[d]) <= math.floor(device.memory / mem_unit))
-    if memory_total is not None and math.isfinite(memory_total):
-        m.Add(sum(c * lit for d in range(k) for lit, c in usage[d]) <= math.floor(memory_total / mem_unit))
+    for group, cap in memory_caps:
+        if math.isfinite(cap):
+            m.Add(sum(c * lit for d in group for lit, c in usage[d]) <= math.floor(cap / mem_unit))
     found = add_constraints(m, problem, symmetry, pinned.values(), pieces_on, busy, placed)
-    if hint is not None and _holds(problem, hint) > (memory_total if memory_total is not None else math.inf):
-        hint = None  # it breaks the cap: no help to CP-SAT, nor a fallback
+    if hint is not None and not within_caps(problem, hint, memory_caps):
+        hint = None  # it breaks a cap: no help to CP-SAT, nor a fallback
     if hint is not None:
         hint = canonical(problem, hint, symmetry, pinned.values())
         _hint(m, problem, hint, x)
@@ -247,9 +248,10 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
                       time.perf_counter() - started, found.factor)
 
 
-def _holds(problem: Problem, mapping: Mapping) -> float:
-    """The bytes ``mapping`` holds on all devices together."""
-    return sum(problem.memory(j.unit, len(j.pieces)) for j in mapping.jobs())
+def within_caps(problem: Problem, mapping: Mapping, memory_caps: Sequence[tuple[Sequence[int], float]]) -> bool:
+    """Whether ``mapping`` holds no more than each cap's bytes on its group of devices together."""
+    return all(sum(problem.memory(j.unit, len(j.pieces)) for d in group for j in mapping.order[d]) <= cap
+               for group, cap in memory_caps)
 
 
 def _fits_pins(mapping: Mapping, pinned: MappingType[int, int]) -> bool:
