@@ -140,7 +140,7 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
                         continue
                     m.Add(end[i] <= start[j]).OnlyEnforceIf([before, x[i][d], x[j][d]])
                     m.Add(end[j] <= start[i]).OnlyEnforceIf([before.Not(), x[i][d], x[j][d]])
-        placed = [[x[u][d]] for u in range(n) for d in range(k)]
+        units_on = [sum(x[u][d] for u in range(n)) for d in range(k)]
         pieces_on = [[x[u][d] for u in range(n)] for d in range(k)]
     else:
         x = [[[m.NewBoolVar(f"x{u}_{q}_{d}") for d in range(k)] for q in range(pieces)] for u in range(n)]
@@ -173,7 +173,7 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
                     for db in range(k):
                         gap = comm.get((a, b, da, db), 0)
                         m.Add(start[b][db] >= end[a][da] + gap).OnlyEnforceIf([x[a][q][da], x[b][q][db]])
-        placed = [[x[u][q][d] for q in range(pieces)] for u in range(n) for d in range(k)]
+        units_on = [n - sum(size[u][d][0] for u in range(n)) for d in range(k)]  # b[u][d][0]: none on d
         pieces_on = [[x[u][q][d] for u in range(n) for q in range(pieces)] for d in range(k)]
     for d, device in enumerate(problem.platform.devices):
         if pieces > 1:
@@ -186,7 +186,7 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
     for group, cap in memory_caps:
         if math.isfinite(cap):
             m.Add(sum(c * lit for d in group for lit, c in usage[d]) <= math.floor(cap / mem_unit))
-    found = add_constraints(m, problem, symmetry, pinned.values(), pieces_on, busy, placed)
+    found = add_constraints(m, problem, symmetry, pinned.values(), pieces_on, busy, units_on)
     if hint is not None and not within_caps(problem, hint, memory_caps):
         hint = None  # it breaks a cap: no help to CP-SAT, nor a fallback
     if hint is not None:

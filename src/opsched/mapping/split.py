@@ -17,8 +17,8 @@ mapping is replayed as a whole, so later modules may start early where the data 
 modules' batch pieces may overlap across a boundary in the replay; the DP's sum is then an estimate only.
 With several channels, or a memory budget that can bind (a device smaller than the whole graph needs: the
 modules then compete for memory, and one module's best mapping depends on what the others left), the modules
-are solved one after another instead, each with what the modules before left of every device's memory and
-its inputs pinned where they were put; MILP-SPLIT is then not exact. Every module's MILP breaks the
+are solved one after another instead, each with what the modules before left of every device's memory (and
+its share of it, see ``_chained``) and its inputs pinned where they were put; MILP-SPLIT is then not exact. Every module's MILP breaks the
 symmetry of the devices its pins leave interchangeable (``symmetry.py``).
 """
 

@@ -45,27 +45,20 @@ def orbits(problem: Problem, symmetry: str, fixed: Iterable[int] = ()) -> Symmet
 
 
 def add_constraints(model, problem: Problem, symmetry: str, fixed: Iterable[int], pieces_on: Sequence[Sequence],
-                    busy: Sequence[Sequence], placed: Sequence[Sequence]) -> Symmetry:
+                    busy: Sequence[Sequence], units_on: Sequence) -> Symmetry:
     """Order the orbits' members in the CP-SAT ``model``. Per device d: ``pieces_on[d]`` the literals of
-    the pieces it runs, ``busy[d]`` (literal, duration) of its jobs; ``placed[u * devices + d]`` the
-    literals of unit u's pieces on d."""
+    the pieces it runs, ``busy[d]`` (literal, duration) of its jobs, ``units_on[d]`` the linear expression
+    counting the units it runs some of."""
     found = orbits(problem, symmetry, fixed)
     if not found.device_orbits and not found.node_orbits:
         return found
-    cache: dict[int, object] = {}
 
     def amount(d: int):
-        if d not in cache:
-            if symmetry == "batch":
-                cache[d] = sum(pieces_on[d])
-            elif symmetry == "task":
-                on = [model.NewBoolVar(f"on{u}_{d}") for u in range(problem.n)]
-                for u in range(problem.n):
-                    model.AddMaxEquality(on[u], placed[u * problem.devices + d])
-                cache[d] = sum(on)
-            else:
-                cache[d] = sum(lit * c for lit, c in busy[d])
-        return cache[d]
+        if symmetry == "batch":
+            return sum(pieces_on[d])
+        if symmetry == "task":
+            return units_on[d]
+        return sum(lit * c for lit, c in busy[d])
 
     for orbit in found.device_orbits:
         for a, b in itertools.pairwise(orbit):
