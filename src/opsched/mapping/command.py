@@ -117,6 +117,8 @@ class _progress:
             if self.bar is None:
                 self.bar = progress_bar(self.method, total)
             self.bar.update(done - self.bar.n)
+            if done >= total:
+                self.bar.close()  # the search is over: its time is the bar's, not the lower bound's after it
 
         return update
 
