@@ -188,20 +188,24 @@ def test_milp_split_when_memory_binds_leaves_room_for_the_modules_after():
     assert not result.optimal and math.isfinite(replay(problem, result.mapping).makespan)
 
 
-def test_milp_split_when_memory_binds_shares_out_the_fast_devices():
+@pytest.mark.parametrize(("fast_memory", "makespan"), [(35, 6.0), (12, 18.0)])
+def test_milp_split_when_memory_binds_shares_out_the_fast_devices(fast_memory, makespan):
     # six modules of one unit; splitting a unit's batch over the two fast devices halves its time and copies
     # its weights, so modules free to fill them (the first three) leave the last three the slow device: 13.5.
-    # Each module's share of the fast devices' memory keeps every unit whole on a fast one: 6.
+    # Each module's share of the fast devices' memory keeps every unit whole on a fast one: 6. With room for
+    # one unit a fast device, the first module's share is smaller than a unit; raised to the unit whole (not
+    # to a share of all memory, which let it split over both: 20.5), two units run fast: 18.
     nodes = [Node(f"u{i}", args=(f"u{i - 1}",) if i else (), latency=1.0, param_bytes=10, bytes_written=1)
              for i in range(6)]
-    platform = platform_from_dict({"devices": [{"name": "f0", "memory": 35}, {"name": "f1", "memory": 35},
+    platform = platform_from_dict({"devices": [{"name": "f0", "memory": fast_memory},
+                                               {"name": "f1", "memory": fast_memory},
                                                {"name": "slow", "scale": 4, "memory": 1000}],
                                    "links": {"default": {"bandwidth": 100, "latency": 0.0}}})
     problem = build_problem(Graph(nodes), platform, "throughput", 4)
     result = milp_split(problem, time_limit=10, min_module=1)
     check(problem, result.mapping)
     assert result.decomposition.modules == [[u] for u in range(6)]
-    assert replay(problem, result.mapping).makespan == pytest.approx(6.0, abs=0.01)
+    assert replay(problem, result.mapping).makespan == pytest.approx(makespan, abs=0.01)
 
 
 def test_milp_memory_caps_cap_what_the_mapping_holds():

@@ -5,8 +5,7 @@ Each CP-SAT constraint becomes linear rows over the model's variables (a negated
 
 - a linear constraint enforced by literals l1..lm: its row relaxed by ``M * sum(1 - l_i)``, M the most the
   row's activity can pass its bound over the variables' domains (the big-M form);
-- exactly-one, at-most-one, bool-or, bool-and: their rows over 0/1 variables; the max of 0/1 expressions (the
-  ``task`` symmetry's "unit on device"): target >= each, target <= their sum;
+- exactly-one, at-most-one, bool-or, bool-and: their rows over 0/1 variables;
 - intervals: those sharing start and end whose presence literals are exclusive (in one exactly-one or
   at-most-one: a unit's devices for latency, its piece counts on a device for throughput) are one job, with
   ``end - start - sum(size_i * p_i)`` within ``+-M (1 - sum p_i)``: DiviML's own row (its constraint 2, the
@@ -31,7 +30,7 @@ from opsched.mapping import MappingError
 
 INT64_LIMIT = 2**63 - 1  # CP-SAT's bound for an unbounded side of a domain
 TIME_UNITS = 1e2  # the most time units HiGHS sees (see _Translation)
-KINDS = ("linear", "exactly_one", "at_most_one", "bool_or", "bool_and", "lin_max", "interval", "no_overlap")
+KINDS = ("linear", "exactly_one", "at_most_one", "bool_or", "bool_and", "interval", "no_overlap")
 
 Terms = dict[int, float]   # variable index (of the MILP) -> coefficient
 Affine = tuple[Terms, float]
@@ -120,18 +119,6 @@ class _Translation:
             elif kind == "bool_and":
                 for lit in c.bool_and.literals:
                     self._row(self._literal(lit), 1, 1, enforced)
-            elif kind == "lin_max":
-                target = self._expression(c.lin_max.target)
-                parts = [self._expression(e) for e in c.lin_max.exprs]
-                if any(lo < 0 or hi > 1 for lo, hi in map(self._range, [target, *parts])):
-                    raise MappingError("HiGHS: only a max of 0/1 expressions has a linear form here")
-                hinted = [self._hinted(part) for part in parts]
-                if None not in hinted and len(target[0]) == 1:  # a start with the parts: the target's value in it
-                    (v, coefficient), = target[0].items()
-                    self.hint.setdefault(v, (max(hinted) - target[1]) / coefficient)
-                for part in parts:
-                    self._row(_add(target, _scaled(part, -1)), 0, math.inf, enforced)
-                self._row(_add(target, *(_scaled(p, -1) for p in parts)), -math.inf, 0, enforced)
             elif kind == "interval":
                 intervals[index] = c
             elif kind == "no_overlap":

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Mapping as MappingType
 from dataclasses import dataclass
 
@@ -215,8 +215,10 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
         code = solve_cp_sat(cp, m, callback)  # on a worker thread: Ctrl-C ends it as an interrupt
         status, bound, value, name = cp.StatusName(code), cp.BestObjectiveBound(), cp.Value, "CP-SAT"
     if status not in ("OPTIMAL", "FEASIBLE"):
-        if status == "INFEASIBLE":
+        if status == "INFEASIBLE" and (hint is None or not _fits_pins(hint, pinned)):
             raise MappingError("no mapping fits the devices' memory budgets")
+        if status == "INFEASIBLE":  # the model rounds memory up, caps down: a hint that fits may not fit it
+            bound = 0.0
         if hint is None or not _fits_pins(hint, pinned):
             raise MappingError(f"{name} found no mapping within {time_limit:g} s")
         # out of time before the solver's first mapping (a large model's presolve alone can take that long):
@@ -248,10 +250,14 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
                       time.perf_counter() - started, found.factor)
 
 
+def held(problem: Problem, mapping: Mapping, devices: Iterable[int]) -> float:
+    """The bytes ``mapping`` holds on ``devices`` together."""
+    return sum(problem.memory(j.unit, len(j.pieces)) for d in devices for j in mapping.order[d])
+
+
 def within_caps(problem: Problem, mapping: Mapping, memory_caps: Sequence[tuple[Sequence[int], float]]) -> bool:
     """Whether ``mapping`` holds no more than each cap's bytes on its group of devices together."""
-    return all(sum(problem.memory(j.unit, len(j.pieces)) for d in group for j in mapping.order[d]) <= cap
-               for group, cap in memory_caps)
+    return all(held(problem, mapping, group) <= cap for group, cap in memory_caps)
 
 
 def _fits_pins(mapping: Mapping, pinned: MappingType[int, int]) -> bool:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from opsched.graph.ir import Graph, Node, indices
 from opsched.mapping import MappingError
 from opsched.mapping.heft import heft
-from opsched.mapping.milp import milp, within_caps
+from opsched.mapping.milp import held, milp, within_caps
 from opsched.mapping.modules import Decomposition, decompose
 from opsched.mapping.plan import Job, Mapping
 from opsched.mapping.platform import Platform
@@ -156,8 +156,12 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
         # Each class of equally fast devices first gives the module its share of what it has left: a module
         # free to fill the fast devices (splitting its units' batch over them copies their weights, for a
         # gain of a few percent) leaves the last modules only the slow ones (GPT-3's head then took 7.8 ms
-        # against 3.2). Where the module fits no such shares, its share of all the memory left.
+        # against 3.2). Where the module fits no such shares, each is raised to what HEFT's mapping with every
+        # unit whole holds there (the module may not split beyond it); failing that, its share of all the memory.
         attempts = [[_cap(group, left_memory, share) for group in classes]]
+        whole = _heft_hint(sub, pinned, whole_only=True)
+        if whole is not None:  # a class's share smaller than a unit: raised to what the units hold whole there
+            attempts.append([(group, max(cap, held(sub, whole, group))) for group, cap in attempts[0]])
         if len(classes) > 1:
             attempts.append([_cap(list(range(k)), left_memory, share)])
         for attempt, caps in enumerate(attempts):
@@ -252,12 +256,12 @@ def _global(mapping: Mapping, back: list[int | None]) -> Mapping:
                     for jobs in mapping.order])
 
 
-def _heft_hint(sub: Problem, pinned: dict[int, int], memory_caps: list[tuple[list[int], float]] = ()
-               ) -> Mapping | None:
+def _heft_hint(sub: Problem, pinned: dict[int, int], memory_caps: list[tuple[list[int], float]] = (),
+               whole_only: bool = False) -> Mapping | None:
     """HEFT's mapping of a module with its pins, where to start the module's MILP: with the batch split where
-    that fits ``memory_caps`` (devices, bytes), else every unit whole; None when neither fits them (the MILP
-    then starts from nothing)."""
-    for split in (True, False):
+    that fits ``memory_caps`` (devices, bytes), else every unit whole (only that with ``whole_only``); None
+    when neither fits them (the MILP then starts from nothing)."""
+    for split in ((False,) if whole_only else (True, False)):
         try:
             hint = _pinned(heft(sub, split), pinned, sub.devices)
         except MappingError:
