@@ -33,10 +33,7 @@ class Prepared:
 
     def __init__(self, problem: Problem):
         self.fastest = [min(min(row) for row in problem.times[u]) for u in range(problem.n)]
-        groups: dict[tuple, list[int]] = {}
-        for d in range(problem.devices):
-            groups.setdefault(tuple(tuple(problem.times[u][d]) for u in range(problem.n)), []).append(d)
-        self.classes = list(groups.values())
+        self.classes = problem.speed_classes()
 
 
 def base_bound(problem: Problem, units: Sequence[int], prepared: Prepared | None = None) -> float:

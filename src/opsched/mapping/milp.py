@@ -140,8 +140,8 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
                         continue
                     m.Add(end[i] <= start[j]).OnlyEnforceIf([before, x[i][d], x[j][d]])
                     m.Add(end[j] <= start[i]).OnlyEnforceIf([before.Not(), x[i][d], x[j][d]])
-        units_on = [sum(x[u][d] for u in range(n)) for d in range(k)]
         pieces_on = [[x[u][d] for u in range(n)] for d in range(k)]
+        units_on = [sum(lits) for lits in pieces_on]  # one piece a unit
     else:
         x = [[[m.NewBoolVar(f"x{u}_{q}_{d}") for d in range(k)] for q in range(pieces)] for u in range(n)]
         for u in range(n):
@@ -215,12 +215,11 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
         code = solve_cp_sat(cp, m, callback)  # on a worker thread: Ctrl-C ends it as an interrupt
         status, bound, value, name = cp.StatusName(code), cp.BestObjectiveBound(), cp.Value, "CP-SAT"
     if status not in ("OPTIMAL", "FEASIBLE"):
-        if status == "INFEASIBLE" and (hint is None or not _fits_pins(hint, pinned)):
-            raise MappingError("no mapping fits the devices' memory budgets")
+        if hint is None or not _fits_pins(hint, pinned):
+            raise MappingError("no mapping fits the devices' memory budgets" if status == "INFEASIBLE" else
+                               f"{name} found no mapping within {time_limit:g} s")
         if status == "INFEASIBLE":  # the model rounds memory up, caps down: a hint that fits may not fit it
             bound = 0.0
-        if hint is None or not _fits_pins(hint, pinned):
-            raise MappingError(f"{name} found no mapping within {time_limit:g} s")
         # out of time before the solver's first mapping (a large model's presolve alone can take that long):
         # the hint is the best mapping known, and what the solver proved is still a bound
         slack = (n * pieces + len(problem.graph.edges)) / scale

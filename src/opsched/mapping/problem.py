@@ -71,6 +71,14 @@ class Problem:
         """The device running ``u`` (the whole batch) fastest; ties to the lowest index."""
         return min(range(self.devices), key=lambda d: (self.time(u, d), d))
 
+    def speed_classes(self) -> list[list[int]]:
+        """The devices grouped by their costs: two devices are in one class when every unit costs the same on
+        both (GPT-3's cluster: its twelve A100s, its twelve T4s)."""
+        classes: dict[tuple, list[int]] = {}
+        for d in range(self.devices):
+            classes.setdefault(tuple(tuple(self.times[u][d]) for u in range(self.n)), []).append(d)
+        return list(classes.values())
+
     def objective_value(self, makespan: float) -> float:
         """What the objective reports for a makespan: the latency, or inputs per time unit."""
         if self.objective == "throughput":

@@ -24,6 +24,7 @@ symmetry of the devices its pins leave interchangeable (``symmetry.py``).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -143,7 +144,7 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
     # their weights copied onto several devices) leave too little for the rest.
     need = [sum(problem.memory(u) for u in units) for units in modules]
     rest = [sum(need[t:]) for t in range(len(modules))]
-    classes = speed_classes(problem)
+    classes = problem.speed_classes()
     busy = [0.0] * k  # each device's time in the modules mapped so far
     factor = 1
     for t, units in enumerate(modules):
@@ -159,14 +160,15 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
         # against 3.2). Where the module fits no such shares, each is raised to what HEFT's mapping with every
         # unit whole holds there (the module may not split beyond it); failing that, its share of all the memory.
         attempts = [[_cap(group, left_memory, share) for group in classes]]
-        whole = _heft_hint(sub, pinned, whole_only=True)
+        heft_of = _heft_of(sub, pinned)
+        whole = heft_of(False)
         if whole is not None:  # a class's share smaller than a unit: raised to what the units hold whole there
             attempts.append([(group, max(cap, held(sub, whole, group))) for group, cap in attempts[0]])
         if len(classes) > 1:
             attempts.append([_cap(list(range(k)), left_memory, share)])
         for attempt, caps in enumerate(attempts):
             last = attempt == len(attempts) - 1
-            hint = _heft_hint(sub, pinned, caps)
+            hint = _heft_hint(sub, heft_of, caps)
             if hint is None and not last:
                 continue
             left = (deadline - time.perf_counter()) / (len(modules) - t)
@@ -238,7 +240,7 @@ def _solve_module(problem: Problem, units: list[int], entries: list[int], output
     for i, d in pinned.items():
         if math.isinf(sub.time(i, d)):
             return None
-    hint = _heft_hint(sub, pinned)
+    hint = _heft_hint(sub, _heft_of(sub, pinned))
     if hint is not None and time_limit <= 0:  # out of time: HEFT's mapping, so that the limit holds
         latency = replay(sub, hint).makespan
         return latency, _global(hint, back), False, 1, latency
@@ -256,18 +258,29 @@ def _global(mapping: Mapping, back: list[int | None]) -> Mapping:
                     for jobs in mapping.order])
 
 
-def _heft_hint(sub: Problem, pinned: dict[int, int], memory_caps: list[tuple[list[int], float]] = (),
-               whole_only: bool = False) -> Mapping | None:
-    """HEFT's mapping of a module with its pins, where to start the module's MILP: with the batch split where
-    that fits ``memory_caps`` (devices, bytes), else every unit whole (only that with ``whole_only``); None
-    when neither fits them (the MILP then starts from nothing)."""
-    for split in ((False,) if whole_only else (True, False)):
+def _heft_of(sub: Problem, pinned: dict[int, int]) -> Callable[[bool], Mapping | None]:
+    """HEFT's mapping of a module with its pins, the batch split or every unit whole (None where HEFT finds
+    none within the devices' memory), each made once and only when asked for."""
+
+    @functools.cache
+    def mapping(split: bool) -> Mapping | None:
         try:
-            hint = _pinned(heft(sub, split), pinned, sub.devices)
+            return _pinned(heft(sub, split), pinned, sub.devices)
         except MappingError:
-            continue
-        if within_caps(sub, hint, memory_caps):
-            return hint
+            return None
+
+    return mapping
+
+
+def _heft_hint(sub: Problem, heft_of: Callable[[bool], Mapping | None],
+               memory_caps: list[tuple[list[int], float]] = ()) -> Mapping | None:
+    """Where to start a module's MILP: HEFT's mapping with the batch split where that fits ``memory_caps``
+    (devices, bytes), else every unit whole; None when neither fits them (the MILP then starts from
+    nothing)."""
+    for split in (True, False):
+        mapping = heft_of(split)
+        if mapping is not None and within_caps(sub, mapping, memory_caps):
+            return mapping
     return None
 
 
@@ -316,15 +329,6 @@ def module_problem(problem: Problem, units: list[int], entries: list[int], platf
     weights = [0.0 if u is None else problem.weight_bytes[u] for u in back]
     return Problem(sub_graph, platform or problem.platform, times, edge_bytes, activation, weights, problem.objective, problem.batch,
                    problem.pieces, problem.time_unit, problem.simulated), back
-
-
-def speed_classes(problem: Problem) -> list[list[int]]:
-    """The devices grouped by their costs: two devices are in one class when every unit costs the same on
-    both (GPT-3's cluster: its twelve A100s, its twelve T4s)."""
-    classes: dict[tuple, list[int]] = {}
-    for d in range(problem.devices):
-        classes.setdefault(tuple(tuple(problem.times[u][d]) for u in range(problem.n)), []).append(d)
-    return list(classes.values())
 
 
 def memory_binds(problem: Problem) -> bool:

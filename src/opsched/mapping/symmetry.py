@@ -40,8 +40,8 @@ def orbits(problem: Problem, symmetry: str, fixed: Iterable[int] = ()) -> Symmet
     the platform whose costs are also the same for every unit."""
     if symmetry == "none":
         return Symmetry([], [])
-    columns = [tuple(tuple(problem.times[u][d]) for u in range(problem.n)) for d in range(problem.devices)]
-    return problem.platform.symmetry(sorted(set(fixed)), alike=lambda a, b: columns[a] == columns[b])
+    speed = {d: i for i, members in enumerate(problem.speed_classes()) for d in members}
+    return problem.platform.symmetry(sorted(set(fixed)), alike=lambda a, b: speed[a] == speed[b])
 
 
 def add_constraints(model, problem: Problem, symmetry: str, fixed: Iterable[int], pieces_on: Sequence[Sequence],
