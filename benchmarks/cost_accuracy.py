@@ -21,7 +21,8 @@ from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.pipeline import evaluate, method_options, reference_outputs, schedule_candidates, search
+from opsched.evaluation import evaluate, reference_outputs
+from opsched.pipeline import method_options, schedule_candidates, search
 from opsched.schedulers import make_schedule
 
 PUBLISHED_LIOS_RTX3080 = {"inception_v3": "1.59x", "nasnet": "1.36x", "randwire": "1.13x",

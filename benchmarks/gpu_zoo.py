@@ -24,7 +24,8 @@ from opsched.cost.devices import DEVICES
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import ZOO, load_model
-from opsched.pipeline import Candidate, cost_model, evaluate, method_options, module_runner, reference_outputs, search
+from opsched.evaluation import Candidate, evaluate, module_runner, reference_outputs
+from opsched.pipeline import cost_model, method_options, search
 from opsched.runtime import cuda
 from opsched.runtime.module import OptimizedModule
 from opsched.schedule import from_stages, from_streams

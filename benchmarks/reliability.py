@@ -53,7 +53,8 @@ from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.runtime.cpu import UnitFailed
 from opsched.runtime.kernels import unit_operator
-from opsched.runtime.module import OptimizedModule, output_error
+from opsched.evaluation import output_error
+from opsched.runtime.module import OptimizedModule
 from opsched.schedule import ScheduleError, from_dict, validate
 from opsched.schedulers import SCHEDULERS, make_schedule
 
@@ -714,11 +715,12 @@ def assert_refused(code: int, out: str, err: str, what: Any = "") -> None:
 
 def mapping_problem(dag: Path, platform: Path, objective: str = "latency", batch: int = 1) -> Any:
     """The problem ``opsched map DAG --platform PLATFORM`` solves, built as the command builds it."""
-    from opsched.mapping.command import load_problem
+    from opsched.mapping import graphfile
     from opsched.mapping.platform import load_platform
+    from opsched.mapping.problem import build_problem
 
-    args = argparse.Namespace(model=str(dag), objective=objective, batch=batch)
-    return load_problem(args, load_platform(str(platform)))
+    graph, latencies, edge_bytes = graphfile.read(str(dag))
+    return build_problem(graph, load_platform(str(platform)), objective, batch, latencies or None, edge_bytes or None)
 
 
 def rounding(problem: Any) -> float:
@@ -974,70 +976,66 @@ def check_mapping_case(case: dict[str, Any], directory: Path, methods: Sequence[
 
 
 # Hand edits of a mapped plan (``opsched map MODEL --out plan.json``), as for plans above but for what a mapped plan
-# adds: the devices of its streams, their kinds and threads, the placements, the batch split.
-MAPPED_MUTATIONS = ("drop_op", "duplicate_op", "stream", "move_op", "device_name", "stream_devices", "stream_kinds",
-                    "stream_threads", "time", "format", "truncate", "split_batch", "mapping_flag", "options",
-                    "placements", "figures", "batch", "fingerprint")
+# adds in its devices section: the platform's devices (stream k runs on device k), their kinds and threads, the
+# transfers, the jobs of a split batch and the figures.
+MAPPED_MUTATIONS = ("drop_op", "duplicate_op", "stream", "move_op", "device_name", "platform_devices", "device_kind",
+                    "device_threads", "time", "format", "truncate", "split_batch", "section", "options",
+                    "transfers", "figures", "batch", "fingerprint")
 
 
 def mutate_mapped(doc: dict[str, Any], rng: random.Random, kind: str) -> str:
     """Edit a mapped plan's JSON by hand as a user might (or break it); return the text to load."""
     doc = json.loads(json.dumps(doc))
-    ops, options = doc["ops"], doc["options"]
-    devices = options["stream_devices"]
+    ops, section = doc["ops"], doc["devices"]
+    listed = section["platform"]["devices"]
+    names = [d["name"] for d in listed]
     if kind == "drop_op":
         ops.pop(rng.randrange(len(ops)))
     elif kind == "duplicate_op":
         ops.append(dict(rng.choice(ops)))
     elif kind == "stream":
-        rng.choice(ops)["stream"] = rng.choice([-1, len(devices), len(devices) + 1, len(ops) - 1, len(ops), 10**12,
+        rng.choice(ops)["stream"] = rng.choice([-1, len(listed), len(listed) + 1, len(ops) - 1, len(ops), 10**12,
                                                 "1", 1.5, None])
     elif kind == "move_op":  # onto another device, its times kept
-        rng.choice(ops)["stream"] = rng.randrange(len(devices))
+        rng.choice(ops)["stream"] = rng.randrange(len(listed))
     elif kind == "device_name":
-        new = rng.choice(["gpu9", devices[0], devices[-1], "", 3, None])
-        where = rng.choice(["stream_devices", "placements", "transfers"])
-        if where == "stream_devices":
-            devices[rng.randrange(len(devices))] = new
-        elif options[where]:
-            rng.choice(options[where])[rng.choice(["device", "from_device", "to_device"])] = new
-    elif kind == "stream_devices":
-        options["stream_devices"] = rng.choice([devices[:-1], [], None, devices[0], devices + ["cpu9"], [1, 2],
-                                                devices[::-1]])
-    elif kind == "stream_kinds":
-        kinds = options["stream_kinds"]
-        if rng.random() < 0.3:
-            options["stream_kinds"] = rng.choice([kinds[:-1], [], None, "cpu", kinds + ["sim:a100"]])
+        new = rng.choice(["gpu9", names[0], names[-1], "", 3, None])
+        if rng.random() < 0.5 or not section["transfers"]:
+            rng.choice(listed)["name"] = new
         else:
-            kinds[rng.randrange(len(kinds))] = rng.choice(["sim:a100", "sim:t4", "cuda:0", None, "tpu", 3, "cpu"])
-    elif kind == "stream_threads":
-        options["stream_threads"] = rng.choice([[0, 1], [-1, 1], ["x", 1], [1], [], [10**9, 1], [1.5, 1], [2, 2],
-                                                [True, 1], 2.5, "4", None, {"cpu0": 1}])
+            rng.choice(section["transfers"])[rng.choice(["from_device", "to_device"])] = new
+    elif kind == "platform_devices":
+        section["platform"]["devices"] = rng.choice([listed[:-1], [], None, listed[0], listed + [dict(listed[0])],
+                                                     [1, 2], listed[::-1]])
+    elif kind == "device_kind":
+        rng.choice(listed)["kind"] = rng.choice(["sim:a100", "sim:t4", "cuda:0", None, "tpu", 3, "cpu"])
+    elif kind == "device_threads":
+        rng.choice(listed)["threads"] = rng.choice([0, -1, "x", 10**9, 1.5, 2, True, None, {"cpu0": 1}])
     elif kind == "time":
         op = rng.choice(ops)
         op[rng.choice(["start", "finish"])] = rng.choice([-5.0, 0.0, float("nan"), float("inf"), 1e308, "x", None])
     elif kind == "format":
         doc["format"] = rng.choice(["opsched.schedule/2", "opsched.schedule/0", None, 1])
     elif kind == "split_batch":
-        options["split_batch"] = rng.choice([not options.get("split_batch"), "yes", 1, None, []])
-    elif kind == "mapping_flag":
-        options["mapping"] = rng.choice([False, None, "yes", 0, []])
+        op = rng.choice(ops)
+        job = {"name": op["name"], "device": names[0], "start": op["start"], "finish": op["finish"], "pieces": [0]}
+        section["jobs"] = rng.choice([None, "x", [{}], [3], [job], [dict(job, pieces=[9])], [dict(job, device="x")]])
+    elif kind == "section":
+        doc["devices"] = rng.choice([None, False, "yes", 0, [], {}])
     elif kind == "options":
         doc["options"] = rng.choice([None, [], "x", 3, {}, {"mapping": True}])
-    elif kind == "placements":
-        placements = options["placements"]
-        choice = rng.randrange(4)
-        if choice == 0:
-            options["placements"] = rng.choice([None, [], "x", [{}], placements[:-1], [3]])
-        elif choice == 1:
-            rng.choice(placements)[rng.choice(["start", "finish", "name", "inputs"])] = rng.choice(["x", None, -1, []])
-        elif choice == 2:
-            options["transfers"] = rng.choice([None, "x", [{}], [3]])
+    elif kind == "transfers":
+        if rng.random() < 0.5 or not section["transfers"]:
+            section["transfers"] = rng.choice([None, "x", [{}], [3]])
         else:
-            options["platform"] = rng.choice([None, "cpu2", {}, [], {"name": 3}])
+            rng.choice(section["transfers"])[rng.choice(["start", "finish", "value", "inputs"])] = rng.choice(
+                ["x", None, -1, [], "nope"])
+        if rng.random() < 0.3:
+            section["platform"] = rng.choice([None, "cpu2", {}, [], {"name": 3}])
     elif kind == "figures":
-        options[rng.choice(["predicted", "lower_bound", "optimal", "objective", "time_unit", "pieces"])] = rng.choice(
-            [None, "x", [], -1.0, float("nan"), {}])
+        where, key = rng.choice([(section, "optimal"), (section, "objective"), (section, "time_unit"),
+                                 (section, "pieces"), (doc["bounds"], "lower_bound"), (doc, "predicted_latency")])
+        where[key] = rng.choice([None, "x", [], -1.0, float("nan"), {}])
     elif kind == "batch":
         doc["batch"] = rng.choice([2, 0, -1, "x", None, 1.5, []])
     elif kind == "fingerprint":
@@ -1226,7 +1224,7 @@ def ray_case(directory: Path, name: str = "branches") -> tuple[torch.nn.Module, 
     """A model as ``opsched run`` loads it, GoogLeNet at 64x64 or :data:`MODEL_FILE`'s CNN of three branches
     (written to ``directory``), with a HEFT plan of it on :data:`TWO_NODES` saved there: the model, its graph, its
     inputs, the plan, and what ``opsched run`` is given to run that plan."""
-    from opsched.commands import load_and_capture
+    from opsched.commands.common import load_and_capture
 
     if name == "googlenet":
         spec, image = "torchvision:googlenet", 64

@@ -36,10 +36,10 @@ def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:
     """One model through the pipeline (in this process)."""
     import torch
 
-    from opsched.commands import explain
+    from opsched.commands.optimize import explain
     from opsched.graph.capture import capture
     from opsched.models import load_model
-    from opsched.pipeline import Job, method_options, run_job
+    from opsched.pipeline import Workload, method_options, run_workload
 
     row: dict = {"model": spec, "image_size": image_size}
     began = time.perf_counter()
@@ -54,9 +54,9 @@ def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:
         graph = capture(loaded.model, loaded.inputs, name=loaded.name)
     row.update(units=len(graph), width=graph.width, capture_seconds=round(time.perf_counter() - began, 1))
     methods = {m: (m, method_options(m)) for m in ("sequential", "ios")}
-    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, repeats=repeats,
-                          cores=torch.get_num_threads(),
-                          peers=("eager", "torch_compile", "onnxruntime") if peers else ("eager",)))
+    outcome = run_workload(Workload(loaded.model, tuple(loaded.inputs), graph, methods, repeats=repeats,
+                                    cores=torch.get_num_threads(),
+                                    peers=("eager", "torch_compile", "onnxruntime") if peers else ("eager",)))
     ev = outcome.evaluation
     row.update(measured_ms={k: round(v, 3) for k, v in ev.measured_ms.items()}, errors=ev.errors,
                dropped=ev.dropped, warnings=ev.warnings + outcome.notes, chosen=ev.chosen,

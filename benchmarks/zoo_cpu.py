@@ -16,7 +16,7 @@ import torch
 
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.pipeline import Job, method_options, run_job
+from opsched.pipeline import Workload, method_options, run_workload
 
 MODELS = ["inception_v3", "squeezenet", "nasnet", "randwire", "torchvision:googlenet"]
 
@@ -27,8 +27,8 @@ def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size:
     graph = capture(loaded.model, loaded.inputs, name=loaded.name)
     started = time.perf_counter()
     methods = {m: (m, method_options(m, max_block_size=max_block_size)) for m in ("sequential", "ios")}
-    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, kernels=kernels, repeats=repeats,
-                          cores=torch.get_num_threads()))
+    outcome = run_workload(Workload(loaded.model, tuple(loaded.inputs), graph, methods, kernels=kernels,
+                                    repeats=repeats, cores=torch.get_num_threads()))
     seconds = time.perf_counter() - started
     ev, cost, schedules = outcome.evaluation, outcome.cost, outcome.schedules
     ios = schedules["ios"]

@@ -197,7 +197,7 @@ def test_map_command_on_a_dag_json_prints_the_design_fields(tmp_path):
     from opsched.schedule import load
 
     plan = load(out)
-    assert plan.options["stream_devices"] == ["p1", "p2", "p3"] and plan.form == "stream"
+    assert [d.name for d in plan.devices.devices] == ["p1", "p2", "p3"] and plan.form == "stream"
 
 
 BAD = {

@@ -1,7 +1,6 @@
 """A mapped plan on real devices runs for real: two CPU devices of one thread each, as worker threads of
 the CPU backend, verified against eager PyTorch."""
 
-import argparse
 
 import pytest
 import torch
@@ -48,7 +47,7 @@ def test_mapped_branchy_cnn_runs_on_two_cpu_devices_and_verifies(method):
     torch.manual_seed(0)
     model, x = Branchy().eval(), torch.randn(1, 3, 16, 16)
     graph, plan = _mapped(model, (x,), method)
-    assert plan.options["stream_threads"] == [1, 1]
+    assert [d.threads for d in plan.devices.devices] == [1, 1]
     devices = check_runnable(plan)
     assert sum(devices.values()) == len(graph)
     module = OptimizedModule(graph, plan, cores=2)
@@ -69,16 +68,36 @@ def test_mapped_googlenet_runs_on_two_cpu_devices_and_verifies():
         assert torch.allclose(module(x), model(x), atol=1e-4)
 
 
-def test_map_command_on_a_model(capsys):
-    from opsched.mapping.command import map_command
+def test_map_on_real_devices_verifies_times_and_chooses_like_optimize(capsys, tmp_path):
+    import json
 
-    args = argparse.Namespace(model="squeezenet", platform="cpu2", method="greedy", objective="latency", batch=None,
-                              input_shape=None, image_size=32, time_limit=1.0, seed=0, symmetry="none", out=None,
-                              json=True)
-    result = map_command(args)
+    from opsched.cli import main
+
+    plan = tmp_path / "mapped.json"
+    assert main(["map", "squeezenet", "--image-size", "32", "--platform", "cpu2", "--method", "greedy",
+                 "--time-limit", "1", "--repeats", "3", "--out", str(plan), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
     assert result["unit"] == "ms" and not result["simulated"]
     assert sum(result["devices"].values()) == len(result["placements"])
     assert result["lower_bound"] <= result["predicted"]
+    # through the one runner: the mapping, each kind of device alone and eager, verified and timed interleaved
+    assert {"greedy", "cpu0 alone", "eager"} <= set(result["measured_ms"])
+    assert result["chosen"] == min(result["measured_ms"], key=result["measured_ms"].get)
+    assert result["max_abs_error"] <= 1e-3
+    written = json.loads(plan.read_text())
+    assert written["options"]["chosen"]["name"] == result["chosen"] and "devices" in written
+    assert written["method"] == result["plan_method"]
+
+
+def test_map_on_simulated_devices_says_so_and_times_nothing(capsys):
+    import json
+
+    from opsched.cli import main
+
+    assert main(["map", "squeezenet", "--image-size", "32", "--platform", "diviml", "--method", "heft",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["simulated"] and "measured_ms" not in result and "chosen" not in result
 
 
 def test_map_then_run_through_the_cli_verifies_on_real_devices_and_refuses_simulated_ones(capsys, tmp_path):

@@ -436,7 +436,7 @@ def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path
     assert {"sequential_models", "threads", "vmap"} <= set(out["measured_ms"]) | set(out["dropped"])
     assert out["max_abs_error"] <= 1e-3 and len(out["model_errors"]) == 6
     assert out["chosen"] in out["measured_ms"]
-    assert json.loads(plan.read_text())["options"]["multi"]["models"] == 6
+    assert json.loads(plan.read_text())["models"]["models"] == 6
     assert main(["multi", f"{batch_file}:batch", "--out", str(plan), "--json"]) == 2  # never overwritten
 
 
@@ -509,7 +509,7 @@ def test_fuse_graph_rebuilds_the_graph_a_plan_records():
 
 def test_opsched_run_executes_a_multi_plan_and_verifies_every_model(multi_plan, capsys):
     models, plan = multi_plan
-    recorded = json.loads(plan.read_text())["options"]["multi"]
+    recorded = json.loads(plan.read_text())["models"]
     assert recorded["load"]["models"] == [f"{models}:batch"] and recorded["load"]["copies"] == 2
     capsys.readouterr()
     assert main(["run", f"{models}:batch", "--plan", str(plan), "--repeats", "2", "--json"]) == 0  # copies: the plan's
@@ -555,7 +555,7 @@ def test_opsched_run_executes_the_peer_a_multi_plan_chose(multi_plan, tmp_path, 
 def test_opsched_run_refuses_several_models_for_a_single_model_plan(multi_plan, tmp_path, capsys):
     models, plan = multi_plan
     doc = json.loads(plan.read_text())
-    del doc["options"]["multi"]  # a plan opsched optimize could have written
+    del doc["models"]  # a plan opsched optimize could have written
     single = tmp_path / "single.json"
     single.write_text(json.dumps(doc))
     capsys.readouterr()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opsched.cli import main
-from opsched.pipeline import Candidate, evaluate
+from opsched.evaluation import Candidate, evaluate
 
 
 def _sleeper(seconds: float, value):
@@ -78,15 +78,27 @@ def test_a_candidates_prepare_and_settle_surround_each_call_untimed():
     assert events == ["prepare", "run", "settle"] * calls
 
 
-def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count():
+def test_torch_compile_peers_are_compiled_in_isolation_per_thread_count(monkeypatch):
+    from torch._inductor.codecache import PyCodeCache
+
     from opsched.peers import torch_compile
 
+    # each thread count's compilation starts with dynamo reset: what inductor generated between two resets is
+    # that thread count's code
+    starts = []
+    reset = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: (starts.append(len(PyCodeCache.modules)), reset())[1])
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
     x = torch.randn(1, 3, 64, 64)
     one, two = torch_compile(model, (x,), 2)
-    assert (one.threads, two.threads) == (1, 2)
+    assert (one.threads, two.threads) == (1, 2) and len(starts) == 2
+    modules = list(PyCodeCache.modules)
+
+    def code(first: int, end: int) -> str:
+        return "\n".join(open(m.__file__).read() for m in modules[first:end])
+
     # inductor bakes the thread count into its OpenMP kernels: the 1-thread runner must not run 2-thread code
-    assert "num_threads(2)" in two.source and "num_threads(2)" not in one.source
+    assert "num_threads(2)" in code(starts[1], len(modules)) and "num_threads(2)" not in code(starts[0], starts[1])
     with torch.inference_mode():
         want = model(x)
     assert torch.allclose(one.run(), want, atol=1e-4) and torch.allclose(two.run(), want, atol=1e-4)

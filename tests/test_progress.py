@@ -63,9 +63,9 @@ def test_a_step_ended_by_an_error_or_ctrl_c_says_nothing_after_it(capsys, clock)
 
 
 def test_a_mapping_search_stopped_by_ctrl_c_says_nothing_after_it(capsys, clock):
-    from opsched.mapping.command import _progress
+    from opsched.commands.map import search_progress
 
-    with pytest.raises(KeyboardInterrupt), _progress("sa") as update:
+    with pytest.raises(KeyboardInterrupt), search_progress("sa") as update:
         update(0, 4000)
         clock.seconds = 12.0
         update(100, 4000)

@@ -50,7 +50,7 @@ def googlenet(plan_file):
     import argparse
 
     from opsched import schedule
-    from opsched.commands import load_and_capture
+    from opsched.commands.common import load_and_capture
 
     args = argparse.Namespace(batch=None, input_shape=None, image_size=int(SIZE))
     loaded, graph, _, _ = load_and_capture(args, MODEL, "cpu")
@@ -94,7 +94,7 @@ def test_a_gpt_decode_step_mapped_onto_two_ray_nodes_equals_eager(ray_session, t
     import argparse
 
     from opsched import schedule
-    from opsched.commands import load_and_capture
+    from opsched.commands.common import load_and_capture
     from opsched.runtime.ray import RayModule
 
     (tmp_path / "platform.json").write_text(json.dumps(PLATFORM))

@@ -9,7 +9,8 @@ from opsched.cost.simulate import SimulatedGPU
 from opsched.cost.table import TableCost
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.runtime.module import OptimizedModule, verify
+from opsched.evaluation import verify
+from opsched.runtime.module import OptimizedModule
 from opsched.runtime.regions import compiled_regions
 from opsched.schedule import from_stages, validate
 from opsched.schedulers import make_schedule
@@ -139,7 +140,7 @@ def test_ios_runs_a_block_as_a_compiled_region_only_where_that_is_cheaper(factor
         assert plan.options["regions"] is True and widths == [1]
         assert plan.predicted_latency == pytest.approx(5.0)
         assert cost.asked[-1] == [tuple(range(len(graph)))]  # the joined run was priced as what runs
-        from opsched.commands import explain
+        from opsched.commands.optimize import explain
 
         assert explain(plan, graph, cost).startswith("1 of 1 blocks of several units run as compiled regions")
     elif factor == 0.95:  # the branches stay side by side (6.65 > 4); the runs around them pay as regions

@@ -27,7 +27,7 @@ from opsched.cost.cache import CacheError, CacheWarning, LatencyCache
 from opsched.cost.table import TableCost
 from opsched.interrupt import CtrlC
 from opsched.models import load_model
-from opsched.pipeline import Candidate, evaluate
+from opsched.evaluation import Candidate, evaluate
 from opsched.runtime.cpu import UnitFailed
 from opsched.runtime.module import OptimizedModule
 from opsched.schedule import ScheduleError, from_stages, validate
@@ -316,7 +316,7 @@ def test_an_interrupt_held_during_an_import_is_raised_when_the_import_is_over(tm
 
 
 def test_an_interrupt_a_library_turned_into_another_error_still_ends_as_interrupted(capsys, monkeypatch):
-    import opsched.commands
+    import opsched.commands.cache
 
     def swallows_it(args):
         try:
@@ -325,13 +325,13 @@ def test_an_interrupt_a_library_turned_into_another_error_still_ends_as_interrup
         except KeyboardInterrupt:
             raise ValueError("an unrelated error") from None
 
-    monkeypatch.setattr(opsched.commands, "cache_command", swallows_it)
+    monkeypatch.setattr(opsched.commands.cache, "run", swallows_it)
     assert main(["cache", "info", "--json"]) == 130
     assert capsys.readouterr().err.splitlines() == ["opsched: interrupted"]
 
 
 def test_an_interrupt_dropped_by_a_destructor_still_ends_as_interrupted(capfd, monkeypatch):
-    import opsched.commands
+    import opsched.commands.cache
 
     class InterruptedWhileCollected:
         def __del__(self):
@@ -341,7 +341,7 @@ def test_an_interrupt_dropped_by_a_destructor_still_ends_as_interrupted(capfd, m
         InterruptedWhileCollected()
         return {}
 
-    monkeypatch.setattr(opsched.commands, "cache_command", drops_it)
+    monkeypatch.setattr(opsched.commands.cache, "run", drops_it)
     assert main(["cache", "info", "--json"]) == 130
     out, err = capfd.readouterr()
     assert (out, err.splitlines()) == ("", ["opsched: interrupted"])  # no "Exception ignored in ..." either
@@ -487,7 +487,7 @@ def small_plans():
 @settings(FAST, max_examples=150)
 @given(st.data())
 def test_hand_edited_plans_are_refused_or_run_correctly(small_plans, data):
-    from opsched.runtime.module import output_error
+    from opsched.evaluation import output_error
 
     graph, inputs, want, plans = small_plans
 

@@ -141,15 +141,17 @@ EDITS = {
     # opsched show's table indexed the device names by stream: IndexError
     "stream past the devices": lambda d: d["ops"][0].__setitem__("stream", 3),
     # opsched run set PyTorch's threads to a billion: the process aborted in libgomp
-    "a billion threads": lambda d: d["options"].__setitem__("stream_threads", [10**9, 1]),
+    "a billion threads": lambda d: d["devices"]["platform"]["devices"][0].__setitem__("threads", 10**9),
     # opsched run indexed the kinds by device: IndexError
-    "a kind left out": lambda d: d["options"].__setitem__("stream_kinds", ["cpu"]),
+    "no devices": lambda d: d["devices"]["platform"].__setitem__("devices", []),
     # an unknown kind ran as a CPU device
-    "an unknown kind": lambda d: d["options"]["stream_kinds"].__setitem__(0, "tpu"),
+    "an unknown kind": lambda d: d["devices"]["platform"]["devices"][0].__setitem__("kind", "tpu"),
     # opsched show printed the bound with a format: TypeError
-    "no lower bound": lambda d: d["options"].__setitem__("lower_bound", None),
+    "no lower bound": lambda d: d["bounds"].__setitem__("lower_bound", None),
     # opsched show --gantt looked the device up: KeyError
-    "a placement on no device": lambda d: d["options"]["placements"][0].__setitem__("device", "gpu9"),
+    "a transfer to no device": lambda d: d["devices"].__setitem__(
+        "transfers", [{"value": d["ops"][0]["name"], "from_device": "cpu0", "to_device": "gpu9", "start": 0.0,
+                       "finish": 1.0, "inputs": [0, 1]}]),
     # opsched run rescaled the model to it: TypeError
     "a fractional batch": lambda d: d.__setitem__("batch", 1.5),
 }
@@ -288,13 +290,13 @@ def test_an_interrupt_held_as_the_command_ends_is_reported_once(tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
-        import opsched.commands
+        import opsched.commands.cache
 
         def ends_with_an_import(args):
             import last_import  # noqa: F401
             return {{}}
 
-        opsched.commands.cache_command = ends_with_an_import
+        opsched.commands.cache.run = ends_with_an_import
         sys.argv = ["opsched", "cache", "info", "--json"]
         from opsched.__main__ import script
         script()

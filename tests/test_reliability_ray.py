@@ -102,7 +102,7 @@ CRASH = textwrap.dedent("""
 
     import opsched.runtime.ray as engine
     from opsched import schedule
-    from opsched.commands import load_and_capture
+    from opsched.commands.common import load_and_capture
 
     loaded, graph, _, _ = load_and_capture(argparse.Namespace(batch=None, input_shape=None, image_size=None),
                                            sys.argv[1], "cpu")

@@ -1,6 +1,8 @@
 """opsched: inter-operator scheduling for PyTorch inference.
 
-The names that need PyTorch (``capture``, ``run_graph``, ``compile``, ``verify``, ``OptimizedModule``) are
+One call per job: ``optimize`` (one model), ``multi`` (a model batch), ``map`` (several devices); see
+:mod:`opsched.jobs`. The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
+``OptimizedModule``) are
 imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
 importing torch; ``Graph`` and ``Node`` too, so that importing the package itself is quick (the ``opsched``
 executable installs its Ctrl-C handler only once the package is imported).
@@ -8,13 +10,14 @@ executable installs its Ctrl-C handler only once the package is imported).
 
 from typing import Any
 
-from opsched.errors import CaptureError, DagJsonError, GraphError, ModelSpecError, OpschedError
+from opsched.errors import CaptureError, DagJsonError, GraphError, ModelSpecError, OpschedError, VerificationError
 
 __version__ = "0.1.0"
 
 _LAZY = {"Graph": "opsched.graph.ir", "Node": "opsched.graph.ir",
-         "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.runtime.module",
-         "OptimizedModule": "opsched.runtime.module"}
+         "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.evaluation",
+         "OptimizedModule": "opsched.runtime.module",
+         "optimize": "opsched.jobs", "multi": "opsched.jobs", "map": "opsched.jobs"}
 
 __all__ = [
     "CaptureError",
@@ -25,9 +28,13 @@ __all__ = [
     "Node",
     "OpschedError",
     "OptimizedModule",
+    "VerificationError",
     "__version__",
     "capture",
     "compile",
+    "map",
+    "multi",
+    "optimize",
     "run_graph",
     "verify",
 ]

@@ -8,7 +8,7 @@ the plots are rewritten from the whole file at the end. Simulated rows say so in
 ``simulated`` columns, and in every table and plot.
 
 The peers (measured, in the same interleaved timing as opsched's schedules, through the one runner,
-:func:`opsched.pipeline.run_job`; see :mod:`opsched.peers`): PyTorch eager with 1 and all threads, ONNX
+:func:`opsched.pipeline.run_workload`; see :mod:`opsched.peers`): PyTorch eager with 1 and all threads, ONNX
 Runtime (sequential execution, 1 and all intra-op threads; skipped with a note when it is not installed),
 and with ``--torch-compile`` torch.compile of the whole model (freezing on, each thread count compiled in
 isolation).
@@ -154,7 +154,7 @@ def _cross_rows(cases: list[Case]) -> list[dict[str, Any]]:
 def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, Any]]:
     from opsched.graph.capture import capture
     from opsched.models import load_model
-    from opsched.pipeline import Job, run_job
+    from opsched.pipeline import Workload, run_workload
 
     loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
     loaded.model.eval()
@@ -168,8 +168,8 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     sequential = _label("sequential", {})
     methods.setdefault(sequential, ("sequential", {}))  # speedups are over sequential: make (and time) it
     peers = ("eager", "onnxruntime") + (("torch_compile",) if torch_compile else ()) if case.baselines else ("eager",)
-    outcome = run_job(Job(loaded.model, tuple(loaded.inputs), graph, methods, cost=case.cost, peers=peers,
-                          repeats=repeats))
+    outcome = run_workload(Workload(loaded.model, tuple(loaded.inputs), graph, methods, cost=case.cost, peers=peers,
+                                    repeats=repeats))
     base = outcome.schedules[sequential]
     rows, labels = [], []
     for method in case.methods:

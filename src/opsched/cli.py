@@ -1,162 +1,29 @@
-"""The ``opsched`` command.
+"""The ``opsched`` command line: the parser, and each command handed to its module in
+:mod:`opsched.commands` (``opsched NAME`` runs ``opsched.commands.NAME.run``, imported when it runs: the
+commands that run models need PyTorch). The method choices come from the registries
+(:data:`opsched.schedulers.SCHEDULERS`, :data:`opsched.mapping.solve.METHODS`).
 
 Every subcommand prints a readable summary, or exactly one JSON object on stdout with ``--json``.
-Bad input is reported as one line on stderr with exit status 2; a failure while running, exit status 1.
+Bad input is reported as one line on stderr with exit status 2; a plan that does not reproduce the model
+(:class:`~opsched.errors.VerificationError`), and any other failure while running, exit status 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
-import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 from opsched import __version__
-from opsched.errors import OpschedError
+from opsched.errors import OpschedError, VerificationError
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.interrupt import CtrlC
+from opsched.mapping.solve import METHODS as MAPPING_METHODS
 from opsched.progress import PERIOD, quiet
-
-
-def _graph_command(args: argparse.Namespace) -> dict[str, Any]:
-    from opsched.graph.blocks import split_blocks
-
-    graph, load_seconds, capture_seconds = _load_graph(args)
-    blocks = split_blocks(graph, args.max_block_size, at_cuts=not args.no_split)
-    widths = [graph.width_of(b.mask) for b in blocks]
-    summary = {
-        "model": args.model, "units": len(graph), "edges": len(graph.edges), "blocks": len(blocks),
-        "max_block_width": max(widths, default=0), "flops": graph.flops, "width": graph.width,
-        "batch": args.batch,
-        "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
-        "block_table": [{"units": len(b), "width": w, "part": f"{b.part + 1}/{b.parts}",
-                         "first": graph.nodes[b.units[0]].name,
-                         "exit": graph.nodes[b.exit].name if b.exit is not None else None}
-                        for b, w in zip(blocks, widths)],
-    }
-    if not args.json:
-        _print_graph_summary(summary)
-    return summary
-
-
-def _schedule_command(args: argparse.Namespace) -> dict[str, Any]:
-    from opsched.cost.table import TableCost
-    from opsched.graph import dagjson
-    from opsched.pipeline import method_options
-    from opsched.schedulers import make_schedule
-
-    if not args.graph.endswith(".json"):
-        raise OpschedError(f"{args.graph}: opsched schedule takes a DAG JSON file (*.json); "
-                           "models are scheduled with opsched optimize")
-    if args.out and Path(args.out).exists() and not args.force:
-        raise OpschedError(f"{args.out} exists; pass --force to overwrite it")
-    graph = dagjson.read(args.graph)
-    cost = TableCost(graph, capacity=args.capacity, sync_overhead=args.sync_overhead)
-    options = method_options(args.method, streams=args.streams, max_group_size=args.max_group_size,
-                             max_groups=args.max_groups, split=not args.no_split,
-                             max_block_size=args.max_block_size, time_limit=args.time_limit)
-    if args.method == "ios":
-        options["progress"] = _block_progress()
-    schedule = make_schedule(args.method, graph, cost, **options)
-    baseline = make_schedule("sequential", graph, cost)
-    if args.out:
-        schedule.save(args.out)
-    result: dict[str, Any] = {"method": schedule.method, "predicted_latency": schedule.predicted_latency}
-    if schedule.stages is not None:
-        result["stages"] = [{"strategy": st.strategy, "groups": st.groups} for st in schedule.stages]
-    result["ops"] = [{"name": o.name, "stream": o.stream, "start": o.start, "finish": o.finish} for o in schedule.ops]
-    result["stats"] = schedule.stats
-    result["bounds"] = schedule.bounds
-    result["sequential_latency"] = baseline.predicted_latency
-    result["cost"] = cost.describe()
-    if not args.json:
-        _print_schedule(schedule, baseline.predicted_latency, args.out)
-    return result
-
-
-def _block_progress():
-    """A progress callback for a block-by-block search, on stderr (see :mod:`opsched.progress`)."""
-    from opsched.progress import progress_bar
-
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            bar = progress_bar("searching", total, unit="block")
-        bar.update(1)
-        if done == total:
-            bar.close()
-
-    return update
-
-
-def _print_schedule(schedule, sequential_latency: float, out: str | None) -> None:
-    if schedule.stages is not None:
-        rows = [("stage", "strategy", "groups")]
-        rows += [(str(k), st.strategy, "  |  ".join(" -> ".join(g) for g in st.groups))
-                 for k, st in enumerate(schedule.stages)]
-    else:
-        rows = [("stream", "units in order", "")]
-        rows += [(str(k), " -> ".join(units), "") for k, units in enumerate(schedule.streams()) if units]
-    width = [max(len(r[c]) for r in rows) for c in range(2)]
-    for r in rows:
-        print(f"{r[0].rjust(width[0])}  {r[1].ljust(width[1])}  {r[2]}".rstrip())
-    latency, bound = schedule.predicted_latency, schedule.bounds["lower_bound"]
-    speedup = sequential_latency / latency if latency else float("inf")
-    print()
-    print(f"predicted latency  {latency:.6g}  (sequential {sequential_latency:.6g}: {speedup:.2f}x; "
-          f"lower bound {bound:.6g})")
-    st = schedule.stats
-    if st.get("states") is not None:
-        print(f"search             {st['states']} states, {st['transitions']} transitions, "
-              f"{st['search_seconds']:.3f} s")
-    else:
-        print(f"search             {st['search_seconds']:.3f} s")
-    if out:
-        print(f"plan written to    {out}")
-
-
-def _print_graph_summary(s: dict[str, Any]) -> None:
-    gflops = s["flops"] / 1e9
-    print(f"model            {s['model']}" + (f" (batch {s['batch']})" if s["batch"] else ""))
-    print(f"units            {s['units']}")
-    print(f"edges            {s['edges']}")
-    print(f"width            {s['width']}")
-    print(f"blocks           {s['blocks']}  (widest block: {s['max_block_width']} units side by side)")
-    print(f"FLOPs            {gflops:.3f} G")
-    print(f"capture          {s['capture_seconds']:.2f} s  (loading the model: {s['load_seconds']:.2f} s)")
-    print()
-    rows = [("block", "units", "width", "part", "first unit", "exit unit")]
-    rows += [(str(k), str(b["units"]), str(b["width"]), b["part"], b["first"], b["exit"] or "-")
-             for k, b in enumerate(s["block_table"])]
-    sizes = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(cell.ljust(size) if c >= 3 else cell.rjust(size)
-                        for c, (cell, size) in enumerate(zip(r, sizes))).rstrip())
-
-
-def _load_graph(args: argparse.Namespace):
-    """The unit graph of a model specifier or of a DAG JSON file, with the seconds spent loading the
-    model (and PyTorch) and capturing it."""
-    start = time.perf_counter()
-    if args.model.endswith(".json"):
-        from opsched.graph import dagjson
-
-        return dagjson.read(args.model), time.perf_counter() - start, 0.0
-    from opsched.models.spec import unit_graph
-
-    graph = unit_graph(args.model, args.batch)
-    if graph is not None:
-        return graph, time.perf_counter() - start, 0.0
-    from opsched.commands import load_and_capture
-
-    _, graph, load_seconds, capture_seconds = load_and_capture(args, args.model)
-    return graph, load_seconds, capture_seconds
+from opsched.schedulers import SCHEDULERS
 
 
 def _int_at_least(minimum: int, what: str):
@@ -250,14 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{DEFAULT_MAX_SIZE})")
     p.add_argument("--no-split", action="store_true", help="treat the whole graph as one block")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
-    p.set_defaults(handler=_graph_command)
 
     p = sub.add_parser("schedule", help="schedule a DAG JSON graph with the table cost model",
                        description="Schedule a DAG JSON graph with one method and print the stages or streams, "
                                    "the predicted latency against sequential and the lower bound.")
     p.add_argument("graph", metavar="DAG.json", help="the graph: nodes with latencies and edges")
-    p.add_argument("--method", required=True, choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"],
-                   help="the scheduler (see docs/schedulers.md)")
+    p.add_argument("--method", required=True, choices=list(SCHEDULERS), help="the scheduler (see docs/schedulers.md)")
     p.add_argument("--streams", type=_non_negative, metavar="K",
                    help="streams for lios and exact (default 8); a cap for greedy and nimble (default none)")
     _add_ios_options(p)
@@ -271,7 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_quiet_option(p)
-    p.set_defaults(handler=_schedule_command)
 
     p = sub.add_parser("optimize", help="capture, profile, schedule, compile, verify and measure a model",
                        description="The main job: capture MODEL, cost its units (measured on this CPU, or on a "
@@ -288,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cost", default="measured", metavar="measured|sim:NAME",
                    help="measured on this device (default), or a simulated GPU: sim:v100, sim:a100, sim:h100, "
                         "sim:t4, sim:rtx3080, sim:k80 (figures then are simulated and nothing runs)")
-    p.add_argument("--method", default="ios", choices=["sequential", "greedy", "lios", "nimble", "ios", "exact"],
+    p.add_argument("--method", default="ios", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written (default ios)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
                    help="how units run: eager ATen operators (default), compiled by TorchInductor, or each unit "
@@ -309,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out and --gantt if they exist")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_quiet_option(p)
-    p.set_defaults(handler=_lazy("optimize_command"))
 
     p = sub.add_parser("run", help="execute a plan on its model, verify it and measure it against eager",
                        description="Load MODEL, check that PLAN was made for its graph and batch, run the plan, "
@@ -340,7 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="TRACE.json",
                    help="write a Chrome/Perfetto trace of one measured run (local engine)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=_lazy("run_command"))
 
     p = sub.add_parser("show", help="summarise a plan; draw its timeline as a Gantt chart or a trace",
                        description="Summarise PLAN and write its predicted timeline (labelled simulated when it "
@@ -350,16 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", metavar="TRACE.json", help="write the Chrome/Perfetto trace here")
     p.add_argument("--force", action="store_true", help="overwrite --gantt and --trace if they exist")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=_lazy("show_command"))
 
     p = sub.add_parser("map", help="map a model or DAG JSON graph onto several devices (DiviML / MILP-SPLIT)",
                        description="Place every unit on a device of a platform and order it there, for latency or "
-                                   "throughput, with a lower bound beside the answer (see docs/mapping.md).")
+                                   "throughput, with a lower bound beside the answer (see docs/mapping.md). On a "
+                                   "platform whose devices are all real (cpu, cuda:N), the mapped plan is verified "
+                                   "against eager and timed interleaved with eager and each device alone; the "
+                                   "fastest verified configuration is chosen and recorded in the plan.")
     p.add_argument("model", metavar="MODEL|DAG.json", help=MODEL_HELP)
     p.add_argument("--platform", required=True, metavar="NAME|PLATFORM.json",
                    help="a built-in platform (diviml, gpt3-cluster, cpu2) or a PLATFORM.json file")
-    p.add_argument("--method", required=True,
-                   choices=["best-device", "met", "greedy", "heft", "sa", "ea", "milp", "milp-split"])
+    p.add_argument("--method", required=True, choices=list(MAPPING_METHODS),
+                   help="the mapping algorithm (see docs/mapping.md)")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     _add_model_options(p)
     p.add_argument("--time-limit", type=_non_negative_float, default=30.0, metavar="S",
@@ -368,11 +232,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--symmetry", default="none", choices=["none", "batch", "task", "time"],
                    help="milp and milp-split: order interchangeable devices within a node, and interchangeable "
                         "nodes, by their pieces, units or busy time (default none)")
+    _add_run_options(p, reference="eager (a platform whose devices are all real: the mapped plan, each device "
+                                   "alone and eager are verified and timed)", cuda_graph=False)
+    p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
     p.add_argument("--out", metavar="PLAN.json", help="write the mapped plan (opsched.schedule/1) here")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_quiet_option(p)
-    p.set_defaults(handler=_map_command)
 
     p = sub.add_parser("multi", help="several models as one fused, scheduled program (HiveMind), verified per model",
                        description="Capture every MODEL (each --copies times, each copy with its own seeded random "
@@ -393,8 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     p.add_argument("--cost", default="measured", metavar="measured|sim:NAME",
                    help="measured on this CPU (default), or a simulated GPU (figures then are simulated)")
-    p.add_argument("--method", default="hivemind",
-                   choices=["sequential", "greedy", "lios", "nimble", "ios", "exact", "hivemind"],
+    p.add_argument("--method", default="hivemind", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written when costs are simulated (default hivemind; measured, "
                         "the fastest verified schedule is written)")
     p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
@@ -415,7 +280,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_quiet_option(p)
-    p.set_defaults(handler=_multi_command)
 
     p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
                        description="Run a benchmark preset: for each model x method x cost x batch, the predicted "
@@ -436,21 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="opsched-bench", metavar="DIR", help="output directory (default opsched-bench)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_quiet_option(p)
-    p.set_defaults(handler=_lazy("bench_command"))
 
     p = sub.add_parser("cache", help="the cache of measured latencies: info or clear",
                        description="Show (info) or empty (clear) the sqlite cache of measured latencies, kept in "
                                    "$OPSCHED_CACHE_DIR, else $XDG_CACHE_HOME/opsched, else ~/.cache/opsched.")
     p.add_argument("action", choices=["info", "clear"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(handler=_lazy("cache_command"))
     return parser
-
-
-def _multi_command(args: argparse.Namespace) -> dict[str, Any]:
-    from opsched.multi.command import multi_command
-
-    return multi_command(args)
 
 
 def _learning_rates(text: str) -> list[float]:
@@ -461,23 +317,6 @@ def _learning_rates(text: str) -> list[float]:
     if not rates or any(not r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"learning rates must be positive, got {text!r}")
     return rates
-
-
-def _map_command(args: argparse.Namespace) -> dict[str, Any]:
-    from opsched.mapping.command import map_command
-
-    return map_command(args)
-
-
-def _lazy(name: str):
-    """A handler from opsched.commands, imported when the command runs (it needs PyTorch)."""
-
-    def handler(args: argparse.Namespace) -> dict[str, Any]:
-        from opsched import commands
-
-        return getattr(commands, name)(args)
-
-    return handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -503,12 +342,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace, ctrl_c: CtrlC) -> int:
     try:
         with quiet(getattr(args, "quiet", False)):  # only the commands that print progress take --quiet
-            result = args.handler(args)
+            result = importlib.import_module(f"opsched.commands.{args.command}").run(args)
     except KeyboardInterrupt:
         return _interrupted()
     except (OpschedError, ValueError, RuntimeError) as e:
         if ctrl_c.pressed:  # the interrupt was caught by a library and surfaced as this error
             return _interrupted()
+        if isinstance(e, VerificationError):
+            print(f"opsched: error: {e}", file=sys.stderr)
+            return 1
         if isinstance(e, OpschedError):
             print(f"opsched: error: {e}", file=sys.stderr)
             return 2
@@ -528,7 +370,5 @@ def _interrupted() -> int:
     return 130
 
 
-if __name__ == "__main__":  # python -m opsched.cli: as python -m opsched
-    from opsched.__main__ import script
-
-    script()
+if __name__ == "__main__":  # python -m opsched.cli (the opsched executable is opsched.__main__)
+    raise SystemExit(main())

@@ -66,10 +66,12 @@ def _unschedulable(example_inputs: Sequence[Any]) -> str | None:
 
 
 def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) -> Callable[..., Any]:
+    from opsched.errors import VerificationError
+    from opsched.evaluation import output_error
     from opsched.graph.capture import capture
     from opsched.pipeline import cost_model, method_options, search
     from opsched.runtime.kernels import unit_operator
-    from opsched.runtime.module import OptimizedModule, VerificationError, output_error
+    from opsched.runtime.module import OptimizedModule
 
     graph = capture(gm, inputs, name=f"dynamo-{type(gm).__name__}")
     device = "cuda" if inputs and inputs[0].is_cuda else "cpu"

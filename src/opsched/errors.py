@@ -1,8 +1,14 @@
-"""Exceptions raised for bad input; the CLI turns each into one line and exit status 2."""
+"""The exceptions opsched raises on purpose. The CLI turns each into one line on stderr: exit status 1 for
+:class:`VerificationError` (a plan that does not reproduce the model), 2 for every other (bad input)."""
 
 
 class OpschedError(Exception):
     """Base class of every error opsched raises on purpose."""
+
+
+class VerificationError(OpschedError, RuntimeError):
+    """A plan whose outputs differ from the model's beyond tolerance, or that fails to run: not bad input, but
+    the one failure opsched exists to prevent (exit status 1)."""
 
 
 class GraphError(OpschedError, ValueError):

@@ -5,9 +5,7 @@
 - ``torch_compile``: ``torch.compile`` of the whole model with inductor's freezing on (PyTorch's documented
   setting for inference; our compiled units use it too), run in inference mode. Inductor bakes the OpenMP
   thread count into its CPU kernels, so each thread count is compiled in isolation: dynamo is reset, the
-  thread count is set and pinned in inductor's config (``cpp.threads``) while it compiles, and the code each
-  compilation generated is kept on the runner (``Candidate.source``) so that tests can check that the
-  1-thread runner does not run the all-thread runner's kernels.
+  thread count is set and pinned in inductor's config (``cpp.threads``) while it compiles.
 - ``onnxruntime`` (when installed): the model exported to ONNX, run by ONNX Runtime with every graph
   optimisation, sequential execution (its parallel mode does not overlap CPU kernels, see
   docs/benchmarks.md) and 1 and all intra-op threads, its thread pool not spinning between calls (spinning,
@@ -24,8 +22,8 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
 - ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
   the same architecture and they read one input; its stacked outputs are split back into one per model.
 
-Each peer is a list of :class:`opsched.pipeline.Candidate` (one per thread count) for
-:func:`opsched.pipeline.evaluate`.
+Each peer is a list of :class:`opsched.evaluation.Candidate` (one per thread count) for
+:func:`opsched.evaluation.evaluate`.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from opsched.pipeline import Candidate
+from opsched.evaluation import Candidate
 
 PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap")
 
@@ -57,7 +55,7 @@ def eager(model: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any]
             return out
         return run
 
-    return [Candidate(name, at(t), "peer", t) for t in thread_counts(cores)]
+    return [Candidate(name, at(t), "peer", t, module=model) for t in thread_counts(cores)]
 
 
 def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
@@ -65,7 +63,6 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
     """``torch.compile(model)`` with freezing, compiled separately for 1 and ``cores`` threads."""
     import torch
     import torch._inductor.config as inductor_config
-    from torch._inductor.codecache import PyCodeCache
 
     from opsched.runtime.kernels import without_cuda_home_warning
 
@@ -73,12 +70,10 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
     for threads in thread_counts(cores):
         torch._dynamo.reset()
         torch.set_num_threads(threads)
-        known = len(PyCodeCache.modules)
         with inductor_config.patch(freezing=True, **{"cpp.threads": threads}), without_cuda_home_warning():
             compiled = torch.compile(model)
             with torch.inference_mode():
                 compiled(*inputs)  # compiles now, while the thread count is pinned
-        source = "\n".join(_source_of(m) for m in PyCodeCache.modules[known:])
 
         def run(compiled=compiled, threads=threads) -> Any:
             torch.set_num_threads(threads)
@@ -87,7 +82,7 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
             sync()
             return out
 
-        candidates.append(Candidate("torch_compile", run, "peer", threads, source=source))
+        candidates.append(Candidate("torch_compile", run, "peer", threads, module=compiled))
     torch.set_num_threads(cores)
     return candidates
 
@@ -120,8 +115,22 @@ def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Can
         session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
         feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
         candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
-                                    "peer", threads))
+                                    "peer", threads, module=_OnnxModule(session)))
     return candidates, None
+
+
+class _OnnxModule:
+    """An ONNX Runtime session called as the model is: tensors in, tensors out."""
+
+    def __init__(self, session: Any):
+        self.session = session
+
+    def __call__(self, *inputs: Any) -> Any:
+        import torch
+
+        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(self.session.get_inputs(), inputs)}
+        out = [torch.from_numpy(y) for y in self.session.run(None, feed)]
+        return out[0] if len(out) == 1 else tuple(out)
 
 
 def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:
@@ -242,11 +251,3 @@ def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] 
         return run
 
     return [Candidate("vmap", at(t), "peer", t) for t in thread_counts(cores)]
-
-
-def _source_of(module: Any) -> str:
-    try:
-        with open(module.__file__) as f:
-            return f.read()
-    except (OSError, AttributeError, TypeError):
-        return ""

@@ -1,25 +1,24 @@
-"""The one runner: every command and benchmark goes from model to measured, verified result through
-these functions, over the pipeline's stages:
-capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> run, verify and measure.
+"""The one runner: every job (optimize, multi, map, run) and benchmark goes from graph to measured,
+verified result through these functions, over the pipeline's stages:
+capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> evaluate (verify, time, choose).
 
 - :func:`cost_model`: the cost model a ``--cost`` names (measured here, or a simulated GPU) and the operator
   the units run with (``--kernels``);
 - :func:`search`: one scheduler, refined by measurement where the costs are measured;
-- :func:`evaluate`: candidates (opsched's modules and the peers a user would run instead, see
-  :mod:`opsched.peers`) verified against the reference outputs, the ones that fail dropped with the reason,
-  the rest timed interleaved, unsteady timings re-measured, and the fastest verified one chosen;
-- :func:`run_job`: all of it for one model: cost, search every method, compile, evaluate with the peers.
+- :func:`schedule_candidates` and :func:`peer_candidates`: what :func:`opsched.evaluation.evaluate` verifies
+  and times: each plan compiled, and the peers a user would run instead (see :mod:`opsched.peers`);
+- :func:`run_workload`: all of it for one graph: cost, search every method, compile, evaluate with the peers.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
+from opsched.evaluation import Candidate, Evaluation, evaluate, module_runner, reference_outputs
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.graph.ir import Graph
 from opsched.schedule import Schedule
@@ -128,153 +127,6 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
     return cost, operator
 
 
-@dataclass
-class Candidate:
-    """One configuration to verify and time: ``run()`` calls it once on the job's inputs and returns its
-    outputs (after waiting for the device). ``kind`` is ``schedule`` (an opsched plan) or ``peer`` (what the
-    user would run instead); a peer timed at several thread counts is one candidate per count, under one
-    ``name``, and the best count is kept. ``expected_ms`` is a prediction: a median far above it is
-    re-measured. ``source`` is the code a compiler generated for it, where one did. ``prepare()`` and
-    ``settle()``, when given, are called before and after each call, untimed: what the configuration needs
-    ready and must not leave behind, because it would slow the others (the ``threads`` peer's pool, whose
-    threads' OpenMP pools slow every parallel region in the process while they live)."""
-
-    name: str
-    run: Callable[[], Any]
-    kind: str = "schedule"
-    threads: int | None = None
-    expected_ms: float | None = None
-    source: str = ""
-    prepare: Callable[[], Any] | None = None
-    settle: Callable[[], Any] | None = None
-
-    @property
-    def label(self) -> str:
-        return self.name if self.threads is None else f"{self.name}@{self.threads}"
-
-
-@dataclass
-class Evaluation:
-    """What :func:`evaluate` found: per candidate name the median milliseconds at its best thread count and
-    that count, the largest output error, the candidates dropped (name -> why), the fastest verified
-    name (``chosen``) and warnings (unsteady timings, dropped candidates)."""
-
-    measured_ms: dict[str, float] = field(default_factory=dict)
-    threads: dict[str, int | None] = field(default_factory=dict)
-    errors: dict[str, float] = field(default_factory=dict)
-    dropped: dict[str, str] = field(default_factory=dict)
-    chosen: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    kinds: dict[str, str] = field(default_factory=dict)
-
-    def fastest(self, kind: str) -> str | None:
-        """The fastest verified candidate of ``kind`` (``schedule`` or ``peer``)."""
-        names = [n for n in self.measured_ms if self.kinds[n] == kind]
-        return min(names, key=self.measured_ms.__getitem__) if names else None
-
-
-UNSTEADY_SPREAD = 2.0     # a median more than this times the fastest sample is re-measured
-UNEXPECTED_FACTOR = 3.0   # a median more than this times the prediction is re-measured
-MAX_RETIMINGS = 2
-
-
-def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float = 1e-3, repeats: int = 15,
-             progress: Callable[[], Any] | None = None) -> Evaluation:
-    """Verify every candidate against ``reference`` (the outputs the model itself gives, any structure of
-    tensors), drop those that raise or differ by more than ``tolerance`` (saying why), time the rest
-    interleaved (medians of ``repeats`` rounds) and choose the fastest.
-
-    Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
-    so that no configuration pays page faults for what another allocated before it.
-
-    A timing that cannot be trusted is measured again, every candidate with it so that they stay comparable:
-    one whose median is more than twice its own fastest sample (something else held the cores for most of
-    the run), or more than three times its prediction. If it stays so, the result says the machine was too
-    busy for that figure instead of reporting it as a finding.
-
-    >>> import torch
-    >>> x = torch.ones(3)
-    >>> ev = evaluate([Candidate("double", lambda: x * 2), Candidate("wrong", lambda: x * 3, "peer")],
-    ...               reference=x * 2, repeats=3)
-    >>> ev.chosen, sorted(ev.measured_ms), ev.dropped["wrong"]
-    ('double', ['double'], 'outputs differ from the reference by up to 1 (tolerance 0.001)')
-    """
-    from opsched.runtime.module import output_error
-    from opsched.timing import interleaved_samples, steady_allocator, unsteady
-
-    steady_allocator()
-    result = Evaluation()
-    verified = []
-    for c in candidates:
-        try:
-            if c.prepare is not None:
-                c.prepare()
-            error, _ = output_error(c.run(), reference)
-        except Exception as e:  # noqa: BLE001 - a failing candidate is reported and left out, never fatal
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            result.dropped.setdefault(c.name, f"failed: {type(e).__name__}: {first}")
-            continue
-        finally:
-            if c.settle is not None:  # dropped or not, what its call left behind must not slow the others
-                c.settle()
-        if not error <= tolerance:
-            result.dropped.setdefault(c.name, f"outputs differ from the reference by up to {error:.3g} "
-                                              f"(tolerance {tolerance:g})")
-            continue
-        verified.append(c)
-        result.errors[c.name] = max(error, result.errors.get(c.name, 0.0))
-    for name, why in result.dropped.items():
-        if name not in result.errors:
-            result.warnings.append(f"{name} dropped: {why}")
-    if not verified:
-        return result
-    around = [(c.prepare, c.settle) for c in verified]
-    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress, around=around)
-    for _ in range(MAX_RETIMINGS):
-        if not _suspect(verified, samples):
-            break
-        samples = interleaved_samples([c.run for c in verified], repeats, warmup=1, after_each=progress,
-                                      around=around)
-    for c, s in zip(verified, samples):
-        if unsteady(s, UNSTEADY_SPREAD):
-            result.warnings.append(f"{c.label}: timings stayed unsteady over {1 + MAX_RETIMINGS} measurements "
-                                   "(the machine is busy); its figure is not reliable")
-        elif c.expected_ms and statistics.median(s) > UNEXPECTED_FACTOR * c.expected_ms:
-            result.warnings.append(f"{c.label}: measured {statistics.median(s) / c.expected_ms:.1f}x its "
-                                   "prediction in every measurement")
-    for c, s in zip(verified, samples):
-        ms = statistics.median(s)
-        if c.name not in result.measured_ms or ms < result.measured_ms[c.name]:
-            result.measured_ms[c.name] = ms
-            result.threads[c.name] = c.threads
-            result.kinds[c.name] = c.kind
-    result.chosen = min(result.measured_ms, key=result.measured_ms.__getitem__)
-    return result
-
-
-def _suspect(candidates: Sequence[Candidate], samples: Sequence[Sequence[float]]) -> bool:
-    from opsched.timing import unsteady
-
-    return any(unsteady(s, UNSTEADY_SPREAD) or (c.expected_ms and statistics.median(s) >
-                                                UNEXPECTED_FACTOR * c.expected_ms)
-               for c, s in zip(candidates, samples))
-
-
-def module_runner(module: Callable[..., Any], inputs: Sequence[Any], cores: int,
-                  sync: Callable[[], Any] = lambda: None) -> Callable[[], Any]:
-    """A runner of an opsched module (which applies its own per-stream threads) from a caller holding
-    ``cores`` threads, as the timing loops use it beside the peers."""
-    import torch
-
-    def run() -> Any:
-        torch.set_num_threads(cores)
-        out = module(*inputs)
-        sync()
-        return out
-
-    return run
-
-
 def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequence[str] = ("eager",),
                     sync: Callable[[], Any] = lambda: None,
                     say: Callable[[str], Any] = lambda text: None) -> tuple[list[Candidate], list[str]]:
@@ -330,7 +182,7 @@ def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: 
             continue
         expected = schedule.predicted_latency if schedule.cost == "measured" else None
         candidates.append(Candidate(name, module_runner(modules[name], inputs, cores, sync), "schedule",
-                                    expected_ms=expected))
+                                    expected_ms=expected, module=modules[name]))
     return candidates, modules
 
 
@@ -340,17 +192,8 @@ def _raising(error: BaseException) -> Callable[[], Any]:
     return run
 
 
-def reference_outputs(model: Any, inputs: Sequence[Any], cores: int) -> Any:
-    """The model's own outputs on ``inputs``, in inference mode, as every candidate is verified against."""
-    import torch
-
-    torch.set_num_threads(cores)
-    with torch.inference_mode():
-        return model(*inputs)
-
-
 @dataclass
-class Job:
+class Workload:
     """One model to optimise: its module (in eval mode, on ``device``) and example inputs, its captured
     graph, and the schedules to make: ``methods`` maps a name to (scheduler, options)."""
 
@@ -373,22 +216,44 @@ class Job:
 
 @dataclass
 class Outcome:
-    """What :func:`run_job` made: the cost model, a schedule per method, and on a real device the compiled
-    modules, the evaluation (with the peers) and notes on peers left out."""
+    """What a job made: the cost model, a schedule per method, and on a real device the compiled modules, the
+    evaluation (with the peers) and notes on peers left out. What ``opsched.optimize``, ``opsched.multi`` and
+    ``opsched.map`` return, as their commands report it: :meth:`plan`, :attr:`module`, :attr:`measured_ms`,
+    :attr:`chosen`."""
 
-    cost: CostModel
+    cost: CostModel | None
     schedules: dict[str, Schedule]
     operator: Any = None
     modules: dict[str, Any] = field(default_factory=dict)
     evaluation: Evaluation | None = None
     notes: list[str] = field(default_factory=list)
+    graph: Graph | None = None
+    requested: str | None = None  # the method asked for: the plan when nothing was measured
+
+    @property
+    def measured_ms(self) -> dict[str, float]:
+        """Every verified configuration's median milliseconds (empty before measuring)."""
+        return dict(self.evaluation.measured_ms) if self.evaluation else {}
+
+    @property
+    def chosen(self) -> str | None:
+        """The fastest verified configuration: a schedule's name or a peer's."""
+        return self.evaluation.chosen if self.evaluation else None
+
+    @property
+    def module(self) -> Any:
+        """The chosen configuration as a callable taking the model's inputs (the compiled plan, the model
+        itself, or its torch.compile or ONNX Runtime form; None for a peer with no single callable, such as
+        ``threads``). Run it at ``evaluation.threads[chosen]`` intra-op threads, as it was timed."""
+        return self.evaluation.modules.get(self.chosen) if self.evaluation else None
 
     def plan(self) -> Schedule | None:
         """The schedule to hand the user: the fastest verified one, recording what was chosen overall
-        (possibly a peer) and every measured figure; before measuring (simulated costs), None."""
+        (possibly a peer) and every measured figure; when nothing was measured (simulated costs), the requested
+        method's schedule; None when no schedule verified."""
         ev = self.evaluation
         if ev is None:
-            return None
+            return self.schedules.get(self.requested) if self.requested else None
         best = ev.fastest("schedule")
         if best is None:
             return None
@@ -399,7 +264,7 @@ class Outcome:
         return plan
 
 
-def run_job(job: Job) -> Outcome:
+def run_workload(job: Workload) -> Outcome:
     """Cost the graph, make every schedule, and on a real device compile, verify and time them with the
     peers, interleaved; see :class:`Outcome`."""
     import torch
@@ -429,13 +294,28 @@ def run_job(job: Job) -> Outcome:
         for name, schedule in list(schedules.items()):
             if schedule.stages is not None and not schedule.options.get("regions"):
                 schedules[f"{name}+regions"] = with_regions(schedule, job.graph, cost)
-    sync = torch.cuda.synchronize if job.device == "cuda" else (lambda: None)
-    job.say("compiling the schedules ...")
-    candidates, outcome.modules = schedule_candidates(job.graph, schedules, operator, job.inputs, cores, job.device,
-                                                      sync, job.cuda_graph)
-    peers, outcome.notes = peer_candidates(job.model, job.inputs, cores, job.peers, sync, job.say)
-    job.say(f"verifying and measuring {len(candidates) + len(peers)} configurations, interleaved ...")
-    outcome.evaluation = evaluate(candidates + peers, reference_outputs(job.model, job.inputs, cores),
-                                  job.tolerance, job.repeats)
+    evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=cores, device=job.device, peers=job.peers,
+                   tolerance=job.tolerance, repeats=job.repeats, cuda_graph=job.cuda_graph, say=job.say)
+    return outcome
+
+
+def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[Any], *, cores: int,
+                   device: str = "cpu", peers: Sequence[str] = ("eager",), tolerance: float = 1e-3,
+                   repeats: int = 15, cuda_graph: bool = False, extra: Sequence[Candidate] = (),
+                   say: Callable[[str], Any] = lambda text: None) -> Outcome:
+    """The end of every job: compile ``outcome``'s schedules, verify them and the ``peers`` (and ``extra``
+    candidates) against ``model``'s own outputs and time them interleaved; fills in ``outcome.modules``,
+    ``notes`` and ``evaluation``. A schedule of any kind runs: one model's, a model batch's (the batch is the
+    model) or a mapping's (on its devices)."""
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    say("compiling the schedules ...")
+    candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.operator, inputs, cores,
+                                                      device, sync, cuda_graph)
+    found, outcome.notes = peer_candidates(model, inputs, cores, peers, sync, say)
+    everything = candidates + list(extra) + found
+    say(f"verifying and measuring {len(everything)} configurations, interleaved ...")
+    outcome.evaluation = evaluate(everything, reference_outputs(model, inputs, cores), tolerance, repeats)
     torch.set_num_threads(cores)
     return outcome

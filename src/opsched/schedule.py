@@ -2,11 +2,22 @@
 
 - *staged* (IOS, greedy, sequential): stages one after another; a ``concurrent`` stage runs its groups at
   the same time (the units of a group in order), a ``merge`` stage runs its units fused into one operator.
-- *stream* (LIOS, Nimble, exact): each unit gets a stream; a stream runs its units in order and waits on
-  an event only where a unit reads a unit of another stream.
+- *stream* (LIOS, Nimble, exact, every mapping): each unit gets a stream; a stream runs its units in order and
+  waits on an event only where a unit reads a unit of another stream.
 
 Both carry the per-unit timeline (stream, start, finish) their cost model predicts, the fingerprint of
 the graph they were made for, the device, batch and cost model, search statistics and lower bounds.
+
+A plan says what else it is in typed, optional sections, parsed and validated here alone:
+
+- ``devices`` (:class:`DevicesSection`, a plan of ``opsched map``): stream k runs on the platform's device k;
+  the platform, the objective, how the batch was cut into pieces, the transfers between devices, and, when
+  the batch is split across devices, the jobs beyond the one per unit the timeline holds;
+- ``models`` (:class:`ModelsSection`, a plan of ``opsched multi``): the model batch the graph fuses, the
+  rewrites that made it and how the command line loaded it.
+
+Plans written before the sections existed kept them in ``options`` (``mapping``, ``multi``); they are read
+into the sections, and written back as sections.
 
 >>> from opsched.graph.ir import Graph, Node
 >>> from opsched.cost.table import TableCost
@@ -15,6 +26,8 @@ the graph they were made for, the device, batch and cost model, search statistic
 >>> s.predicted_latency, [(o.name, o.stream, o.start, o.finish) for o in s.ops]
 (4.0, [('a', 0, 0.0, 1.0), ('b', 0, 1.0, 3.0), ('c', 1, 1.0, 4.0)])
 >>> validate(s, g)
+>>> s.kind
+'schedule'
 """
 
 from __future__ import annotations
@@ -58,6 +71,143 @@ class OpTiming:
     finish: float
 
 
+MAX_THREADS = 1024  # more than any machine's cores; a billion made PyTorch's thread pool abort the process
+OBJECTIVES = ("latency", "throughput")
+LOAD_OPTIONS = ("models", "copies", "preprocess", "batch", "input_shape", "image_size")
+
+
+@dataclass(frozen=True)
+class PlanDevice:
+    """The device a stream of a mapped plan runs on: ``kind`` is ``cpu``, ``cuda:N``, ``sim:NAME``, or None
+    (a DAG JSON platform's device, which only has latencies); ``threads`` are a CPU device's intra-op threads."""
+
+    name: str
+    kind: str | None
+    node: str
+    threads: int
+
+    @property
+    def simulated(self) -> bool:
+        return self.kind is None or self.kind.startswith("sim:")
+
+    @property
+    def cuda_index(self) -> int | None:
+        """N for ``cuda:N``; None for any other kind."""
+        return int(self.kind[5:]) if self.kind is not None and self.kind.startswith("cuda:") else None
+
+
+@dataclass(frozen=True)
+class MappedJob:
+    """A unit run on one device for some pieces of the batch."""
+
+    name: str
+    device: str
+    start: float
+    finish: float
+    pieces: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A value moved between devices for the inputs ``[first, count]`` of the batch."""
+
+    value: str
+    from_device: str
+    to_device: str
+    start: float
+    finish: float
+    inputs: tuple[int, int]
+
+
+@dataclass
+class DevicesSection:
+    """What makes a plan a mapping (``opsched map``): stream k runs on ``platform``'s device k. ``pieces``: how
+    many pieces the batch is cut into (throughput); the timeline holds one job per unit, the one with most
+    pieces (``timeline_pieces`` names the pieces of those that do not run the whole batch), and ``jobs`` the
+    others (both empty unless the batch is split across devices)."""
+
+    platform: dict[str, Any]
+    objective: str = "latency"
+    pieces: int = 1
+    optimal: bool = False
+    time_unit: str = ""
+    transfers: list[Transfer] = field(default_factory=list)
+    jobs: list[MappedJob] = field(default_factory=list)
+    timeline_pieces: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> list[PlanDevice]:
+        return [PlanDevice(d["name"], d.get("kind"), str(d.get("node", "n0")), int(d.get("threads", 1)))
+                for d in self.platform["devices"]]
+
+    @property
+    def split_batch(self) -> bool:
+        return bool(self.jobs)
+
+    def objective_value(self, makespan: float, batch: int | None) -> float:
+        """What the objective reports for a makespan: the latency, or inputs per time unit."""
+        if self.objective == "throughput":
+            return (batch or 1) / makespan if makespan > 0 else math.inf
+        return makespan
+
+    def placements(self, ops: Sequence[OpTiming], batch: int | None) -> list[dict[str, Any]]:
+        """Every job with the inputs of the batch it runs, ``[first, count]`` (a job of pieces that are not
+        consecutive is one entry per run of consecutive pieces), in the order the jobs start: ``opsched map``'s
+        ``placements``."""
+        names = [d.name for d in self.devices]
+        every = tuple(range(self.pieces))
+        jobs = [MappedJob(o.name, names[o.stream], o.start, o.finish, self.timeline_pieces.get(o.name, every))
+                for o in ops] + list(self.jobs)
+        per_piece = (batch or 1) // self.pieces if self.pieces > 1 else (batch or 1)
+        order = {n: k for k, n in enumerate(names)}
+        out = []
+        for job in sorted(jobs, key=lambda j: (j.start, order[j.device])):
+            out += [{"name": job.name, "device": job.device, "start": job.start, "finish": job.finish,
+                     "inputs": [first * per_piece, count * per_piece]} for first, count in piece_runs(job.pieces)]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"platform": self.platform, "objective": self.objective, "pieces": self.pieces,
+                               "optimal": self.optimal, "time_unit": self.time_unit,
+                               "transfers": [{**asdict(t), "inputs": list(t.inputs)} for t in self.transfers]}
+        if self.jobs:
+            doc["jobs"] = [{**asdict(j), "pieces": list(j.pieces)} for j in self.jobs]
+            doc["timeline_pieces"] = {name: list(p) for name, p in self.timeline_pieces.items()}
+        return doc
+
+
+def piece_runs(pieces: Sequence[int]) -> list[tuple[int, int]]:
+    """Consecutive runs of ``pieces`` as (first, count).
+
+    >>> piece_runs([3, 0, 1])
+    [(0, 2), (3, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for q in sorted(pieces):
+        if runs and runs[-1][0] + runs[-1][1] == q:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((q, 1))
+    return runs
+
+
+@dataclass
+class ModelsSection:
+    """What makes a plan a model batch's (``opsched multi``): how many models, what the rewrites computed once
+    or batched (``fused``), what rebuilds the fused graph (the ``rewrites`` asked for and the ``batched`` units
+    made) and how the command line loaded the batch (``load``: its MODELs and the options in
+    :data:`LOAD_OPTIONS`), which ``opsched run`` rebuilds it from."""
+
+    models: int
+    fused: dict[str, int]
+    rewrites: list[str]
+    batched: list[str]
+    load: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
 @dataclass
 class Schedule:
     method: str
@@ -72,14 +222,24 @@ class Schedule:
     stats: dict[str, Any] = field(default_factory=dict)
     bounds: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    devices: DevicesSection | None = None
+    models: ModelsSection | None = None
 
     @property
     def form(self) -> str:
         return "staged" if self.stages is not None else "stream"
 
+    @property
+    def kind(self) -> str:
+        """``mapping`` (opsched map), ``model batch`` (opsched multi) or ``schedule`` (one model or graph)."""
+        return "mapping" if self.devices is not None else "model batch" if self.models is not None else "schedule"
+
     def streams(self) -> list[list[str]]:
-        """Units of each stream in the order they run (by predicted start)."""
+        """Units of each stream in the order they run (by predicted start); a mapped plan has a stream per
+        device of its platform, empty ones too."""
         count = 1 + max((o.stream for o in self.ops), default=-1)
+        if self.devices is not None:
+            count = max(count, len(self.devices.platform["devices"]))
         by_stream: list[list[OpTiming]] = [[] for _ in range(count)]
         for o in self.ops:
             by_stream[o.stream].append(o)
@@ -98,6 +258,10 @@ class Schedule:
         doc["stats"] = self.stats
         doc["bounds"] = self.bounds
         doc["options"] = self.options
+        if self.devices is not None:
+            doc["devices"] = self.devices.to_dict()
+        if self.models is not None:
+            doc["models"] = self.models.to_dict()
         return doc
 
     def save(self, path: str | Path) -> None:
@@ -142,19 +306,167 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
     if schedule.batch is not None and (not isinstance(schedule.batch, int) or isinstance(schedule.batch, bool)
                                        or schedule.batch < 1):
         raise ScheduleError(f"{source}: batch must be a positive integer or null, got {json.dumps(schedule.batch)}")
+    devices, models = doc.get("devices"), doc.get("models")
+    if schedule.options.get("mapping"):  # written before the sections: the mapping's fields in options
+        devices = _devices_from_options(schedule, source)
+    if "multi" in schedule.options:
+        models = schedule.options.pop("multi")
+    if devices is not None:
+        schedule.devices = _devices_section(devices, schedule, source)
+    if models is not None:
+        schedule.models = _models_section(models, source)
+    if schedule.devices is not None and schedule.models is not None:
+        raise ScheduleError(f"{source}: a plan is a mapping or a model batch's, not both")
     # Streams are numbered as validate() allows: one per unit at most, or per device of a mapping. A larger
     # number (a hand edit) made every stream up to it, empty: opsched show ran out of memory on stream 10**12.
-    devices = schedule.options.get("stream_devices")
-    streams = max(len(ops), len(devices) if isinstance(devices, list) else 0)
+    streams = len(ops) if schedule.devices is None else len(schedule.devices.platform["devices"])
     for o in ops:
-        if not 0 <= o.stream < streams:
+        if not 0 <= o.stream < max(streams, 1):
             raise ScheduleError(f"{source}: unit {o.name!r} has a bad timeline entry (stream {o.stream}, "
-                                f"{o.start}..{o.finish})")
-    if schedule.options.get("mapping"):
-        from opsched.mapping.execute import check_mapped_plan  # the mapping package builds on this module
-
-        check_mapped_plan(schedule, source)
+                                f"{o.start}..{o.finish})" + (" that names no device of the plan"
+                                                             if schedule.devices is not None else ""))
     return schedule
+
+
+def _devices_from_options(schedule: Schedule, source: str) -> dict[str, Any]:
+    """A mapped plan written before the sections (its fields in ``options``) as a ``devices`` section: the
+    platform held each stream's device already; the bound (also in ``bounds``) and ``predicted`` (the
+    objective of ``predicted_latency``) were stored twice; ``placements`` repeat the timeline but for the jobs
+    of a split batch."""
+    options = schedule.options
+    doc = {key: options.pop(key) for key in ("platform", "objective", "pieces", "optimal", "time_unit", "transfers")
+           if key in options}
+    listed = doc.get("platform", {}).get("devices") if isinstance(doc.get("platform"), dict) else None
+    if isinstance(listed, list) and all(isinstance(d, dict) for d in listed):
+        # what the platform holds, the plan repeated per stream: a hand edit of one copy is refused
+        for key, field_, default in (("stream_devices", "name", None), ("stream_kinds", "kind", None),
+                                     ("stream_threads", "threads", 1)):
+            if key in options and options[key] != [d.get(field_, default) for d in listed]:
+                raise ScheduleError(f"{source}: the mapped plan's {key} disagree with its platform's devices")
+    if "lower_bound" not in schedule.bounds and "lower_bound" in options:
+        schedule.bounds["lower_bound"] = options["lower_bound"]
+    for key in ("mapping", "stream_devices", "stream_kinds", "stream_threads", "split_batch", "lower_bound",
+                "predicted"):
+        options.pop(key, None)
+    placed = options.pop("placements", [])
+    pieces = doc.get("pieces", 1)
+    if not (_whole(pieces) and pieces >= 1 and isinstance(placed, list)
+            and all(isinstance(p, dict) and isinstance(p.get("inputs"), list) and len(p["inputs"]) == 2
+                    and all(_whole(x) for x in p["inputs"]) for p in placed)):
+        raise ScheduleError(f"{source}: a mapped plan's placements must each give the inputs [first, count] it runs")
+    per_piece = max(1, (schedule.batch or 1) // pieces if pieces > 1 else (schedule.batch or 1))
+    jobs: dict[tuple, list[int]] = {}
+    for p in placed:
+        first, count = p["inputs"][0] // per_piece, max(1, p["inputs"][1] // per_piece)
+        jobs.setdefault((p.get("name"), p.get("device"), p.get("start"), p.get("finish")), []).extend(
+            range(first, first + count))
+    names = [d.get("name") for d in doc.get("platform", {}).get("devices", [])] \
+        if isinstance(doc.get("platform"), dict) and isinstance(doc["platform"].get("devices"), list) else []
+    on_timeline = {(o.name, names[o.stream] if 0 <= o.stream < len(names) else None, o.start, o.finish)
+                   for o in schedule.ops}
+    every = list(range(pieces))
+    if any(sorted(qs) != every for qs in jobs.values()):  # the batch is split across devices
+        doc["jobs"] = [{"name": n, "device": d, "start": s, "finish": f, "pieces": sorted(qs)}
+                       for (n, d, s, f), qs in jobs.items() if (n, d, s, f) not in on_timeline]
+        doc["timeline_pieces"] = {n: sorted(qs) for (n, d, s, f), qs in jobs.items()
+                                  if (n, d, s, f) in on_timeline and sorted(qs) != every}
+    return doc
+
+
+def _devices_section(doc: Any, schedule: Schedule, source: str) -> DevicesSection:
+    """The ``devices`` section, checked: a distinct name, a known kind (or none) and a thread count for the
+    device of each stream, and transfers and jobs on those devices with finite times. A thread count beyond
+    what any machine has is refused: PyTorch's thread pool would try to start them all (a billion aborted the
+    process)."""
+    from opsched.mapping.platform import check_kind
+
+    where = f"{source}: the devices section"
+    platform = doc.get("platform") if isinstance(doc, dict) else None
+    listed = platform.get("devices") if isinstance(platform, dict) else None
+    if not isinstance(listed, list) or not listed or not isinstance(platform.get("name"), str) \
+            or not all(isinstance(d, dict) and isinstance(d.get("name"), str) and d["name"] for d in listed):
+        raise ScheduleError(f"{where} must name its platform and list a named device for each stream")
+    names = [d["name"] for d in listed]
+    if len(set(names)) != len(names):
+        raise ScheduleError(f"{where} names a device twice")
+    for d in listed:
+        if d.get("kind") is not None:
+            try:
+                check_kind(d["kind"], f"{where}: device {d['name']!r}")
+            except OpschedError as e:
+                raise ScheduleError(str(e)) from None
+        # not this machine's cores: with --engine ray a device runs on its node, which may have more
+        if not (_whole(d.get("threads", 1)) and 1 <= d.get("threads", 1) <= MAX_THREADS):
+            raise ScheduleError(f"{where}: device {d['name']!r} must have a thread count from 1 to {MAX_THREADS}")
+    if doc.get("objective", "latency") not in OBJECTIVES or not _whole(doc.get("pieces", 1)) \
+            or doc.get("pieces", 1) < 1 or not isinstance(doc.get("optimal", False), bool) \
+            or not isinstance(doc.get("time_unit", ""), str):
+        raise ScheduleError(f"{where}: objective, pieces, optimal and time_unit must be as opsched map writes them")
+    try:
+        transfers = [Transfer(t["value"], t["from_device"], t["to_device"], t["start"], t["finish"],
+                              tuple(t["inputs"])) for t in doc.get("transfers", [])]
+        jobs = [MappedJob(j["name"], j["device"], j["start"], j["finish"], tuple(j["pieces"]))
+                for j in doc.get("jobs", [])]
+        timeline_pieces = {str(n): tuple(p) for n, p in doc.get("timeline_pieces", {}).items()}
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ScheduleError(f"{where}: a transfer or job lacks a field ({type(e).__name__}: {e})") from None
+    for item in [*transfers, *jobs]:
+        devices = (item.from_device, item.to_device) if isinstance(item, Transfer) else (item.device,)
+        label = item.value if isinstance(item, Transfer) else item.name
+        if not isinstance(label, str) or not all(d in names for d in devices) \
+                or not (_number(item.start) and _number(item.finish) and item.start <= item.finish):
+            raise ScheduleError(f"{where}: every transfer and job must name a unit and devices of the plan "
+                                f"({', '.join(names)}) with a start and a finish")
+    if not _number(schedule.bounds.get("lower_bound")):
+        raise ScheduleError(f"{source}: a mapped plan's bounds must give its lower_bound, a number")
+    pieces = doc.get("pieces", 1)
+    if not all(_whole(q) and 0 <= q < pieces for j in jobs for q in j.pieces) \
+            or not all(_whole(q) and 0 <= q < pieces for p in timeline_pieces.values() for q in p) \
+            or not all(len(t.inputs) == 2 and all(_whole(x) for x in t.inputs) for t in transfers):
+        raise ScheduleError(f"{where}: pieces must be numbers below {pieces}, and inputs [first, count]")
+    return DevicesSection(platform, doc.get("objective", "latency"), pieces, doc.get("optimal", False),
+                          doc.get("time_unit", ""), transfers, jobs, timeline_pieces)
+
+
+def _models_section(doc: Any, source: str) -> ModelsSection:
+    """The ``models`` section, checked."""
+    where = f"{source}: the models section"
+    if not isinstance(doc, dict):
+        raise ScheduleError(f"{where} must be an object")
+    load = doc.get("load")
+    checks = [("models", _whole(doc.get("models")) and doc.get("models") >= 1),
+              ("fused", isinstance(doc.get("fused"), dict) and all(_whole(v) for v in doc["fused"].values())),
+              ("rewrites", _strings(doc.get("rewrites"))), ("batched", _strings(doc.get("batched"))),
+              ("load", load is None or isinstance(load, dict))]
+    if isinstance(load, dict):
+        checks += [("load.models", _strings(load.get("models")) and len(load["models"]) > 0),
+                   ("load.copies", _positive(load.get("copies"))),
+                   ("load.preprocess", load.get("preprocess") is None or isinstance(load["preprocess"], str)),
+                   ("load.batch", load.get("batch") is None or _positive(load["batch"])),
+                   ("load.image_size", load.get("image_size") is None or _positive(load["image_size"])),
+                   ("load.input_shape", load.get("input_shape") is None or _strings(load["input_shape"]))]
+    for key, ok in checks:
+        if not ok:
+            value = doc.get(key) if "." not in key else load.get(key.split(".", 1)[1])
+            raise ScheduleError(f"{where}: {key} is malformed ({value!r})")
+    return ModelsSection(doc["models"], dict(doc["fused"]), list(doc["rewrites"]), list(doc["batched"]),
+                         {k: load.get(k) for k in LOAD_OPTIONS} if isinstance(load, dict) else None)
+
+
+def _whole(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _positive(x: Any) -> bool:
+    return _whole(x) and x >= 1
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
 def load(path: str | Path, graph: Graph | None = None) -> Schedule:
@@ -176,8 +488,7 @@ def validate(schedule: Schedule, graph: Graph) -> None:
     timing = {o.name: o for o in schedule.ops}
     # one stream per unit at most, or per device of a mapping: a larger number (a hand edit) would make
     # every stream up to it, empty
-    devices = schedule.options.get("stream_devices")
-    streams = max(len(graph), len(devices) if isinstance(devices, list) else 0)
+    streams = len(graph) if schedule.devices is None else len(schedule.devices.platform["devices"])
     for o in schedule.ops:
         if (not 0 <= o.stream < streams or not math.isfinite(o.start) or not math.isfinite(o.finish)
                 or o.finish < o.start - _EPS):
@@ -193,6 +504,12 @@ def validate(schedule: Schedule, graph: Graph) -> None:
                 raise ScheduleError(f"units {a!r} and {b!r} overlap on stream {stream}")
     if schedule.stages is not None:
         _validate_stages(schedule.stages, graph)
+    if schedule.devices is not None:
+        section = schedule.devices
+        named = [t.value for t in section.transfers] + [j.name for j in section.jobs] + list(section.timeline_pieces)
+        stray = next((n for n in named if n not in graph.index), None)
+        if stray is not None:
+            raise ScheduleError(f"the devices section names unit {stray!r}, which the graph does not have")
 
 
 def _same_merge(schedule: Schedule, a: str, b: str) -> bool:

@@ -3,7 +3,7 @@
 A :class:`Job` is a unit run on one device for some of the batch's pieces at once (for the latency
 objective, the one piece: the whole batch). A :class:`Mapping` lists each device's jobs in the order it runs
 them; the simulator (``replay.py``) gives the times. :func:`to_schedule` makes the plan a stream-form
-:class:`~opsched.schedule.Schedule`, one stream per device, the mapping's own data in ``options``.
+:class:`~opsched.schedule.Schedule`, one stream per device, the mapping's own data in its ``devices`` section.
 
 >>> m = Mapping.from_devices(3, [0, 1, 0], [0, 1, 2], devices=2)
 >>> [[j.unit for j in jobs] for jobs in m.order]
@@ -19,7 +19,7 @@ from typing import Any
 
 from opsched.mapping import MappingError
 from opsched.mapping.problem import Problem
-from opsched.schedule import OpTiming, Schedule
+from opsched.schedule import DevicesSection, MappedJob, OpTiming, Schedule, Transfer
 
 
 @dataclass(frozen=True)
@@ -96,21 +96,8 @@ def check(problem: Problem, mapping: Mapping) -> None:
                                f"memory ({device.memory:.4g})")
 
 
-def placements(problem: Problem, timeline: Any) -> list[dict[str, Any]]:
-    """The design's ``placements``: each job with its inputs of the batch as ``[first, count]`` (a job of
-    pieces that are not consecutive is one entry per run of consecutive pieces)."""
-    per_piece = problem.batch // problem.pieces if problem.pieces > 1 else problem.batch
-    out = []
-    for job in sorted(timeline.start, key=lambda j: (timeline.start[j], j.device, j.unit)):
-        for first, count in _runs(job.pieces):
-            out.append({"name": problem.graph.nodes[job.unit].name, "device": problem.platform.devices[job.device].name,
-                        "start": timeline.start[job], "finish": timeline.finish[job],
-                        "inputs": [first * per_piece, count * per_piece]})
-    return out
-
-
-def transfers(problem: Problem, timeline: Any) -> list[dict[str, Any]]:
-    """The design's ``transfers``: each value moved between devices (once per target device and piece)."""
+def transfers(problem: Problem, timeline: Any) -> list[Transfer]:
+    """Each value moved between devices (once per target device and pieces)."""
     per_piece = problem.batch // problem.pieces if problem.pieces > 1 else problem.batch
     names = problem.platform.names
     seen = set()
@@ -120,29 +107,16 @@ def transfers(problem: Problem, timeline: Any) -> list[dict[str, Any]]:
         if key in seen:
             continue
         seen.add(key)
-        first = t.pieces[0]
-        out.append({"value": problem.graph.nodes[t.value].name, "from_device": names[t.from_device],
-                    "to_device": names[t.to_device], "start": t.start, "finish": t.finish,
-                    "inputs": [first * per_piece, len(t.pieces) * per_piece]})
+        out.append(Transfer(problem.graph.nodes[t.value].name, names[t.from_device], names[t.to_device], t.start,
+                            t.finish, (t.pieces[0] * per_piece, len(t.pieces) * per_piece)))
     return out
-
-
-def _runs(pieces: Sequence[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for q in sorted(pieces):
-        if runs and runs[-1][0] + runs[-1][1] == q:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((q, 1))
-    return runs
 
 
 def to_schedule(problem: Problem, mapping: Mapping, timeline: Any, method: str, lower_bound: float,
                 optimal: bool, stats: dict[str, Any]) -> Schedule:
     """The mapping as a stream-form Schedule: stream ``d`` is device ``d``; each unit's op is its job with
-    the most pieces (all of them unless the batch is split); ``options`` holds the platform, each stream's
-    device, the threads of CPU devices (``stream_threads``, which the CPU backend applies), the objective
-    and the full placements and transfers."""
+    the most pieces (all of them unless the batch is split), the other jobs of a split batch and the
+    transfers in its ``devices`` section."""
     by_unit: dict[int, Job] = {}
     for job in timeline.start:
         if job.unit not in by_unit or len(job.pieces) > len(by_unit[job.unit].pieces):
@@ -150,19 +124,17 @@ def to_schedule(problem: Problem, mapping: Mapping, timeline: Any, method: str, 
     graph = problem.graph
     ops = [OpTiming(graph.nodes[u].name, by_unit[u].device, timeline.start[by_unit[u]], timeline.finish[by_unit[u]])
            for u in range(problem.n)]
-    devices = problem.platform.devices
-    split = any(len(j.pieces) < problem.pieces for j in timeline.start)
-    options = {
-        "mapping": True, "platform": problem.platform.to_dict(), "objective": problem.objective,
-        "stream_devices": [d.name for d in devices], "stream_kinds": [d.kind for d in devices],
-        "stream_threads": [d.threads for d in devices], "pieces": problem.pieces, "split_batch": split,
-        "predicted": problem.objective_value(timeline.makespan), "lower_bound": lower_bound, "optimal": optimal,
-        "time_unit": problem.time_unit,
-        "placements": placements(problem, timeline), "transfers": transfers(problem, timeline),
-    }
-    simulated = any(d.simulated for d in devices)
+    names = problem.platform.names
+    others = [MappedJob(graph.nodes[j.unit].name, names[j.device], timeline.start[j], timeline.finish[j], j.pieces)
+              for j in sorted(timeline.start, key=lambda j: (timeline.start[j], j.device, j.unit))
+              if by_unit[j.unit] is not j]
+    section = DevicesSection(
+        problem.platform.to_dict(), problem.objective, problem.pieces, optimal, problem.time_unit,
+        transfers(problem, timeline), others,
+        {graph.nodes[u].name: job.pieces for u, job in by_unit.items() if others and len(job.pieces) < problem.pieces})
+    simulated = any(d.simulated for d in problem.platform.devices)
     return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
                     predicted_latency=timeline.makespan, stages=None,
                     cost="sim:" + problem.platform.name if simulated else "measured",
                     device=f"{'sim:' if simulated else ''}platform:{problem.platform.name}",
-                    batch=problem.batch, stats=stats, bounds={"lower_bound": lower_bound}, options=options)
+                    batch=problem.batch, stats=stats, bounds={"lower_bound": lower_bound}, devices=section)

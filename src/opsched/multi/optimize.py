@@ -41,25 +41,43 @@ class MultiOutcome:
     predicted_sequential_ms: float | None = None
 
     def plan(self):
-        """The runner's plan (see :meth:`opsched.pipeline.Outcome.plan`), recording in ``options.multi`` the
-        number of models, what the rewrites made, and what rebuilds the fused graph: the rewrites asked for
-        and the batched units made (see :func:`opsched.multi.fuse.fuse_graph`)."""
+        """The runner's plan (see :meth:`opsched.pipeline.Outcome.plan`) with its ``models`` section: the
+        number of models, what the rewrites made, and what rebuilds the fused graph (the rewrites asked for
+        and the batched units made, see :func:`opsched.multi.fuse.fuse_graph`)."""
+        from opsched.schedule import ModelsSection
+
         plan = self.outcome.plan()
         if plan is not None:
-            plan.options["multi"] = {"models": len(self.fusion.batch.models), "fused": dict(self.fusion.fused),
-                                     "rewrites": list(self.fusion.rewrites), "batched": self.fusion.batched}
+            plan.models = ModelsSection(len(self.fusion.batch.models), dict(self.fusion.fused),
+                                        list(self.fusion.rewrites), self.fusion.batched)
         return plan
+
+    @property
+    def measured_ms(self) -> dict[str, float]:
+        return self.outcome.measured_ms
+
+    @property
+    def chosen(self) -> str | None:
+        return self.outcome.chosen
+
+    @property
+    def module(self) -> Any:
+        """The chosen configuration (see :attr:`opsched.pipeline.Outcome.module`): called like the batch, it
+        returns each model's outputs."""
+        return self.outcome.module
 
 
 def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequence[str] = DEFAULT_METHODS,
              cost: str = "measured", kernels: str = "eager", rewrites: Sequence[str] = REWRITES,
              cores: int | None = None, tolerance: float = 1e-3, repeats: int = 15, cache: bool = True,
              peers: Sequence[str] = MULTI_PEERS, preprocess: torch.nn.Module | None = None,
-             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> MultiOutcome:
+             say: Callable[[str], Any] = lambda text: None, progress: Any = None,
+             requested: str | None = None) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
     ``torch_compile`` for torch.compile of the loop over the models). ``preprocess`` runs once on
     ``inputs`` and every model reads its result (see :class:`ModelBatch`). The batch runs where its models
     and inputs are: on the CPU, or with them moved to ``cuda``, on the GPU's streams (costs measured there).
+    With simulated costs the plan is ``requested``'s schedule (default: the last of ``methods``).
 
     >>> import torch
     >>> models = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(3)]
@@ -67,7 +85,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     >>> sorted(result.outcome.evaluation.measured_ms), max(result.model_errors) < 1e-5
     (['sequential', 'sequential_models', 'threads', 'vmap'], True)
     """
-    from opsched.pipeline import Job, method_options, run_job
+    from opsched.pipeline import Workload, method_options, run_workload
 
     batch = model_batch(models, inputs, preprocess)
     for m in batch.models:
@@ -81,9 +99,10 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     sequential_ms = sum(latencies(fusion.combined))
     default_streams = 8 if simulated or device == "cuda" else cores
     jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
-    outcome = run_job(Job(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device, kernels=kernels,
-                          cores=cores, peers=peers, tolerance=tolerance, repeats=repeats, cache=cache, say=say,
-                          profile_progress=progress))
+    outcome = run_workload(Workload(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device,
+                                    kernels=kernels, cores=cores, peers=peers, tolerance=tolerance, repeats=repeats,
+                                    cache=cache, say=say, profile_progress=progress))
+    outcome.graph, outcome.requested = fusion.graph, requested or list(methods)[-1]
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()
     if plan is not None:
@@ -94,7 +113,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
 
 def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> list[float]:
     """Each model's largest absolute output difference between ``module`` and the model's own forward."""
-    from opsched.runtime.module import output_error
+    from opsched.evaluation import output_error
 
     torch.set_num_threads(cores)
     with torch.inference_mode():

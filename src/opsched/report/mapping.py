@@ -10,17 +10,17 @@ from opsched.schedule import Schedule
 
 
 def write_mapping_gantt(path: str | Path, plan: Schedule) -> None:
-    """Draw ``plan`` (a plan from ``opsched map``: ``plan.options["mapping"]`` is true) to ``path``."""
+    """Draw ``plan`` (a plan from ``opsched map``: it has a ``devices`` section) to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    options = plan.options
-    devices = list(options["stream_devices"])
+    section = plan.devices
+    devices = [d.name for d in section.devices]
     row = {name: k for k, name in enumerate(devices)}
-    placements, moves = options["placements"], options["transfers"]
-    end = max([p["finish"] for p in placements] + [t["finish"] for t in moves] + [1e-9])
+    placements, moves = section.placements(plan.ops, plan.batch), section.transfers
+    end = max([p["finish"] for p in placements] + [t.finish for t in moves] + [1e-9])
     fig, ax = plt.subplots(figsize=(14, 1.6 + 0.7 * len(devices)))
     colours = plt.get_cmap("tab20")
     for k, p in enumerate(placements):
@@ -32,17 +32,18 @@ def write_mapping_gantt(path: str | Path, plan: Schedule) -> None:
         if width > end * 0.005 * len(label):
             ax.text(p["start"] + width / 2, y, label, ha="center", va="center", fontsize=6, clip_on=True)
     for t in moves:
-        a, b = row[t["from_device"]], row[t["to_device"]]
-        ax.annotate("", xy=(t["finish"], b + (0.4 if b < a else -0.4) * -1),
-                    xytext=(t["start"], a + (0.4 if b > a else -0.4)),
+        a, b = row[t.from_device], row[t.to_device]
+        ax.annotate("", xy=(t.finish, b + (0.4 if b < a else -0.4) * -1),
+                    xytext=(t.start, a + (0.4 if b > a else -0.4)),
                     arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.6, "alpha": 0.6})
     ax.set_yticks(range(len(devices)), devices)
     ax.invert_yaxis()
     ax.set_xlim(0, end * 1.01)
-    ax.set_xlabel(options.get("time_unit") or "time")
+    ax.set_xlabel(section.time_unit or "time")
     simulated = "SIMULATED" if plan.device.startswith("sim:") else "predicted from measured costs"
-    ax.set_title(f"{plan.graph_name}: {plan.method} on {options['platform']['name']} ({simulated}), "
-                 f"{options['objective']} {options['predicted']:.4g}; {len(moves)} transfers (arrows)", fontsize=10)
+    predicted = section.objective_value(plan.predicted_latency, plan.batch)
+    ax.set_title(f"{plan.graph_name}: {plan.method} on {section.platform['name']} ({simulated}), "
+                 f"{section.objective} {predicted:.4g}; {len(moves)} transfers (arrows)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

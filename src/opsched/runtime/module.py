@@ -1,5 +1,5 @@
 """``opsched.compile``: a model (or its captured graph) and a schedule become a callable module that runs
-the schedule; ``opsched.verify``: how far its outputs are from the model's own.
+the schedule (``opsched.verify``, in :mod:`opsched.evaluation`, says how far its outputs are from the model's).
 
 >>> import torch
 >>> from opsched.graph.capture import capture
@@ -10,14 +10,13 @@ the schedule; ``opsched.verify``: how far its outputs are from the model's own.
 >>> graph = capture(model, (x,))
 >>> for n in graph.nodes: n.latency = 1.0
 >>> fast = compile(graph, make_schedule("greedy", graph, TableCost(graph)))
->>> verify(fast, model, (x,)).max_abs_error
-0.0
+>>> torch.equal(fast(x), model(x))
+True
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -29,10 +28,6 @@ from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.kernels import Operator, unit_operator
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
-
-
-class VerificationError(OpschedError):
-    """A schedule whose outputs differ from the model's beyond tolerance."""
 
 
 class OptimizedModule(torch.nn.Module):
@@ -125,46 +120,3 @@ def _check_device(tensors: Sequence[Any], device: str, what: str) -> None:
         if isinstance(t, torch.Tensor) and t.device.type not in (expected, "meta"):
             raise OpschedError(f"{what} are on {t.device.type}, but the module is to run on {device}: "
                                f"move the model and its inputs there first (model.to({device!r}))")
-
-
-@dataclass
-class Verification:
-    max_abs_error: float
-    max_rel_error: float
-    tolerance: float
-    ok: bool
-
-
-def verify(module: Callable[..., Any], reference: Callable[..., Any], inputs: Sequence[Any],
-           tolerance: float = 1e-3, strict: bool = False) -> Verification:
-    """Run both on ``inputs`` and compare every output tensor. With ``strict``, raise
-    :class:`VerificationError` when the largest absolute difference exceeds ``tolerance``."""
-    with torch.inference_mode():
-        got = module(*inputs)
-        want = reference(*inputs)
-    abs_error, rel_error = output_error(got, want)
-    result = Verification(abs_error, rel_error, tolerance, abs_error <= tolerance)
-    if strict and not result.ok:
-        raise VerificationError(f"outputs differ from the model's by up to {abs_error:.3g} "
-                                f"(tolerance {tolerance:g}); the schedule is not used")
-    return result
-
-
-def output_error(got: Any, want: Any) -> tuple[float, float]:
-    """The largest absolute and relative differences between two structures of outputs (tensors, or
-    arrays such as ONNX Runtime returns); raises :class:`VerificationError` when they do not correspond."""
-    got, want = pytree.tree_leaves(got), pytree.tree_leaves(want)
-    if len(got) != len(want):
-        raise VerificationError(f"the schedule returns {len(got)} outputs, the model {len(want)}")
-    abs_error = rel_error = 0.0
-    for a, b in zip(got, want):
-        if not isinstance(b, torch.Tensor):
-            continue
-        a = torch.as_tensor(a)
-        if a.shape != b.shape:
-            raise VerificationError(f"an output has shape {tuple(a.shape)}, the model's {tuple(b.shape)}")
-        diff = (a.double().to(b.device) - b.double()).abs()
-        if diff.numel():
-            abs_error = max(abs_error, diff.max().item())
-            rel_error = max(rel_error, (diff / b.double().abs().clamp_min(1e-6)).max().item())
-    return abs_error, rel_error

@@ -17,7 +17,7 @@ last reader has run; a slot read on several streams is released by whichever rea
 The program says how many intra-op threads each run step uses, which the CPU backend applies inside each
 worker thread: in a staged schedule ``cores`` are shared by the groups of a stage; in a stream schedule
 by the streams whose predicted timelines overlap the unit's (a unit that runs alone gets every core), or,
-for a schedule mapped onto devices, the threads of the unit's device (``options["stream_threads"]``).
+for a schedule mapped onto devices, the threads of the unit's device (its ``devices`` section).
 
 >>> from opsched.graph.ir import Graph, Node
 >>> from opsched.cost.table import TableCost
@@ -228,9 +228,9 @@ def _stream_threads(schedule: Schedule, graph: Graph, order: Sequence[Sequence[i
     """Each unit's intra-op threads: its device's, when the schedule maps streams onto devices (``order``
     has every stream, empty ones too, so that stream k is device k); otherwise ``cores`` shared by the
     streams whose predicted timelines overlap the unit's."""
-    per_stream = schedule.options.get("stream_threads")
-    if per_stream:
-        return {u: max(1, int(per_stream[k])) for k, units in enumerate(order) for u in units}
+    if schedule.devices is not None:
+        devices = schedule.devices.devices
+        return {u: devices[k].threads for k, units in enumerate(order) for u in units}
     timing = {graph.index[o.name]: o for o in schedule.ops}
     threads = {}
     for k, units in enumerate(order):

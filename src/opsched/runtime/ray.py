@@ -56,6 +56,7 @@ import torch.utils._pytree as pytree
 from opsched.errors import OpschedError
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.program import Run, compile_program, store_outputs
+from opsched.schedule import PlanDevice
 
 NODE_RESOURCE = "opsched_node:"
 NODE_SHARE = 0.01       # of a node's resource per actor: a node declaring 1 hosts up to 100 devices
@@ -105,23 +106,6 @@ def import_ray(local: bool = False) -> Any:
     except ImportError:
         raise RayUnavailable("--engine ray needs Ray, which is not installed: pip install 'opsched[ray]'") from None
     return ray
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    node: str
-    threads: int
-
-
-def plan_devices(schedule: Any) -> list[Device]:
-    """Every device of a mapped plan (stream d is device d), with its node and intra-op threads."""
-    options = schedule.options
-    names = options.get("stream_devices") or []
-    platform = {d.get("name"): d for d in (options.get("platform") or {}).get("devices", [])}
-    threads = options.get("stream_threads") or [1] * len(names)
-    return [Device(name, str(platform.get(name, {}).get("node", "n0")), max(1, int(t)))
-            for name, t in zip(names, threads)]
 
 
 # -- the cluster --
@@ -462,7 +446,7 @@ class RayModule:
         self._lock = threading.RLock()  # one inference at a time; re-entered by close() when a call fails
         self.graph = graph
         self.run_seconds = run_seconds
-        every = plan_devices(schedule)
+        every = schedule.devices.devices
         used = sorted({o.stream for o in schedule.ops})  # program stream k is the k-th device with units
         self.devices = [every[d] for d in used]
         check_nodes(ray.cluster_resources(), [d.node for d in self.devices], "the connected Ray cluster")
@@ -590,7 +574,7 @@ class RayModule:
             late = next((self.devices[d] for ref, d in calls if ref not in done), None)
             raise self._fail(e, late) from None
 
-    def _fail(self, error: Exception, late: Device | None = None) -> DeviceFailed:
+    def _fail(self, error: Exception, late: PlanDevice | None = None) -> DeviceFailed:
         """The failure as one :class:`DeviceFailed` naming the device: one whose actor is gone, else one whose
         unit raised, else (a timeout) one still running; the module is closed, and later calls raise it too."""
         ray = self._ray

@@ -1,0 +1,100 @@
+"""``opsched multi``: several models as one fused, scheduled, verified program (see :func:`opsched.jobs.multi`
+and docs/multi.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from opsched.commands.common import output_paths, run_progress
+from opsched.errors import OpschedError
+from opsched.progress import say
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.jobs import check_options
+    from opsched.jobs import multi as optimize_batch
+    from opsched.multi.load import load_command_batch, load_record
+    from opsched.multi.optimize import MULTI_PEERS
+
+    simulated = check_options(args.cost, args.device, args.kernels)
+    device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
+    if device == "cuda" and args.train:
+        raise OpschedError("--train runs on the CPU for now: leave out --device cuda")
+    plan_path, _ = output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
+    if args.preprocess and args.train:
+        raise OpschedError("--train trains the models on their own inputs: leave out --preprocess")
+    names, loaded, inputs, preprocess = load_command_batch(args, device)
+    say(f"loaded {len(args.models)} model(s) x {args.copies}")
+    methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
+    peers = MULTI_PEERS + (("torch_compile",) if args.peers or args.kernels == "inductor" else ())
+    result = optimize_batch([m.model for m in loaded], inputs, methods=methods, cost=args.cost,
+                            preprocess=preprocess, kernels=args.kernels,
+                            rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
+                            cores=args.threads, tolerance=args.tolerance, repeats=args.repeats,
+                            cache=not args.no_cache, peers=peers, say=say, progress=run_progress,
+                            requested=args.method)
+    outcome, fusion = result.outcome, result.fusion
+    schedules = outcome.schedules
+    out: dict[str, Any] = {
+        "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
+        "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
+        "fusions": fusion.decisions,
+        "cost": args.cost, "simulated": simulated, "device": args.cost if simulated else device,
+        "method": args.method, "kernels": args.kernels,
+        "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
+                         **{m: s.predicted_latency for m, s in schedules.items()}},
+    }
+    plan = result.plan()
+    plan.models.load = load_record(args)  # what opsched run rebuilds the batch from
+    if not simulated:
+        ev = outcome.evaluation
+        out.update({"measured_ms": dict(ev.measured_ms),
+                    "threads": {n: t for n, t in ev.threads.items() if t is not None},
+                    "chosen": ev.chosen, "plan_method": plan.options["measured_as"],
+                    "max_abs_error": max(result.model_errors), "model_errors": result.model_errors,
+                    "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes})
+    plan.save(plan_path)
+    out["plan"] = str(plan_path)
+    if args.train:
+        from opsched.multi.train import compare_training
+
+        out["train"] = compare_training([m.model for m in loaded], [m.inputs for m in loaded], steps=args.steps,
+                                        lrs=args.lr, cores=args.threads, repeats=args.repeats)
+    for warning in out.get("warnings", []):
+        print(f"opsched: warning: {warning}", file=sys.stderr)
+    if not args.json:
+        _print(out)
+    return out
+
+
+def _print(out: dict[str, Any]) -> None:
+    simulated = out["simulated"]
+    print(f"models     {len(out['models'])}: {', '.join(out['models'][:6])}{' ...' if len(out['models']) > 6 else ''}"
+          f" ({'one shared input' if out['shared_input'] else 'inputs of their own'})")
+    if out["preprocess"]:
+        print(f"preprocess {out['preprocess']}, run once for every model")
+    print(f"units      {out['units_before_fusion']} -> {out['units']} "
+          f"(computed once: {out['fused']['shared']}, batched: {out['fused']['same_input']} same input, "
+          f"{out['fused']['same_shape']} same shape)")
+    print(f"cost       {out['cost']}" + ("  -- every latency below is SIMULATED, not measured" if simulated else ""))
+    print()
+    measured = out.get("measured_ms", {})
+    names = list(dict.fromkeys([*out["predicted_ms"], *measured]))
+    base = measured.get("sequential_models")
+    print(f"  {'':<18} {'predicted ms':>13}" + (f" {'measured ms':>12} {'vs sequential':>14}" if measured else ""))
+    for name in names:
+        predicted = out["predicted_ms"].get(name)
+        line = f"{'*' if name == out.get('chosen') else ' '} {name:<18} {f'{predicted:.3f}' if predicted else '-':>13}"
+        if measured:
+            ms = measured.get(name)
+            line += f" {f'{ms:.3f}' if ms else 'dropped':>12} {f'{base / ms:.2f}x' if ms and base else '':>14}"
+        print(line)
+    if measured:
+        print(f"\nchosen     {out['chosen']}; every model within {out['max_abs_error']:.2g} of its own forward")
+    if "train" in out:
+        t = out["train"]
+        print(f"training   {t['steps']} steps: {t['ms_per_step']['sequential_models']:.2f} ms/step one after "
+              f"another, {t['ms_per_step']['fused']:.2f} fused; max_param_diff {t['max_param_diff']:.2g}")
+    print(f"plan       {out['plan']}")

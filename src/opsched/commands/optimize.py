@@ -1,0 +1,134 @@
+"""``opsched optimize``: one model through the one runner (see :func:`opsched.jobs.optimize`), reported as a
+table (or ``--json``), with the plan and a Gantt chart of its predicted timeline written."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from opsched.commands.common import count, load_and_capture, measured_fields, output_paths, run_progress, timeline_title
+from opsched.progress import say
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from opsched.jobs import check_options, optimize
+
+    model_spec = args.model or "inception_v3"
+    simulated = check_options(args.cost, args.device, args.kernels, args.cuda_graph)  # before anything loads
+    plan_path, gantt_path = output_paths(args, model_spec)
+    loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
+                                                                    args.device if not simulated else "cpu",
+                                                                    say=say)
+    outcome = optimize(loaded.model, tuple(loaded.inputs), method=args.method, cost=args.cost, device=args.device,
+                       kernels=args.kernels, peers=args.peers, threads=args.threads, streams=args.streams,
+                       max_group_size=args.max_group_size, max_groups=args.max_groups,
+                       max_block_size=args.max_block_size, tolerance=args.tolerance, repeats=args.repeats,
+                       cache=not args.no_cache, cuda_graph=args.cuda_graph, graph=graph, say=say,
+                       progress=run_progress)
+    schedules = outcome.schedules
+    requested = schedules[args.method]
+    result: dict[str, Any] = {
+        "model": loaded.name, "batch": requested.batch, "device": args.cost if simulated else args.device,
+        "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
+        "units": len(graph), "search_seconds": requested.stats["search_seconds"], "plan": str(plan_path),
+        "predicted_ms": {m: s.predicted_latency for m, s in schedules.items()},
+        "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
+        "reason": explain(requested, graph, outcome.cost),
+    }
+    plan = outcome.plan()
+    if not simulated:
+        result.update(measured_fields(outcome, plan))
+    plan.save(plan_path)
+    result["gantt"] = str(gantt_path)
+    from opsched.report.gantt import merged_units, write_gantt
+
+    write_gantt(gantt_path, plan.ops, graph, timeline_title(plan, loaded.name), merges=merged_units(plan))
+    for warning in result.get("warnings", []):
+        print(f"opsched: warning: {warning}", file=sys.stderr)
+    if not args.json:
+        _print(result, schedules)
+    return result
+
+
+def explain(schedule, graph, cost) -> str:
+    """Why the schedule looks as it does, in one sentence: what its stages do, and, when it runs one unit at
+    a time, what concurrency and merging cost under this cost model."""
+    if schedule.stages is None:
+        streams = sum(1 for units in schedule.streams() if units)
+        return f"{streams} stream(s); units wait only on inputs from other streams"
+    concurrent = sum(1 for st in schedule.stages if st.strategy == "concurrent" and len(st.groups) > 1)
+    merges = sum(1 for st in schedule.stages if st.strategy == "merge")
+    if schedule.options.get("regions"):
+        blocks = schedule.stats.get("region_blocks", 0)
+        return (f"{blocks} of {schedule.stats.get('blocks_of_several', '?')} blocks of several units run as "
+                f"compiled regions (the compiler fuses across their units), {concurrent} concurrent stage(s) and "
+                f"{merges} merge(s) predicted to pay; units run back to back form one region")
+    if concurrent or merges:
+        return f"{concurrent} concurrent stage(s) and {merges} merge(s) predicted to pay"
+    if graph.width == 1:
+        return "one unit at a time: the graph is a chain, nothing can run at the same time"
+    factors = []
+    contention = getattr(cost, "contention", None)
+    if contention:
+        factors.append(f"concurrent stages cost {contention:.2f}x their units' time on the cores they share")
+    merge = getattr(cost, "merge_factor", None)
+    if merge:
+        factors.append(f"merged convolutions {merge:.2f}x their units")
+    why = "; ".join(factors) if factors else "no stage was predicted faster than running its units in turn"
+    return f"one unit at a time: nothing predicted to pay ({why})"
+
+
+def _print(result: dict[str, Any], schedules) -> None:
+    simulated = result["simulated"]
+    kind = "simulated" if simulated else "predicted"
+    print(f"model      {result['model']} (batch {result['batch']}, {result['units']} units)")
+    print(f"cost       {result['cost']}" + ("  -- every latency below is SIMULATED, not measured" if simulated
+                                              else f"  (kernels: {result['kernels']})"))
+    print()
+    measured = result.get("measured_ms", {})
+    dropped = result.get("dropped", {})
+    width = max(14, *(len(m) for m in schedules))
+    header = f"  {'':<{width}} {kind + ' ms':>14}"
+    if measured:
+        header += f" {'measured ms':>12} {'vs eager':>9}"
+    print(header)
+    peers = [p for p in ("eager", "torch_compile", "onnxruntime") if p in measured or p in dropped]
+    rows = [(p, None) for p in peers] + [(m, schedules[m].predicted_latency) for m in schedules]
+    sequential = result["predicted_ms"]["sequential"]
+    for name, predicted in rows:
+        mark = "*" if name == result.get("chosen") else " "
+        line = f"{mark} {name:<{width}} {f'{predicted:.3f}' if predicted is not None else '-':>14}"
+        if name in measured:
+            ms = measured[name]
+            threads = result.get("threads", {}).get(name)
+            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({count(threads, 'thread')})" if threads else "")
+        elif name in dropped:
+            line += f"  dropped: {dropped[name]}"
+        elif predicted and not measured:
+            line += f"   {sequential / predicted:.2f}x sequential"
+        print(line)
+    print()
+    if measured:
+        chosen = result["chosen"]
+        peer_names = [p for p in peers if p in measured]
+        best_peer = min(peer_names, key=measured.__getitem__)
+        print(f"chosen     {chosen} (*): {measured[best_peer] / measured[chosen]:.2f}x the fastest peer "
+              f"({best_peer}); the plan written is {result['plan_method']}'s schedule and records the choice")
+    print(f"reason     {result['method']}: {result['reason']}")
+    requested = schedules[result["method"]]
+    stats = requested.stats
+    print(f"search     {result['method']}: {stats['search_seconds']:.2f} s"
+          + (f", {stats['states']} states, {stats['transitions']} transitions" if stats.get("states") else ""))
+    if "max_abs_error" in result:
+        print(f"verified   max abs error {result['max_abs_error']:.3g} against eager ({result['plan_method']})")
+    if "cost_model" in result:
+        c = result["cost_model"]
+        print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "
+              f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached"
+              + (f"; {c['regions_measured']} compiled regions measured, {c['regions_cached']} cached"
+                 if c.get("regions_measured") or c.get("regions_cached") else "") + ")")
+    if "compile_seconds" in result:
+        print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
+    print(f"plan       {result['plan']}")
+    print(f"gantt      {result['gantt']}")

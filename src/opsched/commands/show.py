@@ -1,0 +1,56 @@
+"""``opsched show``: summarise a plan of any kind and draw its predicted timeline (a Gantt chart or a
+Chrome/Perfetto trace)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from opsched.commands.common import count, read_plan, refuse_existing, time_unit, timeline_title
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    plan = read_plan(args.plan)
+    refuse_existing(args.gantt, args.trace, force=args.force)
+    label = timeline_title(plan, plan.graph_name)
+    mapping = plan.devices
+    if args.gantt and mapping:
+        from opsched.report.mapping import write_mapping_gantt
+
+        write_mapping_gantt(args.gantt, plan)
+    elif args.gantt:
+        from opsched.report.gantt import merged_units, write_gantt
+
+        write_gantt(args.gantt, plan.ops, None, label, merges=merged_units(plan))
+    if args.trace:
+        from opsched.report.trace import write_trace
+
+        write_trace(args.trace, plan.ops, label)
+    streams = plan.streams()
+    result = {"plan": args.plan, "method": plan.method, "form": plan.form, "graph": plan.graph_name,
+              "device": plan.device, "cost": plan.cost, "batch": plan.batch, "units": len(plan.ops),
+              "streams": len(streams), "stages": len(plan.stages) if plan.stages is not None else None,
+              "predicted_latency": plan.predicted_latency, "timeline": label,
+              "gantt": args.gantt, "trace": args.trace}
+    result["kind"] = plan.kind
+    if mapping:
+        result.update(devices=[d.name for d in mapping.devices], lower_bound=plan.bounds.get("lower_bound"),
+                      optimal=mapping.optimal, transfers=len(mapping.transfers))
+    if not args.json:
+        batch = f"batch {plan.batch}, " if plan.batch else ""
+        print(f"plan        {args.plan}: {plan.method} for {plan.graph_name} ({batch}{plan.device})")
+        print(f"form        {plan.form}: {count(len(plan.ops), 'unit')} on {count(len(streams), 'stream')}"
+              + (f" in {count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
+        unit = time_unit(plan)
+        print(f"predicted   {plan.predicted_latency:.4g}{' ' + unit if unit else ''}  ({label})")
+        names = result["devices"] if mapping else None
+        for k, units in enumerate(streams):
+            print(f"{'device ' + names[k] if names else f'stream {k}':<11} {count(len(units), 'unit')}")
+        if mapping:
+            print(f"bound       {result['lower_bound']:.4g} (lower bound; "
+                  f"{'proven optimal' if result['optimal'] else 'not proven optimal'}), "
+                  f"{count(result['transfers'], 'transfer')}")
+        for what, path in (("gantt", args.gantt), ("trace", args.trace)):
+            if path:
+                print(f"{what:<11} {path}")
+    return result

@@ -1,0 +1,253 @@
+"""One Python call per job, returning what its command reports: ``opsched.optimize`` (one model),
+``opsched.multi`` (a model batch) and ``opsched.map`` (a model mapped onto several devices).
+
+Each goes the one way every command goes (see :mod:`opsched.pipeline`): cost -> search -> compile ->
+evaluate (verify against the model's own outputs, time interleaved with the peers, choose the fastest), and
+returns an :class:`~opsched.pipeline.Outcome` whose ``plan()`` is the plan to save, ``module`` the chosen
+configuration, ``measured_ms`` the measured table and ``chosen`` its name::
+
+    import torch, torchvision, opsched
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=False).eval()
+    result = opsched.optimize(model, (torch.randn(1, 3, 64, 64),))
+    result.chosen, result.measured_ms        # e.g. 'ios', {'eager': 9.1, 'sequential': 7.9, 'ios': 7.7, ...}
+    result.plan().save("plan.json")
+    fast = result.module                     # call it as the model
+
+With simulated costs nothing runs: ``plan()`` is the requested method's schedule and ``measured_ms`` is empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opsched.errors import OpschedError, VerificationError
+from opsched.graph.blocks import DEFAULT_MAX_SIZE
+from opsched.pipeline import Outcome
+
+TABLE_METHODS = ("sequential", "greedy", "lios")  # made beside the requested method, as the table's rows
+
+
+def check_cost(cost: str) -> bool:
+    """True for a simulated device (``sim:NAME``, known), False for ``measured``; anything else is bad input,
+    said before a model is loaded."""
+    if cost.startswith("sim:"):
+        from opsched.cost.simulate import device_named
+
+        device_named(cost)
+        return True
+    if cost != "measured":
+        raise OpschedError(f"--cost takes measured or sim:NAME, got {cost!r}")
+    return False
+
+
+def check_options(cost: str, device: str = "cpu", kernels: str = "eager", cuda_graph: bool = False) -> bool:
+    """Refuse in one line what cannot run here (an unknown cost model or kernels, a CUDA device PyTorch does not
+    see, a CUDA graph without one), before a model is loaded; True when the costs are simulated."""
+    import torch
+
+    from opsched.runtime.kernels import check_kernels
+
+    simulated = check_cost(cost)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
+    if cuda_graph and (simulated or device != "cuda"):
+        raise OpschedError("--cuda-graph needs --device cuda (and measured costs)")
+    check_kernels(kernels)
+    return simulated
+
+
+def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", cost: str = "measured",
+             device: str = "cpu", kernels: str = "eager", peers: bool = False, threads: int | None = None,
+             streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
+             max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float = 1e-3, repeats: int = 15,
+             cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
+             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> Outcome:
+    """Capture ``model`` (in eval mode, with its inputs, on ``device``) unless its ``graph`` is given, schedule
+    it with sequential, greedy, LIOS and ``method``, and on a real device compile every schedule, verify it
+    against the model and time it interleaved with the peers (eager; with ``peers`` or compiled ``kernels``
+    also torch.compile and ONNX Runtime). Raises :class:`~opsched.errors.VerificationError` when no schedule
+    verifies."""
+    import torch
+
+    from opsched.pipeline import Workload, method_options, run_workload
+
+    simulated = check_options(cost, device, kernels, cuda_graph)
+    cores = threads or torch.get_num_threads()
+    if graph is None:
+        from opsched.graph.capture import capture
+
+        say("capturing the model ...")
+        graph = capture(model, tuple(example_inputs), name=name)
+    # On a CPU more streams than cores only take turns; LIOS's 8 streams are for a GPU.
+    default_streams = 8 if simulated or device == "cuda" else cores
+    methods = {m: (m, method_options(m, streams=streams, max_group_size=max_group_size, max_groups=max_groups,
+                                     max_block_size=max_block_size, default_streams=default_streams))
+               for m in dict.fromkeys([*TABLE_METHODS, method])}
+    chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels != "eager" else ("eager",)
+    outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,
+                                    kernels=kernels, cores=cores, peers=chosen_peers, tolerance=tolerance,
+                                    repeats=repeats, cache=cache, cuda_graph=cuda_graph, say=say,
+                                    profile_progress=progress))
+    outcome.graph, outcome.requested = graph, method
+    require_a_plan(outcome)
+    return outcome
+
+
+def require_a_plan(outcome: Outcome) -> None:
+    """Raise :class:`VerificationError` when ``outcome`` was measured and none of its schedules verified."""
+    if outcome.evaluation is not None and outcome.evaluation.fastest("schedule") is None:
+        dropped = outcome.evaluation.dropped
+        raise VerificationError("no schedule verified: " + "; ".join(
+            f"{n}: {why}" for n, why in dropped.items() if n in outcome.schedules))
+
+
+def multi(models: Sequence[Any], inputs: Any, **options: Any) -> Any:
+    """Several models as one fused, scheduled, verified program (HiveMind): see
+    :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
+    (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises
+    :class:`VerificationError` when no fused plan verifies."""
+    from opsched.multi.optimize import optimize as optimize_batch
+
+    result = optimize_batch(models, inputs, **options)
+    require_a_plan(result.outcome)
+    return result
+
+
+@dataclass
+class Mapped(Outcome):
+    """A mapping's outcome: the :class:`~opsched.mapping.problem.Problem` it solved and the solver's answer
+    (``solved``: mapping, timeline, lower bound, proof), besides the runner's outcome. On real devices the
+    schedules are the mapping and each device alone, verified and timed beside eager; on simulated ones,
+    the mapping only."""
+
+    problem: Any = None
+    solved: Any = None
+
+    @property
+    def measured(self) -> bool:
+        return self.evaluation is not None
+
+
+def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: Any, method: str,
+        objective: str = "latency", batch: int | None = None, time_limit: float = 30.0, seed: int = 0,
+        symmetry: str = "none", latencies: Any = None, edge_bytes: Any = None, threads: int | None = None,
+        tolerance: float = 1e-3, repeats: int = 15, cache: bool = True, name: str | None = None,
+        graph: Any = None, say: Callable[[str], Any] = lambda text: None, progress: Any = None,
+        notes: Callable[[str], Any] = lambda text: None) -> Mapped:
+    """Map ``model`` onto ``platform`` (a :class:`~opsched.mapping.platform.Platform`, or a built-in's name
+    or a PLATFORM.json path) with ``method``. ``model`` is a PyTorch model (captured with
+    ``example_inputs``, unless its captured ``graph`` is given) or a :class:`~opsched.graph.ir.Graph` (a DAG JSON
+    graph, with ``latencies`` per unit and device and ``edge_bytes``, or a model's units for simulated devices).
+
+    On a platform whose devices are all real, with a PyTorch model, the mapped plan is compiled onto its
+    devices, verified against the model and timed interleaved with eager and with every device alone (the
+    single-device configurations); the fastest verified one is ``chosen``. Elsewhere the figures are the
+    replay's prediction (simulated, or a DAG JSON graph's own latencies) and nothing runs."""
+    import torch
+
+    from opsched.graph.ir import Graph
+    from opsched.mapping.plan import to_schedule
+    from opsched.mapping.platform import load_platform
+    from opsched.mapping.problem import build_problem
+    from opsched.mapping.solve import solve
+
+    if isinstance(platform, str):
+        platform = load_platform(platform)
+    runnable = not isinstance(model, Graph)
+    if runnable:
+        if graph is None:
+            from opsched.graph.capture import capture
+
+            say("capturing the model ...")
+            graph = capture(model, tuple(example_inputs), name=name)
+        problem = build_problem(graph, platform, objective, batch or int(_flat(example_inputs)[0].shape[0]),
+                                measure=_unit_costs(graph, _flat(example_inputs), cache))
+    else:
+        graph = model
+        problem = build_problem(graph, platform, objective, batch or 1, latencies, edge_bytes)
+    for note in problem.notes:
+        notes(note)
+    solved = solve(problem, method, time_limit=time_limit, seed=seed, symmetry=symmetry, progress=progress)
+    plan = to_schedule(problem, solved.mapping, solved.timeline, method, solved.lower_bound, solved.optimal,
+                       solved.stats)
+    outcome = Mapped(cost=None, schedules={method: plan}, problem=problem, solved=solved, graph=graph,
+                     requested=method)
+    simulated = [d.name for d in plan.devices.devices if d.simulated]
+    if not runnable or len(simulated) == len(plan.devices.devices):
+        return outcome  # a graph's own latencies, or simulated devices only: the replay is the figure
+    if simulated or plan.devices.split_batch:
+        outcome.notes.append("not timed: " + (f"the platform has simulated device(s) {', '.join(simulated)}"
+                                              if simulated else "the plan splits the batch across devices, which "
+                                              "runs only in simulation"))
+        return outcome
+    from opsched.mapping.execute import check_runnable
+    from opsched.pipeline import evaluate_plans
+
+    check_runnable(plan)  # a CUDA device this machine does not have is said before anything runs
+    outcome.schedules.update(single_device_plans(problem))
+    cores = threads or torch.get_num_threads()
+    evaluate_plans(outcome, graph, model, tuple(example_inputs), cores=cores, tolerance=tolerance,
+                   repeats=repeats, say=say)
+    require_a_plan(outcome)
+    return outcome
+
+
+def single_device_plans(problem: Any) -> dict[str, Any]:
+    """The whole graph on one device, for each kind of device of ``problem``'s platform that can hold it
+    (devices alike in kind and threads are one configuration): ``{"NAME alone": plan}``, the baselines a
+    mapping must beat."""
+    from opsched.mapping import MappingError
+    from opsched.mapping.plan import Mapping, check, to_schedule
+    from opsched.mapping.replay import replay
+
+    platform = problem.platform
+    order = range(problem.n)  # a Graph's units are in a topological order
+    plans, seen = {}, set()
+    for d, device in enumerate(platform.devices):
+        if (device.kind, device.threads) in seen:
+            continue
+        seen.add((device.kind, device.threads))
+        mapping = Mapping.from_devices(problem.n, [d] * problem.n, order, len(platform.devices))
+        try:
+            check(problem, mapping)
+        except MappingError:  # a device that cannot hold the whole graph is no configuration
+            continue
+        timeline = replay(problem, mapping)
+        name = f"{device.name} alone"
+        plans[name] = to_schedule(problem, mapping, timeline, name, 0.0, False, {})
+    return plans
+
+
+def _unit_costs(graph: Any, inputs: Sequence[Any], cache: bool) -> Callable[[Any, int], list[float]]:
+    """``build_problem``'s ``measure``: the units' measured milliseconds on a real device (a CPU device at its
+    threads; a CUDA device with the units' weights and the inputs copied there), measured once per kind."""
+    costs: dict[tuple[str, int], list[float]] = {}
+
+    def measure(device: Any, threads: int) -> list[float]:
+        from opsched.mapping.execute import check_cuda_devices, on_cuda_device
+        from opsched.pipeline import cost_model
+        from opsched.schedule import PlanDevice
+
+        gpu = PlanDevice(device.name, device.kind, device.node, threads).cuda_index
+        if gpu is not None:
+            check_cuda_devices([(device.name, device.kind)], "the platform has")
+        key = (device.kind, 1 if gpu is not None else threads)  # threads are a CPU device's
+        if key not in costs:
+            if gpu is None:
+                cost, _ = cost_model(graph, inputs, "measured", cores=threads, device="cpu", cache=cache)
+                costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
+            else:  # the units' weights and the inputs on that GPU, timed there
+                with on_cuda_device(graph, inputs, gpu) as (placed, moved):
+                    cost, _ = cost_model(placed, moved, "measured", device="cuda", cache=cache)
+                costs[key] = [cost.best[u] for u in range(len(graph))]
+        return costs[key]
+
+    return measure
+
+
+def _flat(inputs: Any) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_leaves(tuple(inputs))
