@@ -19,9 +19,9 @@ import torch
 
 from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.cost.simulate import SimulatedGPU
+from opsched.evaluation import evaluate, reference_outputs
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.evaluation import evaluate, reference_outputs
 from opsched.pipeline import method_options, schedule_candidates, search
 from opsched.schedulers import make_schedule
 

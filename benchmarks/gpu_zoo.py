@@ -22,9 +22,9 @@ import torch
 
 from opsched.cost.devices import DEVICES
 from opsched.cost.simulate import SimulatedGPU
+from opsched.evaluation import Candidate, evaluate, module_runner, reference_outputs
 from opsched.graph.capture import capture
 from opsched.models import ZOO, load_model
-from opsched.evaluation import Candidate, evaluate, module_runner, reference_outputs
 from opsched.pipeline import cost_model, method_options, search
 from opsched.runtime import cuda
 from opsched.runtime.module import OptimizedModule

@@ -14,7 +14,7 @@ from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.blocks import split_blocks
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.schedulers.ios import _search, _StageCost
+from opsched.schedulers.ios import StageCost, search_block
 
 
 def main() -> None:
@@ -31,9 +31,9 @@ def main() -> None:
         if len(block.units) > args.max_units:
             print(f"| {name} | {len(block.units)} | {width} | not searched | | |", flush=True)
             continue
-        stage_cost = _StageCost(graph, SimulatedGPU(graph, "v100"), True, True)
+        stage_cost = StageCost(graph, SimulatedGPU(graph, "v100"), True, True)
         started = time.perf_counter()
-        best, _, transitions = _search(graph, block.mask, 3, 8, stage_cost)
+        best, _, transitions = search_block(graph, block.mask, 3, 8, stage_cost)
         print(f"| {name} | {len(block.units)} | {width} | {len(best) - 1} | {transitions} | "
               f"{time.perf_counter() - started:.2f} |", flush=True)
 

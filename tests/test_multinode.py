@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from opsched.graph.ir import Graph, Node
 from opsched.mapping import MappingError
 from opsched.mapping.bound import Prepared, work_bound
-from opsched.mapping.common import Memory, best_placement, duration, jobs_of
+from opsched.mapping.common import Memory, best_placement, duration
 from opsched.mapping.milp import milp
 from opsched.mapping.pernode import per_node
-from opsched.mapping.plan import Mapping, check
+from opsched.mapping.plan import Job, Mapping, check
 from opsched.mapping.platform import load_platform, platform_from_dict
 from opsched.mapping.problem import build_problem
 from opsched.mapping.replay import replay
@@ -151,7 +151,7 @@ def test_best_placement_matches_every_pattern(seed, devices):
         runs = [list(g) for _, g in itertools.groupby(pattern)]
         if len(set(pattern)) != len(runs):
             continue  # the pieces on one device must be consecutive, each device one run
-        jobs = jobs_of(0, pattern)
+        jobs = [Job(0, d, tuple(q for q, on in enumerate(pattern) if on == d)) for d in sorted(set(pattern))]
         if not memory.fits(jobs):
             continue
         key = (max(end_of(j) for j in jobs), len(jobs))

@@ -7,9 +7,9 @@ from torch import nn
 
 from opsched.cost.simulate import SimulatedGPU
 from opsched.cost.table import TableCost
+from opsched.evaluation import verify
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.evaluation import verify
 from opsched.runtime.module import OptimizedModule
 from opsched.runtime.regions import compiled_regions
 from opsched.schedule import from_stages, validate

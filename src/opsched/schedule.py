@@ -44,6 +44,7 @@ from typing import Any
 
 from opsched.cost.base import CostModel
 from opsched.errors import OpschedError
+from opsched.events import Deadlock, simulate
 from opsched.graph.ir import Graph, can_merge, indices
 from opsched.jsonfile import read_json
 
@@ -625,9 +626,9 @@ def joined_runs(stages: Sequence[tuple[str, Sequence[Sequence[int]]]]) -> list[t
 
 def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[Sequence[int]],
                  **extra: Any) -> Schedule:
-    """A stream schedule from the units of each stream in order, timed as soon as possible: a unit
-    starts when its stream is free and its inputs are done, the cost model's ``sync_overhead`` later
-    for an input made on another stream (the event wait)."""
+    """A stream schedule from the units of each stream in order, timed as soon as possible by the one event
+    simulator (:mod:`opsched.events`): a unit starts when its stream is free and its inputs are done, the cost
+    model's ``sync_overhead`` later for an input made on another stream (the event wait)."""
     stream_of = {}
     for k, units in enumerate(streams):
         for u in units:
@@ -636,28 +637,14 @@ def from_streams(graph: Graph, cost: CostModel, method: str, streams: Sequence[S
             stream_of[u] = k
     if len(stream_of) != len(graph):
         raise ScheduleError("a stream schedule must place every unit")
-    finish: dict[int, float] = {}
-    free = [0.0] * len(streams)
-    position = [0] * len(streams)
-    ops: list[OpTiming] = []
-    remaining = len(graph)
-    while remaining:
-        progressed = False
-        for k, units in enumerate(streams):
-            while position[k] < len(units):
-                u = units[position[k]]
-                preds = list(indices(graph.preds[u]))
-                if any(j not in finish for j in preds):
-                    break
-                ready = max((finish[j] + (cost.sync_overhead if stream_of[j] != k else 0.0) for j in preds), default=0.0)
-                start = max(free[k], ready)
-                finish[u] = free[k] = start + cost.op_latency(u)
-                ops.append(OpTiming(graph.nodes[u].name, k, start, finish[u]))
-                position[k] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError("the stream order deadlocks: some stream waits on a unit placed later on another")
+    try:
+        times = simulate(streams, cost.op_latency,
+                         lambda u: [(j, cost.sync_overhead if stream_of[j] != stream_of[u] else 0.0)
+                                    for j in indices(graph.preds[u])])
+    except Deadlock:
+        raise ScheduleError("the stream order deadlocks: some stream waits on a unit placed later on another") from None
+    finish = times.finish
+    ops = [OpTiming(graph.nodes[u].name, stream_of[u], times.start[u], finish[u]) for u in finish]
     ops.sort(key=lambda o: graph.index[o.name])
     makespan = max(finish.values(), default=0.0)
     latency = cost.stream_latency(makespan, [list(units) for units in streams])

@@ -82,13 +82,6 @@ def best_placement(problem: Problem, unit: int, end_of: Callable[[Job], float], 
     return jobs, finish
 
 
-def jobs_of(unit: int, pattern: Sequence[int]) -> list[Job]:
-    on: dict[int, list[int]] = {}
-    for q, d in enumerate(pattern):
-        on.setdefault(d, []).append(q)
-    return [Job(unit, d, tuple(qs)) for d, qs in sorted(on.items())]
-
-
 def breadth_first_order(problem: Problem) -> list[int]:
     """Units by topological generation (all sources, then what depends only on them, ...), each generation
     in graph order: the order of DiviML's device strings."""

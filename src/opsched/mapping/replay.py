@@ -1,9 +1,9 @@
-"""The event-driven simulator that times a mapping on its platform: what ``predicted`` reports.
+"""A mapping timed on its platform by the one event simulator (:mod:`opsched.events`): what ``predicted``
+reports.
 
 Devices run their jobs in the mapping's order, one at a time. A job starts when its device is free and
 every input it reads has arrived there: at once from a job on the same device, after the link's time from
-another device (a transfer starts when the producing job finishes). Events are job finishes and transfer
-arrivals, processed in time order. Links carry transfers side by side (DiviML's model, and the MILP's: a
+another device (a transfer starts when the producing job finishes). Links carry transfers side by side (DiviML's model, and the MILP's: a
 transfer costs time, not link occupancy), so a mapping's replayed makespan is the one the MILP optimises.
 
 >>> from opsched.graph.ir import Graph, Node
@@ -21,9 +21,9 @@ transfer costs time, not link occupancy), so a mapping's replayed makespan is th
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
+from opsched.events import Deadlock, simulate
 from opsched.graph.ir import indices
 from opsched.mapping import MappingError
 from opsched.mapping.plan import Job, Mapping
@@ -50,64 +50,33 @@ class Timeline:
 
 
 def replay(problem: Problem, mapping: Mapping) -> Timeline:
-    """Time ``mapping`` (see the module docstring); raises :class:`MappingError` if the device orders deadlock."""
+    """Time ``mapping`` (see the module docstring) with the one event simulator, :func:`opsched.events.simulate`;
+    raises :class:`MappingError` if the device orders deadlock."""
     graph = problem.graph
     device_of: dict[tuple[int, int], int] = {}
+    job_of: dict[tuple[int, int], Job] = {}
     for job in mapping.jobs():
         for q in job.pieces:
             device_of[(job.unit, q)] = job.device
-    # needed[job]: inputs (producer, reader, piece) still to arrive on the job's device
-    needed = {job: sum(1 for q in job.pieces for _ in indices(graph.preds[job.unit])) for job in mapping.jobs()}
-    head = [0] * problem.devices
-    busy = [False] * problem.devices
-    out = Timeline()
-    events: list[tuple[float, int, int, object]] = []  # (time, order, kind 0 finish / 1 arrival, payload)
-    counter = 0
-    reader_jobs: dict[tuple[int, int], Job] = {(j.unit, q): j for j in mapping.jobs() for q in j.pieces}
+            job_of[(job.unit, q)] = job
 
-    def try_start(d: int, now: float) -> None:
-        nonlocal counter
-        if busy[d] or head[d] >= len(mapping.order[d]):
-            return
-        job = mapping.order[d][head[d]]
-        if needed[job]:
-            return
-        busy[d] = True
-        out.start[job] = now
-        finish = now + problem.time(job.unit, d, len(job.pieces))
-        out.finish[job] = finish
-        counter += 1
-        heapq.heappush(events, (finish, counter, 0, job))
+    def inputs(job: Job) -> list[tuple[Job, float]]:  # each piece is its own transfer, as in the MILP
+        return [(job_of[(u, q)], problem.comm(u, job.unit, device_of[(u, q)], job.device, 1))
+                for q in job.pieces for u in indices(graph.preds[job.unit])]
 
-    for d in range(problem.devices):
-        try_start(d, 0.0)
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == 0:
-            job = payload
-            busy[job.device] = False
-            head[job.device] += 1
-            for v in indices(graph.succs[job.unit]):
-                for q in job.pieces:  # each piece is its own transfer, as in the MILP
-                    dv = device_of[(v, q)]
-                    arrive = now + problem.comm(job.unit, v, job.device, dv, 1)
-                    if dv != job.device:
-                        out.transfers.append(Transfer(job.unit, v, (q,), job.device, dv, now, arrive))
-                    counter += 1
-                    heapq.heappush(events, (arrive, counter, 1, (v, (q,))))
-            try_start(job.device, now)
-        else:
-            v, qs = payload
-            touched = set()
-            for q in qs:
-                reader = reader_jobs[(v, q)]
-                needed[reader] -= 1
-                touched.add(reader.device)
-            for d in sorted(touched):
-                try_start(d, now)
-    if len(out.finish) != len(needed):
-        stuck = next(mapping.order[d][head[d]] for d in range(problem.devices) if head[d] < len(mapping.order[d]))
-        raise MappingError(f"the mapping's device orders deadlock: {problem.platform.devices[stuck.device].name!r} "
-                           f"waits for {graph.nodes[stuck.unit].name!r}, whose inputs come later on other devices")
-    out.makespan = max(out.finish.values(), default=0.0)
+    try:
+        times = simulate(mapping.order, lambda job: problem.time(job.unit, job.device, len(job.pieces)), inputs)
+    except Deadlock as e:
+        raise MappingError(f"the mapping's device orders deadlock: {problem.platform.devices[e.stream].name!r} "
+                           f"waits for {graph.nodes[e.job.unit].name!r}, whose inputs come later on other "
+                           "devices") from None
+    out = Timeline(times.start, times.finish, makespan=times.makespan)
+    for job in mapping.jobs():
+        now = times.finish[job]
+        for v in indices(graph.succs[job.unit]):
+            for q in job.pieces:
+                dv = device_of[(v, q)]
+                if dv != job.device:
+                    out.transfers.append(Transfer(job.unit, v, (q,), job.device, dv, now,
+                                                  now + problem.comm(job.unit, v, job.device, dv, 1)))
     return out

@@ -60,7 +60,7 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     n = len(graph)
     r = max_group_size or n
     s = max_groups or n
-    stage_cost = _StageCost(graph, cost, merge, concurrent)
+    stage_cost = StageCost(graph, cost, merge, concurrent)
     blocks = split_blocks(graph, max_block_size if split else 0, at_cuts=split)
     stages: list[tuple[str, list[list[int]]]] = []
     region_stages: list[tuple[str, list[list[int]]]] = []  # the same, with the blocks that pay as regions
@@ -75,7 +75,7 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     sys.setrecursionlimit(max(old_limit, 50 * n + 1000))
     try:
         for done, block in enumerate(blocks, 1):
-            best, choice, block_transitions = _search(graph, block.mask, r, s, stage_cost)
+            best, choice, block_transitions = search_block(graph, block.mask, r, s, stage_cost)
             states += len(best) - 1
             transitions += block_transitions
             block_stages = []
@@ -113,7 +113,7 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     return schedule
 
 
-class _StageCost:
+class StageCost:
     """Stage latency by mask, memoised: the better of concurrent and merged execution."""
 
     def __init__(self, graph: Graph, cost: CostModel, merge: bool, concurrent: bool):
@@ -149,7 +149,7 @@ class _StageCost:
         return strategy, groups
 
 
-def _search(graph: Graph, block: int, r: int, s: int, stage_cost: _StageCost) -> tuple[dict, dict, int]:
+def search_block(graph: Graph, block: int, r: int, s: int, stage_cost: StageCost) -> tuple[dict, dict, int]:
     """The DP over the states of one block. Returns cost[S], choice[S] (the best last stage) and the
     number of transitions evaluated."""
     succs = [m & block for m in graph.succs]
