@@ -65,14 +65,13 @@ def simulate(orders: Sequence[Sequence[Job]], duration: Callable[[Job], float],
         jobs = orders[k]
         while head[k] < len(jobs) and not waiting[jobs[head[k]]]:
             job = jobs[head[k]]
-            start = free[k] if free[k] > ready_at[job] else ready_at[job]
+            start = max(ready_at[job], free[k])
             free[k] = finish = start + duration(job)
             times.start[job], times.finish[job] = start, finish
             head[k] += 1
             for reader, delay in readers.get(job, ()):
                 waiting[reader] -= 1
-                if finish + delay > ready_at[reader]:
-                    ready_at[reader] = finish + delay
+                ready_at[reader] = max(ready_at[reader], finish + delay)
                 if not waiting[reader]:
                     j = stream_of[reader]
                     if j != k and orders[j][head[j]] == reader:

@@ -379,7 +379,7 @@ def _devices_section(doc: Any, schedule: Schedule, source: str) -> DevicesSectio
     device of each stream, and transfers and jobs on those devices with finite times. A thread count beyond
     what any machine has is refused: PyTorch's thread pool would try to start them all (a billion aborted the
     process)."""
-    from opsched.mapping.platform import check_kind
+    from opsched.cost.devices import kind_problem
 
     where = f"{source}: the devices section"
     platform = doc.get("platform") if isinstance(doc, dict) else None
@@ -391,11 +391,8 @@ def _devices_section(doc: Any, schedule: Schedule, source: str) -> DevicesSectio
     if len(set(names)) != len(names):
         raise ScheduleError(f"{where} names a device twice")
     for d in listed:
-        if d.get("kind") is not None:
-            try:
-                check_kind(d["kind"], f"{where}: device {d['name']!r}")
-            except OpschedError as e:
-                raise ScheduleError(str(e)) from None
+        if d.get("kind") is not None and kind_problem(d["kind"]):
+            raise ScheduleError(f"{where}: device {d['name']!r}: {kind_problem(d['kind'])}")
         # not this machine's cores: with --engine ray a device runs on its node, which may have more
         if not (_whole(d.get("threads", 1)) and 1 <= d.get("threads", 1) <= MAX_THREADS):
             raise ScheduleError(f"{where}: device {d['name']!r} must have a thread count from 1 to {MAX_THREADS}")

@@ -53,3 +53,25 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
            fp16_tflops=4.37, memory_gbs=240.0, launch_us=12.0, sync_us=15.0, blocks_per_sm=6, efficiency=0.55,
            source="NVIDIA Tesla K80 datasheet (2014), per GPU (half of the board's figures); no FP16 units"),
 ]}
+
+
+# Simulated devices that are not GPUs of the catalogue: (catalogue GPU, factor on its simulated cost).
+# The Xeon (Skylake, 2.0 GHz) of DiviML's platform runs RandWire 7.10x slower than the A100 (the paper's
+# Table II: 183.39 ms against 25.84 ms), so its cost is the simulated A100's times 7.10.
+DERIVED = {"xeon": ("a100", 7.10)}
+
+
+def kind_problem(kind: object) -> str | None:
+    """Why ``kind`` is not a device kind (``cpu``, ``cuda:N`` or a known ``sim:NAME``), or None when it is.
+
+    >>> kind_problem("cuda:1"), kind_problem("sim:a100"), kind_problem("tpu")[:25]
+    (None, None, "unknown device kind 'tpu'")
+    """
+    if not isinstance(kind, str):
+        return "kind must be a string"
+    if kind == "cpu" or (kind.startswith("cuda:") and kind[5:].isdigit()):
+        return None
+    if kind.startswith("sim:") and (kind[4:] in DEVICES or kind[4:] in DERIVED):
+        return None
+    known = ["cpu", "cuda:N"] + [f"sim:{d}" for d in [*DEVICES, *DERIVED]]
+    return f"unknown device kind {kind!r}; choose from {', '.join(known)}"

@@ -34,13 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opsched.cost.devices import kind_problem
 from opsched.jsonfile import read_json
 from opsched.mapping import MappingError
-
-# Simulated devices that are not GPUs of the catalogue: (catalogue GPU, factor on its simulated cost).
-# The Xeon (Skylake, 2.0 GHz) of DiviML's platform runs RandWire 7.10x slower than the A100 (the paper's
-# Table II: 183.39 ms against 25.84 ms), so its cost is the simulated A100's times 7.10.
-DERIVED = {"xeon": ("a100", 7.10)}
 
 # PCIe 4.0 x16: 32 GB/s a direction on paper, about 25 GB/s reached by copies; a copy costs about 10 us to
 # issue and complete. In bytes per millisecond and milliseconds, the unit of models' costs.
@@ -301,7 +297,9 @@ def _device(item: Any, k: int, where: str) -> Device:
     at = f"{where}: device {name!r}"
     kind = item.get("kind")
     if kind is not None:
-        check_kind(kind, at)
+        why = kind_problem(kind)
+        if why:
+            raise MappingError(f"{at}: {why}")
     memory = _positive(item.get("memory", math.inf), at, "memory")
     threads = item.get("threads", 1)
     cores = os.cpu_count() or 1
@@ -321,20 +319,6 @@ def _device(item: Any, k: int, where: str) -> Device:
         raise MappingError(f"{at}: scale must be a finite positive number, got {json.dumps(scale)}")
     return Device(name=name, kind=kind, node=str(item.get("node", "n0")), memory=memory, threads=threads,
                   batch_sizes=sizes, scale=float(scale))
-
-
-def check_kind(kind: Any, where: str) -> None:
-    """Raise unless ``kind`` is ``cpu``, ``cuda:N`` or a known ``sim:NAME``."""
-    from opsched.cost.devices import DEVICES
-
-    if not isinstance(kind, str):
-        raise MappingError(f"{where}: kind must be a string")
-    if kind == "cpu" or (kind.startswith("cuda:") and kind[5:].isdigit()):
-        return
-    if kind.startswith("sim:") and (kind[4:] in DEVICES or kind[4:] in DERIVED):
-        return
-    known = ["cpu", "cuda:N"] + [f"sim:{d}" for d in [*DEVICES, *DERIVED]]
-    raise MappingError(f"{where}: unknown device kind {kind!r}; choose from {', '.join(known)}")
 
 
 def _positive(value: Any, where: str, key: str) -> float:

@@ -22,9 +22,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from opsched.cost.devices import DERIVED
 from opsched.graph.ir import Graph
 from opsched.mapping import MappingError
-from opsched.mapping.platform import DERIVED, Device, Platform
+from opsched.mapping.platform import Device, Platform
 
 OBJECTIVES = ("latency", "throughput")
 THROUGHPUT_PIECES = 4
