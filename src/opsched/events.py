@@ -19,14 +19,14 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-Job = Hashable
+Key = Hashable  # a job: any hashable name (a unit index, a mapping.plan.Job)
 
 
 class Deadlock(Exception):
     """The streams' orders wait on each other: ``stream`` cannot start ``job``, whose inputs come later on other
     streams."""
 
-    def __init__(self, stream: int, job: Job):
+    def __init__(self, stream: int, job: Key):
         super().__init__(f"stream {stream} waits for {job!r}")
         self.stream = stream
         self.job = job
@@ -34,22 +34,22 @@ class Deadlock(Exception):
 
 @dataclass
 class Times:
-    start: dict[Job, float] = field(default_factory=dict)
-    finish: dict[Job, float] = field(default_factory=dict)
+    start: dict[Key, float] = field(default_factory=dict)
+    finish: dict[Key, float] = field(default_factory=dict)
 
     @property
     def makespan(self) -> float:
         return max(self.finish.values(), default=0.0)
 
 
-def simulate(orders: Sequence[Sequence[Job]], duration: Callable[[Job], float],
-             inputs: Callable[[Job], Iterable[tuple[Job, float]]]) -> Times:
+def simulate(orders: Sequence[Sequence[Key]], duration: Callable[[Key], float],
+             inputs: Callable[[Key], Iterable[tuple[Key, float]]]) -> Times:
     """Time jobs run in ``orders`` (the jobs of each stream, in order): ``duration(job)`` and ``inputs(job)``,
     the ``(producer, delay)`` pairs it waits for. Raises :class:`Deadlock` when the orders cannot all run."""
     stream_of = {job: k for k, jobs in enumerate(orders) for job in jobs}
-    waiting: dict[Job, int] = {}
-    ready_at: dict[Job, float] = {}
-    readers: dict[Job, list[tuple[Job, float]]] = {}
+    waiting: dict[Key, int] = {}
+    ready_at: dict[Key, float] = {}
+    readers: dict[Key, list[tuple[Key, float]]] = {}
     for jobs in orders:
         for job in jobs:
             count = 0
