@@ -1,5 +1,5 @@
 """Reliability under load, faults and bad input (issue 14), at a size for the unit tests; the long runs and
-their figures are ``python benchmarks/reliability.py`` (docs/reliability.md). The helpers live there."""
+their figures are ``python benchmarks/reliability.py`` (docs/reliability.md). The helpers live in tests/support."""
 
 import contextlib
 import json
@@ -18,27 +18,25 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import reliability as rel  # the benchmark script holds the helpers
+from support import fault_trials, plan_fuzz, process_watch, small_models
 
 from opsched.cli import main
 from opsched.cost.cache import CacheError, CacheWarning, LatencyCache
 from opsched.cost.table import TableCost
+from opsched.evaluation import Candidate, evaluate
 from opsched.interrupt import CtrlC
 from opsched.models import load_model
-from opsched.evaluation import Candidate, evaluate
 from opsched.runtime.cpu import UnitFailed
 from opsched.runtime.module import OptimizedModule
 from opsched.schedule import ScheduleError, from_stages, validate
-from opsched.schedulers import make_schedule
+from opsched.schedulers import SCHEDULERS, make_schedule
 
 FAST = settings(deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
 def branchy():
-    return rel.branchy()
+    return small_models.branchy()
 
 
 # -- load --------------------------------------------------------------------------------------------------------
@@ -46,8 +44,8 @@ def branchy():
 @pytest.mark.parametrize("method", ["ios", "lios"])
 def test_eight_threads_at_once_get_eager_outputs_and_never_hang(branchy, method):
     model, graph, inputs = branchy
-    module = OptimizedModule(graph, rel.schedule_all(graph)[method], cores=2)
-    result = rel.hammer(module, model, rel.seeded_input(inputs[0].shape), threads=8, calls=25)
+    module = OptimizedModule(graph, small_models.schedule_all(graph)[method], cores=2)
+    result = small_models.hammer(module, model, small_models.seeded_input(inputs[0].shape), threads=8, calls=25)
     module.close()
     assert result["wrong"] == result["failed"] == result["hung_threads"] == 0, result
     assert result["calls"] == 200
@@ -57,18 +55,18 @@ def test_eight_threads_with_failing_calls_mixed_in(branchy):
     # every failing call raises UnitFailed in its own caller; the calls around it still get eager's outputs
     model, graph, inputs = branchy
     failing = set(range(5, 200, 7))
-    operator = rel.FailingOperator(graph.nodes[2].name, failing)
-    module = OptimizedModule(graph, rel.schedule_all(graph)["lios"], cores=2, operator=operator)
-    result = rel.hammer(module, model, rel.seeded_input(inputs[0].shape), threads=8, calls=25)
+    operator = fault_trials.FailingOperator(graph.nodes[2].name, failing)
+    module = OptimizedModule(graph, small_models.schedule_all(graph)["lios"], cores=2, operator=operator)
+    result = small_models.hammer(module, model, small_models.seeded_input(inputs[0].shape), threads=8, calls=25)
     module.close()
     assert result["wrong"] == result["hung_threads"] == 0, result
     assert result["failed"] == len(failing) and result["first_failure"].startswith("UnitFailed: unit ")
 
 
 def test_multi_model_module_under_load():
-    module, batch = rel.fused_batch()
+    module, batch = small_models.fused_batch()
     assert any(n.kind == "batched" for n in module.graph.nodes)  # the fused units are what is under load
-    result = rel.hammer(module, batch, rel.seeded_input(batch.inputs[0].shape), threads=8, calls=25)
+    result = small_models.hammer(module, batch, small_models.seeded_input(batch.inputs[0].shape), threads=8, calls=25)
     module.close()
     assert result["wrong"] == result["failed"] == result["hung_threads"] == 0, result
 
@@ -77,8 +75,8 @@ def test_multi_model_module_under_load():
 
 def test_soak_keeps_memory_threads_and_descriptors_flat(branchy):
     _, graph, inputs = branchy
-    plan = rel.schedule_all(graph)["lios"]
-    result = rel.soak(lambda: OptimizedModule(graph, plan, cores=2), inputs, calls=400, warmup=100)
+    plan = small_models.schedule_all(graph)["lios"]
+    result = process_watch.soak(lambda: OptimizedModule(graph, plan, cores=2), inputs, calls=400, warmup=100)
     assert result["rss_growth_mb"] < 20, result
     assert result["workers_while_running"] >= 1 and result["workers_after_close"] == result["workers_before"]
     assert result["workers_after_collect"] == result["workers_before"], result  # dropped without close
@@ -91,7 +89,7 @@ def test_soak_keeps_memory_threads_and_descriptors_flat(branchy):
 def test_a_failing_unit_is_named_releases_the_workers_and_the_next_call_works(branchy, method):
     model, graph, inputs = branchy
     for unit in (graph.nodes[0].name, graph.nodes[3].name, graph.nodes[-1].name):
-        result = rel.fault_trial(model, graph, inputs, method, unit, calls=6, fail_every=2)
+        result = fault_trials.fault_trial(model, graph, inputs, method, unit, calls=6, fail_every=2)
         assert result["named"] == result["injected"] == 3, result
         assert result["wrong"] == result["other_errors"] == 0 and result["workers_after_close"] == 0, result
 
@@ -99,8 +97,8 @@ def test_a_failing_unit_is_named_releases_the_workers_and_the_next_call_works(br
 def test_unit_failed_keeps_the_original_error_as_its_cause(branchy):
     _, graph, inputs = branchy
     unit = graph.nodes[1].name
-    module = OptimizedModule(graph, rel.schedule_all(graph)["ios"], cores=2,
-                             operator=rel.FailingOperator(unit, {1}, ValueError("bad shape\nsecond line")))
+    module = OptimizedModule(graph, small_models.schedule_all(graph)["ios"], cores=2,
+                             operator=fault_trials.FailingOperator(unit, {1}, ValueError("bad shape\nsecond line")))
     with pytest.raises(UnitFailed) as info:
         module(*inputs)
     module.close()
@@ -110,9 +108,9 @@ def test_unit_failed_keeps_the_original_error_as_its_cause(branchy):
 
 def test_a_failing_method_is_dropped_with_its_unit_and_the_run_goes_on(branchy):
     model, graph, inputs = branchy
-    plans = rel.schedule_all(graph)
+    plans = small_models.schedule_all(graph)
     broken = OptimizedModule(graph, plans["lios"], cores=2,
-                             operator=rel.FailingOperator(graph.nodes[2].name, set(range(1, 10**6))))
+                             operator=fault_trials.FailingOperator(graph.nodes[2].name, set(range(1, 10**6))))
     fine = OptimizedModule(graph, plans["ios"], cores=2)
     with torch.inference_mode():
         reference = model(*inputs)
@@ -266,7 +264,7 @@ def test_a_full_disk_continues_in_memory(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "0.5", "0.25"]
     assert done.stderr.count("CacheWarning") == 1 and "kept in memory" in done.stderr
-    assert rel.cache_rows(path)  # the file is still a readable cache
+    assert fault_trials.cache_rows(path)  # the file is still a readable cache
 
 
 def test_profiling_with_a_corrupt_cache_does_not_crash(tmp_path, monkeypatch):
@@ -274,7 +272,7 @@ def test_profiling_with_a_corrupt_cache_does_not_crash(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path))
     (tmp_path / "costs.sqlite").write_bytes(b"\x00garbage" * 512)
-    _, graph, inputs = rel.branchy(width=2, depth=1, channels=4, size=6)
+    _, graph, inputs = small_models.branchy(width=2, depth=1, channels=4, size=6)
     with pytest.warns(CacheWarning, match="moved it to"):
         cost = MeasuredCost(graph, inputs, cores=2, repeats=2)
     assert cost.counts["units_measured"] >= len(graph)
@@ -285,7 +283,7 @@ def test_profiling_with_a_corrupt_cache_does_not_crash(tmp_path, monkeypatch):
 # -- Ctrl-C ------------------------------------------------------------------------------------------------------
 
 def test_ctrl_c_during_profiling_exits_130_with_one_line_and_a_readable_cache(tmp_path):
-    result = rel.interrupt_trial(tmp_path, delay=None)
+    result = fault_trials.interrupt_trial(tmp_path, delay=None)
     assert not result["hung"], result
     assert result["exit"] == 130 and result["stderr"] == ["opsched: interrupted"], result
     assert result["seeded_rows_unchanged"] and result["rows_after"] >= 1, result
@@ -296,7 +294,7 @@ def test_ctrl_c_during_profiling_exits_130_with_one_line_and_a_readable_cache(tm
 def test_ctrl_c_while_pytorch_is_importing_exits_130_with_one_line(tmp_path, delay):
     # PyTorch imports 0.3-0.9 s after the start; before imports held the interrupt it was seen here to abort
     # the process (pybind11), to die by the signal, or to be dropped with the run going on
-    result = rel.interrupt_trial(tmp_path, delay=delay, seed_rows=False)
+    result = fault_trials.interrupt_trial(tmp_path, delay=delay, seed_rows=False)
     assert not result["hung"], result
     assert (result["exit"], result["stderr"]) == (130, ["opsched: interrupted"]), result
 
@@ -351,7 +349,7 @@ def test_an_interrupt_dropped_by_a_destructor_still_ends_as_interrupted(capfd, m
 @pytest.fixture(scope="module")
 def model_and_plan(tmp_path_factory):
     d = tmp_path_factory.mktemp("plan")
-    (d / "branches.py").write_text(rel.MODEL_FILE)
+    (d / "branches.py").write_text(fault_trials.MODEL_FILE)
     spec = f"{d / 'branches.py'}:make"
     loaded = load_model(spec)
     from opsched.graph.capture import capture
@@ -471,17 +469,17 @@ def test_capture_output_returns_with_the_opsched_logger_at_debug(capfd, tmp_path
 # -- fuzzing -----------------------------------------------------------------------------------------------------
 
 @settings(FAST, max_examples=12)
-@given(rel.recipes(max_steps=7))
+@given(small_models.recipes(max_steps=7))
 def test_random_models_capture_schedule_run_and_verify(recipe):
-    assert rel.check_recipe(recipe) == len(rel.SCHEDULERS)  # every scheduler
+    assert small_models.check_recipe(recipe) == len(SCHEDULERS)  # every scheduler
 
 
 @pytest.fixture(scope="module")
 def small_plans():
-    model, graph, inputs = rel.branchy(width=3, depth=2, channels=4, size=6)
+    model, graph, inputs = small_models.branchy(width=3, depth=2, channels=4, size=6)
     with torch.inference_mode():
         want = model(*inputs)
-    return graph, inputs, want, {m: s.to_dict() for m, s in rel.schedule_all(graph).items()}
+    return graph, inputs, want, {m: s.to_dict() for m, s in small_models.schedule_all(graph).items()}
 
 
 @settings(FAST, max_examples=150)
@@ -494,22 +492,22 @@ def test_hand_edited_plans_are_refused_or_run_correctly(small_plans, data):
     def execute(plan):
         module = OptimizedModule(graph, plan, cores=2)
         try:
-            assert output_error(rel.call_with_deadline(module, inputs), want)[0] <= 1e-4
+            assert output_error(small_models.call_with_deadline(module, inputs), want)[0] <= 1e-4
         finally:
             module.close()
 
     method = data.draw(st.sampled_from(sorted(plans)))
-    kind = data.draw(st.sampled_from(rel.MUTATIONS))
+    kind = data.draw(st.sampled_from(plan_fuzz.MUTATIONS))
     import random
 
-    text = rel.mutate(plans[method], random.Random(data.draw(st.integers(0, 2**32))), kind)
-    assert rel.check_plan_text(text, graph, execute) in ("refused", "accepted")
+    text = plan_fuzz.mutate(plans[method], random.Random(data.draw(st.integers(0, 2**32))), kind)
+    assert plan_fuzz.check_plan_text(text, graph, execute) in ("refused", "accepted")
 
 
 @settings(FAST, max_examples=120)
-@given(rel.dag_documents(), st.sampled_from(["sequential", "greedy", "lios", "nimble", "ios", "exact"]))
+@given(plan_fuzz.dag_documents(), st.sampled_from(["sequential", "greedy", "lios", "nimble", "ios", "exact"]))
 def test_random_dag_json_is_scheduled_or_refused_in_one_line(tmp_path_factory, doc, method):
-    rel.check_dag_document(doc, method, tmp_path_factory.mktemp("dag"))
+    plan_fuzz.check_dag_document(doc, method, tmp_path_factory.mktemp("dag"))
 
 
 @settings(FAST, max_examples=200)
@@ -536,7 +534,7 @@ def test_the_validator_accepts_exactly_the_staged_schedules_that_respect_depende
     plan = from_stages(graph, TableCost(graph), "random", stages)
     if ok:
         validate(plan, graph)
-        rel.simulate_program(plan, graph)
+        plan_fuzz.simulate_program(plan, graph)
     else:
         with pytest.raises(ScheduleError):
             validate(plan, graph)
@@ -545,7 +543,7 @@ def test_the_validator_accepts_exactly_the_staged_schedules_that_respect_depende
 def test_dropping_a_module_called_from_another_thread_ends_its_workers(branchy):
     # the worker threads hold no reference to a finished call's executor, so dropping the module ends them
     _, graph, inputs = branchy
-    module = OptimizedModule(graph, rel.schedule_all(graph)["lios"], cores=2)
+    module = OptimizedModule(graph, small_models.schedule_all(graph)["lios"], cores=2)
 
     def call_many(module):
         for _ in range(20):
@@ -559,7 +557,7 @@ def test_dropping_a_module_called_from_another_thread_ends_its_workers(branchy):
 
     gc.collect()
     for _ in range(50):
-        if rel.stream_threads() == 0:
+        if process_watch.stream_threads() == 0:
             break
         threading.Event().wait(0.02)
-    assert rel.stream_threads() == 0
+    assert process_watch.stream_threads() == 0

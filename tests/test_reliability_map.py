@@ -1,7 +1,7 @@
 """Reliability of ``opsched map`` and mapped plans (issue 14), at a size for the unit tests: random platforms,
 mapping DAGs and hand-edited mapped plans through the command line, Ctrl-C during a MILP solve, the time limit,
 and a mapped plan's module under load and soak. The long runs and their figures are
-``python benchmarks/reliability.py --only fuzz-platforms ...`` (docs/reliability.md); the helpers live there."""
+``python benchmarks/reliability.py --only fuzz-platforms ...`` (docs/reliability.md); the helpers live in tests/support."""
 
 import importlib
 import json
@@ -18,9 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import reliability as rel  # the benchmark script holds the helpers
+from support import fault_trials, map_trials, process_watch, small_models
 
 from opsched.runtime.module import OptimizedModule
 
@@ -35,7 +33,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def big(workdir):
     """A 150-unit DAG on three devices that CP-SAT does not prove within seconds, and its platform."""
-    return rel.big_mapping_problem(workdir, units=150)
+    return map_trials.big_mapping_problem(workdir, units=150)
 
 
 # -- platforms ---------------------------------------------------------------------------------------------------
@@ -43,20 +41,20 @@ def big(workdir):
 @settings(FAST, max_examples=60)
 @given(st.integers(0, 2**32))
 def test_random_platforms_map_validly_or_are_refused_in_one_line(workdir, seed):
-    text, _ = rel.platform_document(seed)
-    assert rel.check_platform_document(text, workdir) in ("mapped", "refused")
+    text, _ = map_trials.platform_document(seed)
+    assert map_trials.check_platform_document(text, workdir) in ("mapped", "refused")
 
 
 @pytest.mark.parametrize("seed", [3, 11])
 def test_random_platforms_through_the_executable(tmp_path, seed):
-    text, _ = rel.platform_document(seed)
-    rel.check_platform_document(text, tmp_path, subprocess_too=True)
+    text, _ = map_trials.platform_document(seed)
+    map_trials.check_platform_document(text, tmp_path, subprocess_too=True)
 
 
 def _map_onto(directory: Path, platform: dict, method: str = "heft", dag: dict | None = None):
     (directory / "p.json").write_text(json.dumps(platform))
-    (directory / "g.json").write_text(json.dumps(dag or rel.PLATFORM_DAG))
-    return rel.cli(["map", str(directory / "g.json"), "--platform", str(directory / "p.json"), "--method", method,
+    (directory / "g.json").write_text(json.dumps(dag or map_trials.PLATFORM_DAG))
+    return map_trials.cli(["map", str(directory / "g.json"), "--platform", str(directory / "p.json"), "--method", method,
                     "--time-limit", "1", "--json"])
 
 
@@ -77,7 +75,7 @@ TWO = [{"name": "x"}, {"name": "y"}]
 ])
 def test_a_platform_with_numbers_out_of_range_is_refused_in_one_line(tmp_path, platform, method, message):
     code, out, err = _map_onto(tmp_path, platform, method)
-    rel.assert_refused(code, out, err)
+    map_trials.assert_refused(code, out, err)
     assert message in err, err
 
 
@@ -86,14 +84,14 @@ def test_a_platform_with_numbers_out_of_range_is_refused_in_one_line(tmp_path, p
 @settings(FAST, max_examples=30)
 @given(st.integers(0, 2**32))
 def test_random_mapping_dags_are_refused_in_one_line_or_every_method_answers_consistently(workdir, seed):
-    rel.check_mapping_case(rel.mapping_case(seed, max_units=5), workdir, time_limit=0.3)
+    map_trials.check_mapping_case(map_trials.mapping_case(seed, max_units=5), workdir, time_limit=0.3)
 
 
 def test_a_latency_on_a_device_the_platform_lacks_is_refused(tmp_path):
     # it was ignored: a misspelt device name mapped as if the latency were not there
     dag = {"nodes": [{"name": "a", "latency": {"x": 1, "y": 2, "z": 3}}], "edges": []}
     code, out, err = _map_onto(tmp_path, {"devices": TWO, "links": {"default": {"bandwidth": 1}}}, dag=dag)
-    rel.assert_refused(code, out, err)
+    map_trials.assert_refused(code, out, err)
     assert "device 'z', which platform p does not have" in err
 
 
@@ -102,7 +100,7 @@ def test_the_milp_out_of_time_before_a_first_solution_answers_with_heft(big):
     # mapping within 0.5 s") although HEFT's mapping, its hint, was at hand
     from opsched.mapping.solve import solve
 
-    problem = rel.mapping_problem(*big)
+    problem = map_trials.mapping_problem(*big)
     found = solve(problem, "milp", time_limit=0.5, bound=False)
     assert found.stats["status"] == "UNKNOWN" and not found.optimal
     assert found.makespan == solve(problem, "heft", bound=False).makespan
@@ -114,11 +112,11 @@ def test_the_milp_out_of_time_before_a_first_solution_answers_with_heft(big):
 @pytest.fixture(scope="module")
 def mapped(workdir):
     """Mapped plans of a small CNN (written by ``opsched map --out``), measured in a cache of their own."""
-    (workdir / "branches.py").write_text(rel.MODEL_FILE)
+    (workdir / "branches.py").write_text(fault_trials.MODEL_FILE)
     spec = f"{workdir / 'branches.py'}:make"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("OPSCHED_CACHE_DIR", str(workdir / "cache"))
-        yield spec, rel.mapped_plans(workdir, spec)
+        yield spec, map_trials.mapped_plans(workdir, spec)
 
 
 @settings(FAST, max_examples=60)
@@ -126,9 +124,9 @@ def mapped(workdir):
 def test_hand_edited_mapped_plans_are_refused_in_one_line_or_shown_and_run_correctly(workdir, mapped, data):
     spec, plans = mapped
     name = data.draw(st.sampled_from(sorted(plans)))
-    kind = data.draw(st.sampled_from(rel.MAPPED_MUTATIONS))
+    kind = data.draw(st.sampled_from(map_trials.MAPPED_MUTATIONS))
     rng = random.Random(data.draw(st.integers(0, 2**32)))
-    rel.check_mapped_plan_text(rel.mutate_mapped(plans[name], rng, kind), workdir, spec)
+    map_trials.check_mapped_plan_text(map_trials.mutate_mapped(plans[name], rng, kind), workdir, spec)
 
 
 def _edited(plan: dict, edit) -> str:
@@ -160,7 +158,7 @@ EDITS = {
 @pytest.mark.parametrize("edit", sorted(EDITS))
 def test_a_mapped_plan_edited_by_hand_is_refused_in_one_line(workdir, mapped, edit):
     spec, plans = mapped
-    verdict = rel.check_mapped_plan_text(_edited(plans["heft"], EDITS[edit]), workdir, spec, gantt=True)
+    verdict = map_trials.check_mapped_plan_text(_edited(plans["heft"], EDITS[edit]), workdir, spec, gantt=True)
     assert verdict == {"show": "refused", "run": "refused"}
 
 
@@ -176,7 +174,7 @@ def test_show_refuses_an_absurd_stream_without_running_out_of_memory(workdir, ma
 
         done = subprocess.run([sys.executable, "-m", "opsched", "show", str(path)], capture_output=True, text=True,
                               preexec_fn=at_most_4_gb, timeout=120, check=False)
-        rel.assert_refused(done.returncode, done.stdout, done.stderr)
+        map_trials.assert_refused(done.returncode, done.stdout, done.stderr)
         assert "stream 1000000000000" in done.stderr
 
 
@@ -187,20 +185,20 @@ def test_an_out_path_that_cannot_be_written_is_one_line(tmp_path):
     platform = {"devices": TWO, "links": {"default": {"bandwidth": 1}}}
     for out in (tmp_path / "missing" / "plan.json", tmp_path):
         (tmp_path / "p.json").write_text(json.dumps(platform))
-        (tmp_path / "g.json").write_text(json.dumps(rel.PLATFORM_DAG))
-        code, stdout, err = rel.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"),
+        (tmp_path / "g.json").write_text(json.dumps(map_trials.PLATFORM_DAG))
+        code, stdout, err = map_trials.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"),
                                      "--method", "heft", "--out", str(out), "--force", "--json"])
-        rel.assert_refused(code, stdout, err)
+        map_trials.assert_refused(code, stdout, err)
         assert f"cannot write the plan to {out}" in err
 
 
 def test_a_plan_that_does_not_fit_on_the_disk_leaves_the_old_one_whole(tmp_path):
     # write_text truncated the old plan, wrote what fitted and raised: a traceback and a truncated plan
-    dag, platform = rel.big_mapping_problem(tmp_path, units=40)
+    dag, platform = map_trials.big_mapping_problem(tmp_path, units=40)
     out = tmp_path / "plan.json"
     code, _, err = _map_onto(tmp_path, {"devices": TWO, "links": {"default": {"bandwidth": 1}}})
     assert code == 0, err
-    code, _, err = rel.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"), "--method", "heft",
+    code, _, err = map_trials.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"), "--method", "heft",
                             "--out", str(out)])
     assert code == 0, err
     before = out.read_bytes()
@@ -212,7 +210,7 @@ def test_a_plan_that_does_not_fit_on_the_disk_leaves_the_old_one_whole(tmp_path)
     done = subprocess.run([sys.executable, "-m", "opsched", "map", str(dag), "--platform", str(platform), "--method",
                            "heft", "--out", str(out), "--force"], capture_output=True, text=True,
                           preexec_fn=disk_full_past_limit, timeout=120, check=False)
-    rel.assert_refused(done.returncode, done.stdout, done.stderr)
+    map_trials.assert_refused(done.returncode, done.stdout, done.stderr)
     assert "cannot write the plan" in done.stderr and out.read_bytes() == before
     assert not list(tmp_path.glob(".plan.json*"))  # no partial file left
 
@@ -240,7 +238,7 @@ def _interrupted_while_solving(monkeypatch, module, argv):
     monkeypatch.setattr(module, "solve_cp_sat", signal_while_solving)
     previous = signal.signal(signal.SIGINT, lambda *_: None)
     try:
-        return rel.cli(argv), seen.get("solving")
+        return map_trials.cli(argv), seen.get("solving")
     finally:
         signal.signal(signal.SIGINT, previous)
 
@@ -250,7 +248,7 @@ def test_ctrl_c_during_a_milp_solve_ends_it_at_once_as_interrupted(tmp_path, mon
     # CP-SAT's own SIGINT handler stopped the search and returned its answer: the run wrote its plan and exited 0
     import opsched.mapping.milp
 
-    dag, platform = rel.chained_mapping_problem(tmp_path) if method == "milp-split" else big
+    dag, platform = map_trials.chained_mapping_problem(tmp_path) if method == "milp-split" else big
     out = tmp_path / "plan.json"
     result, solving = _interrupted_while_solving(monkeypatch, opsched.mapping.milp, [
         "map", str(dag), "--platform", str(platform), "--method", method, "--time-limit", "60", "--out", str(out),
@@ -273,7 +271,7 @@ def test_ctrl_c_during_an_exact_schedule_ends_it_at_once_as_interrupted(tmp_path
 
 
 def test_ctrl_c_during_a_milp_solve_of_the_executable(tmp_path, big):
-    result = rel.map_interrupt_trial(tmp_path, "milp", delay=3.0, time_limit=60)
+    result = map_trials.map_interrupt_trial(tmp_path, "milp", delay=3.0, time_limit=60)
     assert not result["hung"] and result["signalled"], result
     assert (result["exit"], result["stderr"]) == (130, ["opsched: interrupted"]), result
     assert result["stopped_after_s"] < 2 and result["plan"] == "absent" and result["no_process_left"], result
@@ -310,7 +308,7 @@ def test_the_time_limit_holds_on_a_large_problem(big, method):
     # the searches only (the command adds the lower bound, whose time no limit covers: benchmarks' time-limit-map)
     from opsched.mapping.solve import solve
 
-    found = solve(rel.mapping_problem(*big), method, time_limit=1.0, bound=False)
+    found = solve(map_trials.mapping_problem(*big), method, time_limit=1.0, bound=False)
     assert found.seconds < 1.0 + 0.6, found.seconds  # the MILP's model building came on top: 0.8 s past 2 s here
 
 
@@ -318,23 +316,23 @@ def test_the_time_limit_holds_on_a_large_problem(big, method):
 
 @pytest.fixture(scope="module")
 def branchy():
-    return rel.branchy()
+    return small_models.branchy()
 
 
 def test_a_mapped_plan_under_eight_threads_gets_eager_outputs(branchy):
     model, graph, inputs = branchy
-    plan = rel.mapped_module_plan(graph, "heft")
+    plan = map_trials.mapped_module_plan(graph, "heft")
     assert {op.stream for op in plan.ops} == {0, 1}  # both CPU devices run units
     module = OptimizedModule(graph, plan, cores=2)
-    result = rel.hammer(module, model, rel.seeded_input(inputs[0].shape), threads=8, calls=25)
+    result = small_models.hammer(module, model, small_models.seeded_input(inputs[0].shape), threads=8, calls=25)
     module.close()
     assert result["wrong"] == result["failed"] == result["hung_threads"] == 0 and result["calls"] == 200, result
 
 
 def test_a_mapped_plan_soaks_flat(branchy):
     _, graph, inputs = branchy
-    plan = rel.mapped_module_plan(graph, "heft")
-    result = rel.soak(lambda: OptimizedModule(graph, plan, cores=2), inputs, calls=300, warmup=50)
+    plan = map_trials.mapped_module_plan(graph, "heft")
+    result = process_watch.soak(lambda: OptimizedModule(graph, plan, cores=2), inputs, calls=300, warmup=50)
     assert result["rss_growth_mb"] < 20, result
     assert result["workers_while_running"] >= 1 and result["workers_after_close"] == result["workers_before"]
     assert result["workers_after_collect"] == result["workers_before"], result

@@ -2,7 +2,7 @@
 nodes soaked (its outputs, the driver's and the actors' memory, the actors ending) and called from several threads
 at once, a unit failing inside an actor, and Ctrl-C at moments of ``opsched run --engine ray``. The long runs and
 their figures are ``python benchmarks/reliability.py --only soak-ray load-ray interrupt-ray faults-ray``
-(docs/reliability.md); the helpers live there. One local Ray serves the tests that run in this process."""
+(docs/reliability.md); the helpers live in tests/support. One local Ray serves the tests that run in this process."""
 
 import functools
 import importlib.util
@@ -10,13 +10,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import reliability as rel  # the benchmark script holds the helpers
 from conftest import local_ray
+from support import process_watch, ray_trials, small_models
 
 FORMS = pytest.mark.parametrize("compiled", [True, False], ids=["compiled-graph", "remote-calls"])
 
@@ -31,7 +28,7 @@ def _skip_without_ray():
 def case(tmp_path_factory):
     """A CNN of three branches as opsched run loads it, its graph and inputs, a HEFT plan of it on two 1-thread CPU
     devices on nodes n0 and n1, and the arguments of opsched run for that plan."""
-    return rel.ray_case(tmp_path_factory.mktemp("ray"), "branches")
+    return ray_trials.ray_case(tmp_path_factory.mktemp("ray"), "branches")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +37,8 @@ def ray_session():
     down, none of its processes may be left."""
     with local_ray(["n0", "n1"], cpus=4) as where:
         yield where
-        started = rel.descendants(os.getpid())  # gcs_server, raylet, its agents and workers
-    left = rel.still_alive(started)
+        started = process_watch.descendants(os.getpid())  # gcs_server, raylet, its agents and workers
+    left = process_watch.still_alive(started)
     assert not left, f"processes of the local Ray left once it was shut down: {[started[p] for p in left]}"
 
 
@@ -52,8 +49,8 @@ def test_soak_gives_eager_outputs_keeps_memory_flat_and_ends_the_actors(ray_sess
     from opsched.runtime.ray import RayModule
 
     model, graph, inputs, plan, _ = case
-    result = rel.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=200, warmup=100,
-                      reference=model, processes=rel.actor_pids)
+    result = process_watch.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=200, warmup=100,
+                      reference=model, processes=ray_trials.actor_pids)
     assert result["wrong"] == 0 and result["processes"] == 2, result
     assert result["rss_growth_mb"] < 20 and max(result["processes_rss_growth_mb"]) < 20, result
     assert result["processes_after_close"] == result["processes_after_collect"] == 0, result
@@ -68,8 +65,8 @@ def test_four_threads_at_once_get_eager_outputs_and_never_hang(ray_session, case
 
     model, graph, inputs, plan, _ = case
     with RayModule(graph, plan, compiled=compiled) as module:
-        result = rel.call_with_deadline(
-            lambda: rel.hammer(module, model, rel.seeded_input(inputs[0].shape), threads=4, calls=50), (), 120)
+        result = small_models.call_with_deadline(
+            lambda: small_models.hammer(module, model, small_models.seeded_input(inputs[0].shape), threads=4, calls=50), (), 120)
     assert result["wrong"] == result["failed"] == result["hung_threads"] == 0 and result["calls"] == 200, result
 
 
@@ -77,7 +74,7 @@ def test_a_unit_failing_in_an_actor_is_one_device_failed_naming_its_device_and_u
     # in the compiled graph, opsched run's form; benchmarks' faults-ray fails every unit, in both forms
     model, graph, inputs, plan, _ = case
     unit = next(op.name for op in plan.ops if op.stream == 1)  # its value goes on to the other device: mid-run
-    result = rel.ray_fault_trial(model, graph, inputs, plan, unit, compiled=True, on_call=3)
+    result = ray_trials.ray_fault_trial(model, graph, inputs, plan, unit, compiled=True, on_call=3)
     assert result["device"] == "cpu1" and result["right_before"] == 2 and result["named"], result
     assert result["seconds_to_fail"] < 20 and result["later_call"] == "DeviceFailed", result
     assert result["actors_left"] == 0 and result["new_module_right"], result
@@ -90,7 +87,7 @@ def test_ctrl_c_during_a_run_on_ray_exits_130_in_one_line_and_leaves_no_ray_proc
     # "opsched: interrupted" and then died by SIGSEGV in 3 runs of 10 (see the test below)
     _skip_without_ray()
     *_, run_args = case
-    result = rel.ray_interrupt_trial(tmp_path, run_args, moment, repeats=50)
+    result = ray_trials.ray_interrupt_trial(tmp_path, run_args, moment, repeats=50)
     assert not result["hung"] and result["signal_after_s"] is not None and result["moment"] == moment, result
     assert (result["exit"], result["stderr"], result["traceback"]) == (130, ["opsched: interrupted"], False), result
     assert result["left_at_exit"] == result["ray_daemons_left"] == [], result

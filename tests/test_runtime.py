@@ -10,14 +10,14 @@ import torch
 
 from opsched.cost.simulate import SimulatedGPU
 from opsched.cost.table import TableCost
+from opsched.errors import VerificationError
+from opsched.evaluation import verify
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.models import load_model
 from opsched.runtime.cpu import CPUExecutor, UnitFailed
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.merge import MergeError, merged_operator
-from opsched.errors import VerificationError
-from opsched.evaluation import verify
 from opsched.runtime.module import OptimizedModule, compile
 from opsched.runtime.program import Record, Run, Wait, compile_program
 from opsched.schedule import from_stages, from_streams
