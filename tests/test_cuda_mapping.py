@@ -16,16 +16,18 @@ from cuda_standin import BrokenRule, CudaStandIn
 from torch import nn
 
 from opsched.cli import main
+from opsched.errors import OpschedError
 from opsched.graph.capture import capture
 from opsched.mapping import MappingError
-from opsched.mapping.execute import check_runnable, mapped_executor
+from opsched.mapping.execute import check_runnable
 from opsched.mapping.plan import Mapping, to_schedule
 from opsched.mapping.platform import platform_from_dict
 from opsched.mapping.problem import build_problem
 from opsched.mapping.replay import replay
 from opsched.mapping.solve import solve
-from opsched.runtime import cuda
+from opsched.runtime import cuda, make_executor
 from opsched.runtime.cpu import UnitFailed
+from opsched.runtime.cuda.devices import DevicesCall
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.module import OptimizedModule
 from opsched.runtime.program import compile_program
@@ -203,7 +205,7 @@ def test_as_written_the_executor_keeps_every_rule(chain, crossing):
 
 
 def test_a_value_read_on_another_gpu_without_a_copy_is_caught(chain, monkeypatch):
-    copy_to = cuda._DevicesCall._value
+    copy_to = DevicesCall._value
 
     def without_copies_between_gpus(call, slot, k, device):
         made_on = call.executor.device_of(slot)
@@ -211,7 +213,7 @@ def test_a_value_read_on_another_gpu_without_a_copy_is_caught(chain, monkeypatch
             return call.values[slot]
         return copy_to(call, slot, k, device)
 
-    monkeypatch.setattr(cuda._DevicesCall, "_value", without_copies_between_gpus)
+    monkeypatch.setattr(DevicesCall, "_value", without_copies_between_gpus)
     with pytest.raises(UnitFailed, match="reads a tensor on cuda:0 without copying it to cuda:1"):
         _run_chain(chain, CHAIN_PLANS["gpu to gpu"])
 
@@ -289,8 +291,8 @@ def test_the_executor_refuses_what_it_cannot_run(chain):
             cuda.DevicesExecutor(program, unit_operator, [0, 1])
         with pytest.raises(ValueError, match="2 streams, but 3 devices"):
             cuda.DevicesExecutor(program, unit_operator, [0, 0, None])
-        with pytest.raises(MappingError, match="not as one CUDA graph"):
-            mapped_executor(program, plan, unit_operator, cuda_graph=True)
+        with pytest.raises(OpschedError, match="not as one CUDA graph"):
+            make_executor(program, unit_operator, [0, 1], cuda_graph=True)
     with cuda.use_api(CudaStandIn(devices=2)):
         executor = cuda.DevicesExecutor(program, unit_operator, [0, 1])
         with pytest.raises(ValueError, match="takes 1 inputs"):

@@ -132,7 +132,7 @@ def test_an_actor_killed_mid_run_fails_the_run_in_one_line_naming_the_device(on_
 
 def test_a_plan_naming_a_node_the_cluster_lacks_is_refused_in_one_line(ray_session, plan_file, tmp_path, capsys):
     doc = json.loads(plan_file.read_text())
-    doc["options"]["platform"]["devices"][1]["node"] = "n2"
+    doc["devices"]["platform"]["devices"][1]["node"] = "n2"
     elsewhere = tmp_path / "n2.json"
     elsewhere.write_text(json.dumps(doc))
     started = time.perf_counter()
@@ -185,7 +185,7 @@ def test_flags_the_ray_engine_cannot_take_are_refused_in_one_line(plan_file, cap
 
 def test_engine_ray_runs_only_mapped_plans(plan_file, tmp_path, capsys):
     doc = json.loads(plan_file.read_text())
-    del doc["options"]["mapping"]  # the same streams, as a plain stream schedule
+    del doc["devices"]  # the same streams, as a plain stream schedule
     plain = tmp_path / "streams.json"
     plain.write_text(json.dumps(doc))
     assert main(["run", MODEL, "--image-size", SIZE, "--plan", str(plain), "--engine", "ray"]) == 2

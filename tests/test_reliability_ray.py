@@ -49,8 +49,8 @@ def test_soak_gives_eager_outputs_keeps_memory_flat_and_ends_the_actors(ray_sess
     from opsched.runtime.ray import RayModule
 
     model, graph, inputs, plan, _ = case
-    result = process_watch.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=200, warmup=100,
-                      reference=model, processes=ray_trials.actor_pids)
+    result = process_watch.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=200,
+                                warmup=100, reference=model, processes=ray_trials.actor_pids)
     assert result["wrong"] == 0 and result["processes"] == 2, result
     assert result["rss_growth_mb"] < 20 and max(result["processes_rss_growth_mb"]) < 20, result
     assert result["processes_after_close"] == result["processes_after_collect"] == 0, result
@@ -104,7 +104,7 @@ CRASH = textwrap.dedent("""
     loaded, graph, _, _ = load_and_capture(argparse.Namespace(batch=None, input_shape=None, image_size=None),
                                            sys.argv[1], "cpu")
     plan, inputs = schedule.load(sys.argv[2], graph), loaded.inputs
-    copy_out = engine.from_wire
+    copy_out = engine.actors.from_wire
 
     def interrupted(value, copy=False):
         copy_out(value, copy)
@@ -114,7 +114,7 @@ CRASH = textwrap.dedent("""
         with engine.ray_cluster(["n0", "n1"], 2):
             module = engine.RayModule(graph, plan, compiled=True)
             module(*inputs)
-            engine.from_wire = interrupted
+            engine.actors.from_wire = interrupted
             module(*inputs)
     except KeyboardInterrupt:
         pass  # the interrupt and its traceback are freed here, once Ray is down

@@ -20,7 +20,7 @@ from opsched.runtime.kernels import unit_operator
 from opsched.runtime.merge import MergeError, merged_operator
 from opsched.runtime.module import OptimizedModule, compile
 from opsched.runtime.program import Record, Run, Wait, compile_program
-from opsched.schedule import from_stages, from_streams
+from opsched.schedule import DevicesSection, from_stages, from_streams
 from opsched.schedulers import make_schedule
 
 ZOO_SMALL = [("inception_v3", 75), ("squeezenet", 64), ("nasnet", 64), ("randwire", 64)]
@@ -60,13 +60,19 @@ def test_stream_program_waits_once_where_the_order_is_already_implied():
     assert sum(isinstance(step, Wait) for steps in p.streams for step in steps) == 2
 
 
+def _cpu_devices(*threads: int) -> DevicesSection:
+    """A devices section putting stream k on a CPU device of ``threads[k]`` threads."""
+    return DevicesSection({"name": "cpus", "devices": [{"name": f"cpu{k}", "kind": "cpu", "threads": t}
+                                                       for k, t in enumerate(threads)]})
+
+
 def test_stream_threads_follow_predicted_concurrency_and_mapped_devices():
     g = diamond()
     s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [2]])
     p = compile_program(s, g, cores=2)
     threads = {g.nodes[run.units[0]].name: run.threads for run in p.runs()}
     assert threads == {"a": 2, "b": 1, "c": 1, "d": 2}  # a and d run alone: every core
-    s.options["stream_threads"] = [1, 3]
+    s.devices = _cpu_devices(1, 3)
     threads = {g.nodes[run.units[0]].name: run.threads for run in compile_program(s, g, cores=2).runs()}
     assert threads == {"a": 1, "b": 1, "c": 3, "d": 1}
 
@@ -150,7 +156,7 @@ def test_a_worker_that_ran_several_threads_leaves_no_openmp_pool_behind():
     for n in g.nodes:
         n.latency = 1.0
     s = from_streams(g, TableCost(g), "t", [[1, 2], [0]])
-    s.options["stream_threads"] = [1, 2]  # exp runs on the worker, on 2 threads
+    s.devices = _cpu_devices(1, 2)  # exp runs on the worker, on 2 threads
     program = compile_program(s, g, cores=2)
     assert [run.threads for run in program.streams[1] if isinstance(run, Run)] == [2]
     ex = CPUExecutor(program, unit_operator)
@@ -274,6 +280,29 @@ def test_inductor_units_compute_what_the_eager_units_do():
 def test_a_device_with_no_units_does_not_shift_the_threads_of_the_next():
     g = diamond()
     s = from_streams(g, TableCost(g), "t", [[0, 1, 3], [], [2]])
-    s.options["stream_threads"] = [1, 5, 3]
+    s.devices = _cpu_devices(1, 5, 3)
     threads = {g.nodes[run.units[0]].name: run.threads for run in compile_program(s, g, cores=2).runs()}
     assert threads == {"a": 1, "b": 1, "c": 3, "d": 1}
+
+
+def test_every_executor_reads_one_lowered_step_type():
+    from opsched.runtime import make_executor
+    from opsched.runtime.program import Call, lower
+
+    g = Graph([Node("a", args=("x",), run=torch.exp), Node("b", args=("x",), run=torch.neg),
+               Node("c", args=("a", "b"), run=torch.add)], inputs=["x"])
+    for n in g.nodes:
+        n.latency = 1.0
+    program = compile_program(from_streams(g, TableCost(g), "t", [[0, 2], [1]]), g, cores=2)
+    lowered = lower(program, unit_operator)
+    calls = [step for steps in lowered for step in steps if isinstance(step, Call)]
+    assert sorted((c.name, c.reads, c.writes) for c in calls) == [("a", (0,), (1,)), ("b", (0,), (2,)),
+                                                                  ("c", (1, 2), (3,))]
+    assert [type(step).__name__ for step in lowered[0]] == ["Call", "Wait", "Call"]
+    assert [type(step).__name__ for step in lowered[1]] == ["Call", "Record"]
+    x = torch.randn(4)
+    executor = make_executor(program, unit_operator, [None, None])  # a device per stream, all CPU threads
+    assert isinstance(executor, CPUExecutor)
+    with torch.inference_mode():
+        assert torch.allclose(executor(x)[0], x.exp() - x)
+    executor.close()

@@ -125,6 +125,11 @@ class Mapped(Outcome):
     problem: Any = None
     solved: Any = None
 
+    def plan(self, name: str | None = None) -> Any:
+        """The mapping asked for (not a device alone, though faster: that is what ``chosen`` says), recording
+        what was chosen and every measured figure."""
+        return Outcome.plan(self, name or self.requested)
+
     @property
     def measured(self) -> bool:
         return self.evaluation is not None
@@ -143,7 +148,7 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
 
     On a platform whose devices are all real, with a PyTorch model, the mapped plan is compiled onto its
     devices, verified against the model and timed interleaved with eager and with every device alone (the
-    single-device configurations); the fastest verified one is ``chosen``. Elsewhere the figures are the
+    single-device configurations); the fastest verified one is ``chosen`` and the plan records it. Elsewhere the figures are the
     replay's prediction (simulated, or a DAG JSON graph's own latencies) and nothing runs."""
     import torch
 
@@ -190,7 +195,9 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
     cores = threads or torch.get_num_threads()
     evaluate_plans(outcome, graph, model, tuple(example_inputs), cores=cores, tolerance=tolerance,
                    repeats=repeats, say=say)
-    require_a_plan(outcome)
+    if outcome.plan() is None:
+        raise VerificationError(f"the {method} mapping does not reproduce the model: "
+                                f"{outcome.evaluation.dropped.get(method)}")
     return outcome
 
 

@@ -247,15 +247,15 @@ class Outcome:
         ``threads``). Run it at ``evaluation.threads[chosen]`` intra-op threads, as it was timed."""
         return self.evaluation.modules.get(self.chosen) if self.evaluation else None
 
-    def plan(self) -> Schedule | None:
-        """The schedule to hand the user: the fastest verified one, recording what was chosen overall
-        (possibly a peer) and every measured figure; when nothing was measured (simulated costs), the requested
-        method's schedule; None when no schedule verified."""
+    def plan(self, name: str | None = None) -> Schedule | None:
+        """The schedule to hand the user, recording what was chosen overall (possibly a peer) and every measured
+        figure: ``name``'s, or by default the fastest verified one; when nothing was measured (simulated costs),
+        the requested method's; None when it did not verify."""
         ev = self.evaluation
         if ev is None:
             return self.schedules.get(self.requested) if self.requested else None
-        best = ev.fastest("schedule")
-        if best is None:
+        best = name or ev.fastest("schedule")
+        if best is None or best not in ev.measured_ms:
             return None
         plan = self.schedules[best]
         plan.options["measured_as"] = best

@@ -3,7 +3,7 @@
 A mapped plan is a stream-form Schedule whose stream d runs on its ``devices`` section's device d. A plan on
 CPU devices only runs on the CPU backend: each device a worker thread with its device's intra-op threads,
 values passing between them in shared memory (a transfer between two CPU devices is free). A plan with
-``cuda:N`` devices runs on the several-device executor (:func:`mapped_executor`): each CUDA device a stream of
+``cuda:N`` devices runs on the several-device executor (:mod:`opsched.runtime.cuda.devices`): each CUDA device a stream of
 that GPU holding its units' weights, each CPU device a worker thread, every value crossing devices copied
 with the events that order it; it takes the inputs on the host and returns the outputs there, as the model it
 stands for does. A plan on a simulated device, one that splits the batch across devices, or one naming a CUDA
@@ -22,17 +22,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from opsched.graph.ir import Graph
 from opsched.mapping import MappingError
 from opsched.schedule import Schedule
-
-if TYPE_CHECKING:
-    from opsched.runtime.kernels import Operator
-    from opsched.runtime.program import StreamProgram
 
 
 def cuda_devices(schedule: Schedule) -> list[tuple[str, str]]:
@@ -74,24 +69,6 @@ def check_runnable(schedule: Schedule) -> dict[str, int]:
     if cuda:
         check_cuda_devices(cuda, "the plan maps units onto")
     return counts
-
-
-def mapped_executor(program: StreamProgram, schedule: Schedule, operator: Operator,
-                    cuda_graph: bool = False) -> Any:
-    """The backend running ``program``, compiled from ``schedule``, when that is a mapped plan with units on CUDA
-    devices: a :class:`~opsched.runtime.cuda.DevicesExecutor` (program stream k is the k-th device with units);
-    None for every other plan, which the CPU backend runs."""
-    if schedule.devices is None:
-        return None
-    on = schedule.devices.devices
-    devices = [on[d].cuda_index for d in sorted({op.stream for op in schedule.ops})]
-    if all(d is None for d in devices):
-        return None
-    if cuda_graph:
-        raise MappingError("a plan mapped onto several devices runs on their streams, not as one CUDA graph")
-    from opsched.runtime.cuda import DevicesExecutor
-
-    return DevicesExecutor(program, operator, devices)
 
 
 @contextlib.contextmanager

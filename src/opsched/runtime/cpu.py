@@ -36,9 +36,7 @@ from typing import Any
 import torch
 
 from opsched.runtime.kernels import Operator
-from opsched.runtime.program import Record, Run, StreamProgram, Wait, store_outputs
-
-_RUN, _RECORD, _WAIT = 0, 1, 2
+from opsched.runtime.program import Call, Record, StreamProgram, lower
 
 
 class StreamFailed(RuntimeError):
@@ -67,21 +65,7 @@ class CPUExecutor:
         self._inputs = len(graph.inputs)
         self._readers = program.readers
         self._outputs = program.outputs
-        self._steps = []
-        for steps in program.streams:
-            compiled = []
-            for s in steps:
-                if isinstance(s, Run):
-                    first = graph.nodes[s.units[0]]
-                    compiled.append((_RUN, operator([graph.nodes[u] for u in s.units], s.threads),
-                                     tuple(program.slot(a) for a in first.args),
-                                     tuple(self._inputs + u for u in s.units), s.release, s.threads, s.units,
-                                     "+".join(graph.nodes[u].name for u in s.units)))
-                elif isinstance(s, Record):
-                    compiled.append((_RECORD, s.event))
-                elif isinstance(s, Wait):
-                    compiled.append((_WAIT, s.event))
-            self._steps.append(compiled)
+        self._steps = lower(program, operator)
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None
@@ -173,34 +157,32 @@ class _Call:
         values, events, remaining = self.values, self.events, self.remaining
         threads_now = -1
         for step in self.executor._steps[k]:
-            kind = step[0]
-            if kind == _RUN:
-                _, fn, args, outs, release, threads, units, name = step
+            if type(step) is Call:
                 if self.error is not None:  # another stream failed: the call's result is lost, stop now
                     raise StreamFailed("another stream failed")
-                if threads != threads_now:
-                    torch.set_num_threads(threads)
-                    threads_now = threads
-                    self.wide[k] = self.wide[k] or threads > 1
+                if step.threads != threads_now:
+                    threads_now = step.threads
+                    torch.set_num_threads(threads_now)
+                    self.wide[k] = self.wide[k] or threads_now > 1
                 began = time.perf_counter() if self.timeline is not None else 0.0
                 try:
-                    result = fn(*[values[a] for a in args])
+                    result = step.fn(*[values[a] for a in step.reads])
                 except Exception as e:
-                    raise UnitFailed(name, e) from e
+                    raise UnitFailed(step.name, e) from e
                 if self.timeline is not None:
-                    self.timeline.append((k, units, began - self.started, time.perf_counter() - self.started))
-                store_outputs(values, outs, result)
-                for slot in release:
+                    self.timeline.append((k, step.units, began - self.started, time.perf_counter() - self.started))
+                step.store(values, result)
+                for slot in step.release:
                     if remaining[slot] > 1:
                         with self.lock:
                             remaining[slot] -= 1
                             if remaining[slot]:
                                 continue
                     values[slot] = None
-            elif kind == _RECORD:
-                events[step[1]].set()
+            elif type(step) is Record:
+                events[step.event].set()
             else:
-                events[step[1]].wait()
+                events[step.event].wait()
                 if self.error is not None:
                     raise StreamFailed("another stream failed")
 

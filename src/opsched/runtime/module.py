@@ -33,8 +33,7 @@ from opsched.schedule import Schedule, validate
 class OptimizedModule(torch.nn.Module):
     """Runs ``graph`` as ``schedule`` says: on the CPU with ``cores`` intra-op threads to share between the
     streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
-    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices
-    (see :mod:`opsched.mapping.execute`). Inputs and outputs are structured as the model's.
+    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices. Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
     replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
     (:mod:`opsched.runtime.regions`)."""
@@ -57,11 +56,13 @@ class OptimizedModule(torch.nn.Module):
             graph, schedule = compiled_regions(graph, schedule)
         self.program: StreamProgram = compile_program(schedule, graph, cores or torch.get_num_threads())
         self.units = torch.nn.ModuleList(n.run for n in graph.nodes if isinstance(n.run, torch.nn.Module))
-        from opsched.mapping.execute import mapped_executor
-
-        # a plan mapped onto CUDA devices runs on them, taking the inputs on the host (see mapping/execute.py)
-        self.executor = mapped_executor(self.program, schedule, operator, cuda_graph) \
-            or make_executor(self.program, operator, device, cuda_graph)
+        # a plan mapped onto devices runs each program stream on its device (program stream k is the k-th device
+        # with units); onto CUDA devices, it takes the inputs on the host (see opsched.runtime.cuda.devices)
+        where: str | list[int | None] = device
+        if schedule.devices is not None:
+            on = schedule.devices.devices
+            where = [on[d].cuda_index for d in sorted({op.stream for op in schedule.ops})]
+        self.executor = make_executor(self.program, operator, where, cuda_graph)
 
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)
