@@ -90,9 +90,14 @@ EDITS = {
     "a device left out": ("map_cpu2_heft.json", lambda d: d["devices"]["platform"]["devices"].pop()),
     "a billion threads": ("map_cpu2_heft.json",
                           lambda d: d["devices"]["platform"]["devices"][0].__setitem__("threads", 10**9)),
-    "an unknown kind": ("map_cpu2_heft.json", lambda d: d["devices"]["platform"]["devices"][0].__setitem__("kind", "tpu")),
-    "a transfer to no device": ("map_cpu2_heft.json", lambda d: d["devices"]["transfers"][0].__setitem__("to_device", "x")),
-    "a transfer of no unit": ("map_cpu2_heft.json", lambda d: d["devices"]["transfers"][0].__setitem__("value", "nope")),
+    "an unknown kind": ("map_cpu2_heft.json",
+                        lambda d: d["devices"]["platform"]["devices"][0].__setitem__("kind", "tpu")),
+    "a transfer to no device": ("map_cpu2_heft.json",
+                                lambda d: d["devices"]["transfers"][0].__setitem__("to_device", "x")),
+    "a transfer of no unit": ("map_cpu2_heft.json",
+                              lambda d: d["devices"]["transfers"][0].__setitem__("value", "nope")),
+    # the fuzz suite's find: the chart of a mapping drew its axis to infinity (matplotlib's ValueError, exit 1)
+    "an infinite finish": ("map_cpu2_heft.json", lambda d: d["ops"][0].__setitem__("finish", float("inf"))),
     "an unknown objective": ("map_cpu2_heft.json", lambda d: d["devices"].__setitem__("objective", "fast")),
     "both sections": ("map_cpu2_heft.json", lambda d: d.__setitem__("models", {"models": 1})),
     "models not counted": ("multi_copies.json", lambda d: d["models"].__setitem__("models", "three")),
@@ -105,7 +110,8 @@ EDITS = {
 def test_a_hand_edited_section_is_refused_in_one_line(before, capsys, edit):
     name, change = EDITS[edit]
     path = _edited(before, name, change)
-    for command in (["show", path], ["run", "tiny.py:model", "--plan", path, "--repeats", "1"]):
+    for command in (["show", path, "--gantt", str(before / "g.png"), "--force"],
+                    ["run", "tiny.py:model", "--plan", path, "--repeats", "1"]):
         status = main(command)
         err = capsys.readouterr().err
         if command[0] == "show" and edit in ("a transfer of no unit", "an unknown rewrite"):
@@ -118,7 +124,8 @@ def test_a_hand_edited_section_is_refused_in_one_line(before, capsys, edit):
 def test_a_plan_of_one_kind_given_to_another_job_is_refused_in_one_line(before, capsys):
     for command, why in ((["run", "tiny.py:model", "--copies", "2", "--plan", "map_cpu2_heft.json"], "opsched multi"),
                          (["run", "tiny.py:model", "tiny.py:model", "--plan", "optimize_ios.json"], "opsched multi"),
-                         (["run", "tiny.py:model", "--plan", "optimize_ios.json", "--engine", "ray"], "maps no devices"),
+                         (["run", "tiny.py:model", "--plan", "optimize_ios.json", "--engine", "ray"],
+                          "maps no devices"),
                          (["run", "squeezenet", "--plan", "multi_copies.json"], "made for the models")):
         assert main(command) == 2
         err = capsys.readouterr().err

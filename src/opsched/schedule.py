@@ -322,7 +322,7 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
     # number (a hand edit) made every stream up to it, empty: opsched show ran out of memory on stream 10**12.
     streams = len(ops) if schedule.devices is None else len(schedule.devices.platform["devices"])
     for o in ops:
-        if not 0 <= o.stream < max(streams, 1):
+        if not (0 <= o.stream < max(streams, 1) and math.isfinite(o.start) and math.isfinite(o.finish)):
             raise ScheduleError(f"{source}: unit {o.name!r} has a bad timeline entry (stream {o.stream}, "
                                 f"{o.start}..{o.finish})" + (" that names no device of the plan"
                                                              if schedule.devices is not None else ""))

@@ -4,6 +4,7 @@ device's row over the time it takes. The title says whether the times are simula
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from opsched.schedule import Schedule
@@ -38,7 +39,7 @@ def write_mapping_gantt(path: str | Path, plan: Schedule) -> None:
                     arrowprops={"arrowstyle": "->", "color": "black", "lw": 0.6, "alpha": 0.6})
     ax.set_yticks(range(len(devices)), devices)
     ax.invert_yaxis()
-    ax.set_xlim(0, end * 1.01)
+    ax.set_xlim(0, min(end * 1.01, sys.float_info.max))  # a hand-edited 1e308 would make the limit infinite
     ax.set_xlabel(section.time_unit or "time")
     simulated = "SIMULATED" if plan.device.startswith("sim:") else "predicted from measured costs"
     predicted = section.objective_value(plan.predicted_latency, plan.batch)
