@@ -35,7 +35,7 @@ from opsched.graph.ir import Graph, Node
 from opsched.runtime.module import OptimizedModule
 from opsched.runtime.program import compile_program
 from opsched.runtime.ray import RayModule, cut_segments, ray_cluster
-from opsched.schedule import OpTiming, Schedule
+from opsched.schedule import DevicesSection, OpTiming, Schedule
 from opsched.timing import interleaved_samples
 
 PLATFORM = {"name": "two-nodes", "devices": [{"name": "cpu0", "kind": "cpu", "node": "n0", "threads": 1},
@@ -56,9 +56,8 @@ def synthetic(units: int, alternate: bool) -> tuple[Graph, Schedule]:
                    for i in range(units)], inputs=["x"], name=f"chain-{units}")
     ops = [OpTiming(f"u{i}", i % 2 if alternate else 0, float(i), float(i + 1)) for i in range(units)]
     return graph, Schedule("synthetic", graph.name, graph.fingerprint, ops, float(units), cost="measured",
-                           device="platform:two-nodes", batch=1,
-                           options={"mapping": True, "platform": PLATFORM, "stream_devices": ["cpu0", "cpu1"],
-                                    "stream_kinds": ["cpu", "cpu"], "stream_threads": [1, 1]})
+                           device="platform:two-nodes", batch=1, bounds={"lower_bound": 0.0},
+                           devices=DevicesSection(PLATFORM))
 
 
 def heft_plan(model: torch.nn.Module, x: torch.Tensor, name: str) -> tuple[Graph, Schedule]:
