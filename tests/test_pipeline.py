@@ -223,3 +223,27 @@ def test_lios_on_a_cpu_defaults_to_one_stream_per_core(capsys, tmp_path, streams
     assert code == 0, err
     saved = json.loads((tmp_path / "p.json").read_text())
     assert saved["options"]["streams"] == (streams or 8)  # a simulated GPU keeps LIOS's 8 streams
+
+
+def test_one_python_call_per_job_returns_what_the_command_reports(tmp_path, monkeypatch):
+    import opsched
+
+    monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(1, 3, 16, 16)
+    result = opsched.optimize(model, (x,), method="ios", repeats=3)
+    assert {"eager", "sequential", "ios"} <= set(result.measured_ms)
+    assert result.chosen == min(result.measured_ms, key=result.measured_ms.get)
+    plan = result.plan()
+    assert plan.options["chosen"]["name"] == result.chosen and plan.options["measured_as"] in result.schedules
+    plan.save(tmp_path / "plan.json")
+    with torch.inference_mode():
+        assert torch.allclose(result.module(x), model(x), atol=1e-5)  # the chosen configuration, called as the model
+    mapped = opsched.map(model, (x,), platform="cpu2", method="heft", repeats=3)
+    assert mapped.plan().kind == "mapping" and {"heft", "cpu0 alone", "eager"} <= set(mapped.measured_ms)
+    simulated = opsched.map(model, (x,), platform="diviml", method="heft")
+    assert simulated.evaluation is None and simulated.plan().devices.platform["name"] == "diviml"
+    batch = opsched.multi([model, model], (x,), methods=["sequential"], repeats=3, cache=False)
+    assert batch.plan().kind == "model batch" and batch.chosen in batch.measured_ms
