@@ -1,6 +1,6 @@
 """opsched: inter-operator scheduling for PyTorch inference.
 
-One call per job: ``optimize`` (one model), ``multi`` (a model batch), ``map`` (several devices); see
+One call per job: ``optimize`` (one model), ``optimize_batch`` (a model batch), ``map`` (several devices); see
 :mod:`opsched.jobs`. The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
 ``OptimizedModule``) are
 imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 _LAZY = {"Graph": "opsched.graph.ir", "Node": "opsched.graph.ir",
          "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.evaluation",
          "OptimizedModule": "opsched.runtime.module",
-         "optimize": "opsched.jobs", "multi": "opsched.jobs", "map": "opsched.jobs"}
+         "optimize": "opsched.jobs", "optimize_batch": "opsched.jobs", "map": "opsched.jobs"}
 
 __all__ = [
     "CaptureError",
@@ -33,8 +33,8 @@ __all__ = [
     "capture",
     "compile",
     "map",
-    "multi",
     "optimize",
+    "optimize_batch",
     "run_graph",
     "verify",
 ]

@@ -1,5 +1,5 @@
 """One Python call per job, returning what its command reports: ``opsched.optimize`` (one model),
-``opsched.multi`` (a model batch) and ``opsched.map`` (a model mapped onto several devices).
+``opsched.optimize_batch`` (a model batch: ``opsched.multi`` is the package it builds on) and ``opsched.map`` (a model mapped onto several devices).
 
 Each goes the one way every command goes (see :mod:`opsched.pipeline`): cost -> search -> compile ->
 evaluate (verify against the model's own outputs, time interleaved with the peers, choose the fastest), and
@@ -103,7 +103,7 @@ def require_a_plan(outcome: Outcome) -> None:
             f"{n}: {why}" for n, why in dropped.items() if n in outcome.schedules))
 
 
-def multi(models: Sequence[Any], inputs: Any, **options: Any) -> Any:
+def optimize_batch(models: Sequence[Any], inputs: Any, **options: Any) -> Any:
     """Several models as one fused, scheduled, verified program (HiveMind): see
     :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
     (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises

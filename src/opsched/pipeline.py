@@ -217,7 +217,7 @@ class Workload:
 @dataclass
 class Outcome:
     """What a job made: the cost model, a schedule per method, and on a real device the compiled modules, the
-    evaluation (with the peers) and notes on peers left out. What ``opsched.optimize``, ``opsched.multi`` and
+    evaluation (with the peers) and notes on peers left out. What ``opsched.optimize``, ``opsched.optimize_batch`` and
     ``opsched.map`` return, as their commands report it: :meth:`plan`, :attr:`module`, :attr:`measured_ms`,
     :attr:`chosen`."""
 

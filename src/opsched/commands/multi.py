@@ -1,4 +1,4 @@
-"""``opsched multi``: several models as one fused, scheduled, verified program (see :func:`opsched.jobs.multi`
+"""``opsched multi``: several models as one fused, scheduled, verified program (see :func:`opsched.jobs.optimize_batch`
 and docs/multi.md)."""
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from opsched.progress import say
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from opsched.jobs import check_options
-    from opsched.jobs import multi as optimize_batch
+    from opsched.jobs import check_options, optimize_batch
     from opsched.multi.load import load_command_batch, load_record
     from opsched.multi.optimize import MULTI_PEERS
 
