@@ -1,7 +1,8 @@
 """Reliability of ``opsched map`` and mapped plans (issue 14), at a size for the unit tests: random platforms,
 mapping DAGs and hand-edited mapped plans through the command line, Ctrl-C during a MILP solve, the time limit,
 and a mapped plan's module under load and soak. The long runs and their figures are
-``python benchmarks/reliability.py --only fuzz-platforms ...`` (docs/reliability.md); the helpers live in tests/support."""
+``python benchmarks/reliability.py --only fuzz-platforms ...`` (docs/reliability.md); the helpers live in
+tests/support."""
 
 import importlib
 import json
@@ -54,8 +55,8 @@ def test_random_platforms_through_the_executable(tmp_path, seed):
 def _map_onto(directory: Path, platform: dict, method: str = "heft", dag: dict | None = None):
     (directory / "p.json").write_text(json.dumps(platform))
     (directory / "g.json").write_text(json.dumps(dag or map_trials.PLATFORM_DAG))
-    return map_trials.cli(["map", str(directory / "g.json"), "--platform", str(directory / "p.json"), "--method", method,
-                    "--time-limit", "1", "--json"])
+    return map_trials.cli(["map", str(directory / "g.json"), "--platform", str(directory / "p.json"),
+                           "--method", method, "--time-limit", "1", "--json"])
 
 
 TWO = [{"name": "x"}, {"name": "y"}]
@@ -198,8 +199,8 @@ def test_a_plan_that_does_not_fit_on_the_disk_leaves_the_old_one_whole(tmp_path)
     out = tmp_path / "plan.json"
     code, _, err = _map_onto(tmp_path, {"devices": TWO, "links": {"default": {"bandwidth": 1}}})
     assert code == 0, err
-    code, _, err = map_trials.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"), "--method", "heft",
-                            "--out", str(out)])
+    code, _, err = map_trials.cli(["map", str(tmp_path / "g.json"), "--platform", str(tmp_path / "p.json"),
+                                   "--method", "heft", "--out", str(out)])
     assert code == 0, err
     before = out.read_bytes()
     limit = len(before) + 4096  # the 40-unit plan is far larger

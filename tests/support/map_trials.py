@@ -476,7 +476,8 @@ def map_interrupt_trial(directory: Path, method: str, delay: float, time_limit: 
     :func:`chained_mapping_problem`, so that the signal finds it solving) and send SIGINT after ``delay`` seconds.
     Check: exit 130 with the one line ``opsched: interrupted`` (or 0 with its JSON when it finished first), no
     traceback, ``--out`` absent or a complete plan, no process of its session left, and how soon it stopped."""
-    dag, platform = chained_mapping_problem(directory) if method == "milp-split" else big_mapping_problem(directory, units)
+    dag, platform = (chained_mapping_problem(directory) if method == "milp-split"
+                     else big_mapping_problem(directory, units))
     out = directory / f"plan-{time.monotonic_ns()}.json"
     # --quiet: the trial checks what the interrupt is reported as, not MILP-SPLIT's progress lines before it
     argv = [sys.executable, "-m", "opsched", "map", str(dag), "--platform", str(platform), "--method", method,
