@@ -1,5 +1,6 @@
 """One Python call per job, returning what its command reports: ``opsched.optimize`` (one model),
-``opsched.optimize_batch`` (a model batch: ``opsched.multi`` is the package it builds on) and ``opsched.map`` (a model mapped onto several devices).
+``opsched.optimize_batch`` (a model batch: ``opsched.multi`` is the package it builds on) and ``opsched.map``
+(a model mapped onto several devices).
 
 Each goes the one way every command goes (see :mod:`opsched.pipeline`): cost -> search -> compile ->
 evaluate (verify against the model's own outputs, time interleaved with the peers, choose the fastest), and
@@ -148,8 +149,9 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
 
     On a platform whose devices are all real, with a PyTorch model, the mapped plan is compiled onto its
     devices, verified against the model and timed interleaved with eager and with every device alone (the
-    single-device configurations); the fastest verified one is ``chosen`` and the plan records it. Elsewhere the figures are the
-    replay's prediction (simulated, or a DAG JSON graph's own latencies) and nothing runs."""
+    single-device configurations); the fastest verified one is ``chosen`` and the plan records it. Elsewhere
+    the figures are the replay's prediction (simulated, or a DAG JSON graph's own latencies) and nothing
+    runs."""
     import torch
 
     from opsched.graph.ir import Graph

@@ -33,7 +33,8 @@ from opsched.schedule import Schedule, validate
 class OptimizedModule(torch.nn.Module):
     """Runs ``graph`` as ``schedule`` says: on the CPU with ``cores`` intra-op threads to share between the
     streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
-    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices. Inputs and outputs are structured as the model's.
+    replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices.
+    Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
     replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
     (:mod:`opsched.runtime.regions`)."""

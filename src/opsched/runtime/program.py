@@ -1,10 +1,11 @@
 """Compile a Schedule into a StreamProgram: for each stream, the steps it runs in order.
 
-A step runs units (one unit, or the units of a merge stage as one operator), records an event, or waits
-for one. :func:`lower` makes each run step a :class:`Call` (the callable of its units and the slots it reads,
-writes and releases), the one step type every executor reads. Values live in slots: the graph's inputs first, then one slot per unit. A run step also says
-which slots it releases once it is done, so that a backend frees every intermediate tensor as soon as its
-last reader has run; a slot read on several streams is released by whichever reader finishes last.
+A step runs units (one unit, or the units of a merge stage as one operator), records an event, or waits for
+one. :func:`lower` makes each run step a :class:`Call` (the callable of its units and the slots it reads,
+writes and releases), the one step type every executor reads. Values live in slots: the graph's inputs first,
+then one slot per unit. A run step also says which slots it releases once it is done, so that a backend frees
+every intermediate tensor as soon as its last reader has run; a slot read on several streams is released by
+whichever reader finishes last.
 
 - A staged schedule puts group ``i`` of each stage on stream ``i`` and joins the streams between stages
   through stream 0: each other stream records an event at the end of its group and stream 0 waits for
@@ -16,9 +17,9 @@ last reader has run; a slot read on several streams is released by whichever rea
   producer's stream records one event, each reading stream waits at most once.
 
 The program says how many intra-op threads each run step uses, which the CPU backend applies inside each
-worker thread: in a staged schedule ``cores`` are shared by the groups of a stage; in a stream schedule
-by the streams whose predicted timelines overlap the unit's (a unit that runs alone gets every core), or,
-for a schedule mapped onto devices, the threads of the unit's device (its ``devices`` section).
+worker thread: in a staged schedule ``cores`` are shared by the groups of a stage; in a stream schedule by the
+streams whose predicted timelines overlap the unit's (a unit that runs alone gets every core), or, for a
+schedule mapped onto devices, the threads of the unit's device (its ``devices`` section).
 
 >>> from opsched.graph.ir import Graph, Node
 >>> from opsched.cost.table import TableCost

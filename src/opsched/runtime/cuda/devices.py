@@ -1,12 +1,12 @@
-"""The several-device runtime of plans mapped onto devices. Several devices (:class:`DevicesExecutor`, for plans mapped onto devices): each program stream runs on one
-device, the host or CUDA device N, driven by a thread of its own. A host stream computes, with its steps'
-intra-op threads; a CUDA stream queues its units on a stream of its device, their weights copied there once,
-when the executor is made, on that stream (so no other stream ever reads memory it allocated). ``record`` sets
-a host event (the waiting thread blocks until the recording one got there) and, on a CUDA stream, records a
-CUDA event too; on ``wait``, a CUDA stream waits on the recorder's CUDA event on the device (a stream may wait
-on another device's event), and a host stream synchronises with it, so that the host knows finished whatever
-the recorder had queued or waited for (and so does every stream that later waits on the host stream). A value
-read on another device is copied there once per call and device, when it is first read:
+"""The several-device runtime of plans mapped onto devices (:class:`DevicesExecutor`): each program stream runs on
+one device, the host or CUDA device N, driven by a thread of its own. A host stream computes, with its steps'
+intra-op threads; a CUDA stream queues its units on a stream of its device, their weights copied there once, when
+the executor is made, on that stream (so no other stream ever reads memory it allocated). ``record`` sets a host
+event (the waiting thread blocks until the recording one got there) and, on a CUDA stream, records a CUDA event
+too; on ``wait``, a CUDA stream waits on the recorder's CUDA event on the device (a stream may wait on another
+device's event), and a host stream synchronises with it, so that the host knows finished whatever the recorder had
+queued or waited for (and so does every stream that later waits on the host stream). A value read on another
+device is copied there once per call and device, when it is first read:
 - onto a CUDA device with ``.to(device, non_blocking=True)`` on the reading stream, which already waited for
   the maker, the source then marked with ``record_stream`` for the reading stream: the source was allocated
   on the maker's stream, and the allocator would otherwise reuse it once the host drops it. (PyTorch runs a
@@ -151,7 +151,8 @@ class DevicesCall:
         device = self.executor.devices[k]
         try:
             with torch.inference_mode(), \
-                    (self.cuda.use_stream(self.executor._streams[k]) if device is not None else contextlib.nullcontext()):
+                    (self.cuda.use_stream(self.executor._streams[k]) if device is not None
+                     else contextlib.nullcontext()):
                 self._run_steps(k, device)
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             with self.lock:
