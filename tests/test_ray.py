@@ -190,3 +190,22 @@ def test_engine_ray_runs_only_mapped_plans(plan_file, tmp_path, capsys):
     plain.write_text(json.dumps(doc))
     assert main(["run", MODEL, "--image-size", SIZE, "--plan", str(plain), "--engine", "ray"]) == 2
     assert "mapped plan" in _one_line(capsys.readouterr().err)
+
+
+def test_segments_are_cut_from_the_lowered_program():
+    # needs no Ray: a device's run steps cut where a value arrives from another device and where one leaves
+    from opsched.cost.table import TableCost
+    from opsched.graph.ir import Graph, Node
+    from opsched.runtime.lowered import lower
+    from opsched.runtime.program import compile_program
+    from opsched.runtime.ray import Segment, cut_segments
+    from opsched.schedule import from_streams
+
+    g = Graph([Node("a", args=("x",), latency=1.0), Node("b", args=("x",), latency=1.0),
+               Node("c", args=("a", "b"), latency=1.0)], inputs=["x"])
+    program = compile_program(from_streams(g, TableCost(g), "t", [[0, 2], [1]]), g)
+    segments = cut_segments(lower(program, lambda nodes, threads: None))
+    # slots: x 0, a 1, b 2, c 3; b crosses from device 1 to device 0, c returns to the caller
+    assert segments == [Segment(0, 0, (0,), (0,), ()), Segment(1, 0, (0,), (0,), (2,)),
+                        Segment(0, 1, (1,), (2,), (3,))]
+    assert cut_segments(program) == segments  # the benchmark cuts the program itself

@@ -1,5 +1,6 @@
 """The runtime: StreamPrograms, the CPU executor, operator merge, and compiled modules that verify."""
 
+import dataclasses
 import os
 import sys
 import threading
@@ -10,16 +11,18 @@ import torch
 
 from opsched.cost.simulate import SimulatedGPU
 from opsched.cost.table import TableCost
-from opsched.errors import VerificationError
+from opsched.errors import OpschedError, VerificationError
 from opsched.evaluation import verify
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.models import load_model
+from opsched.runtime import make_executor
 from opsched.runtime.cpu import CPUExecutor, UnitFailed
 from opsched.runtime.kernels import unit_operator
+from opsched.runtime.lowered import Call, LoweredProgram, lower
 from opsched.runtime.merge import MergeError, merged_operator
 from opsched.runtime.module import OptimizedModule, compile
-from opsched.runtime.program import Record, Run, Wait, compile_program
+from opsched.runtime.program import Record, Run, Wait, compile_program, staged_program
 from opsched.schedule import DevicesSection, from_stages, from_streams
 from opsched.schedulers import make_schedule
 
@@ -285,24 +288,67 @@ def test_a_device_with_no_units_does_not_shift_the_threads_of_the_next():
     assert threads == {"a": 1, "b": 1, "c": 3, "d": 1}
 
 
-def test_every_executor_reads_one_lowered_step_type():
-    from opsched.runtime import make_executor
-    from opsched.runtime.program import Call, lower
+def _names(nodes, threads):
+    """An operator whose callable is what it was asked for, so that lowered steps compare by value."""
+    return tuple(n.name for n in nodes), threads
 
+
+def test_lowering_a_staged_program_makes_calls_records_and_waits():
+    g = diamond()
+    s = from_stages(g, TableCost(g), "t", [("concurrent", [[0]]), ("concurrent", [[1], [2]]), ("concurrent", [[3]])])
+    lowered = lower(compile_program(s, g, cores=2), _names)
+    # slots: x 0, a 1, b 2, c 3, d 4; a is read on both streams, so each releases it once
+    assert lowered == LoweredProgram(
+        streams=((Call((("a",), 2), reads=(0,), writes=(1,), release=(), threads=2, units=(0,), name="a"),
+                  Record(0),
+                  Call((("b",), 1), reads=(1,), writes=(2,), release=(1,), threads=1, units=(1,), name="b"),
+                  Wait(1),
+                  Call((("d",), 2), reads=(2, 3), writes=(4,), release=(2, 3), threads=2, units=(3,), name="d")),
+                 (Wait(0),
+                  Call((("c",), 1), reads=(1,), writes=(3,), release=(1,), threads=1, units=(2,), name="c"),
+                  Record(1))),
+        events=2, inputs=1, slots=5, readers=(0, 2, 1, 1, 0), outputs=(4,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        lowered.streams[0][0].release = ()
+    merged = lower(staged_program(g, [("concurrent", [[0]]), ("merge", [[1], [2]]), ("concurrent", [[3]])], cores=2),
+                   _names)
+    assert merged.calls(0)[1] == Call((("b", "c"), 2), reads=(1,), writes=(2, 3), release=(1,), threads=2,
+                                      units=(1, 2), name="b+c")
+
+
+def _exp_neg_add() -> Graph:
     g = Graph([Node("a", args=("x",), run=torch.exp), Node("b", args=("x",), run=torch.neg),
                Node("c", args=("a", "b"), run=torch.add)], inputs=["x"])
     for n in g.nodes:
         n.latency = 1.0
+    return g
+
+
+def test_lowering_a_stream_program_makes_calls_records_and_waits():
+    g = _exp_neg_add()
+    lowered = lower(compile_program(from_streams(g, TableCost(g), "t", [[0, 2], [1]]), g, cores=1), _names)
+    assert lowered == LoweredProgram(
+        streams=((Call((("a",), 1), reads=(0,), writes=(1,), release=(), threads=1, units=(0,), name="a"),
+                  Wait(0),
+                  Call((("c",), 1), reads=(1, 2), writes=(3,), release=(1, 2), threads=1, units=(2,), name="c")),
+                 (Call((("b",), 1), reads=(0,), writes=(2,), release=(), threads=1, units=(1,), name="b"),
+                  Record(0))),
+        events=1, inputs=1, slots=4, readers=(0, 1, 1, 0), outputs=(3,))
+    with pytest.raises(ValueError, match="the program takes 1 inputs, got 2"):
+        lowered.start([1, 2])
+
+
+def test_make_executor_with_a_cpu_thread_per_stream_is_the_cpu_executor():
+    g = _exp_neg_add()
     program = compile_program(from_streams(g, TableCost(g), "t", [[0, 2], [1]]), g, cores=2)
-    lowered = lower(program, unit_operator)
-    calls = [step for steps in lowered for step in steps if isinstance(step, Call)]
-    assert sorted((c.name, c.reads, c.writes) for c in calls) == [("a", (0,), (1,)), ("b", (0,), (2,)),
-                                                                  ("c", (1, 2), (3,))]
-    assert [type(step).__name__ for step in lowered[0]] == ["Call", "Wait", "Call"]
-    assert [type(step).__name__ for step in lowered[1]] == ["Call", "Record"]
     x = torch.randn(4)
-    executor = make_executor(program, unit_operator, [None, None])  # a device per stream, all CPU threads
-    assert isinstance(executor, CPUExecutor)
+    by_stream = make_executor(program, unit_operator, [None, None])  # a device per stream, all CPU threads
+    by_name = make_executor(program, unit_operator, "cpu")
+    assert isinstance(by_stream, CPUExecutor)
     with torch.inference_mode():
-        assert torch.allclose(executor(x)[0], x.exp() - x)
-    executor.close()
+        assert torch.equal(by_stream(x)[0], by_name(x)[0])
+        assert torch.allclose(by_stream(x)[0], x.exp() - x)
+    by_stream.close()
+    by_name.close()
+    with pytest.raises(OpschedError, match="the program has 2 streams, but 3 devices were given"):
+        make_executor(program, unit_operator, [None, None, None])

@@ -1,5 +1,6 @@
-"""The runtime: schedules compiled to StreamPrograms, lowered to one step type (:func:`opsched.runtime.program.lower`)
-and run by a backend: CPU threads, one GPU's streams (or a CUDA graph), several devices, Ray actors."""
+"""The runtime: schedules compiled to StreamPrograms (:mod:`~opsched.runtime.program`), lowered to one step type
+(:func:`opsched.runtime.lowered.lower`) and run by a backend: CPU threads, one GPU's streams (or a CUDA graph),
+several devices, Ray actors."""
 
 from __future__ import annotations
 

@@ -36,21 +36,10 @@ from typing import Any
 import torch
 
 from opsched.runtime.kernels import Operator
-from opsched.runtime.program import Call, Record, StreamProgram, lower
+from opsched.runtime.lowered import Call, LoweredProgram, Record, Remaining, StreamFailed, UnitFailed, lower
+from opsched.runtime.program import StreamProgram
 
-
-class StreamFailed(RuntimeError):
-    """Another stream failed; this one stopped."""
-
-
-class UnitFailed(RuntimeError):
-    """A unit raised while the program ran; ``unit`` names it (the units of a merge, joined by ``+``) and the
-    original exception is the ``__cause__``."""
-
-    def __init__(self, unit: str, error: Exception):
-        lines = str(error).strip().splitlines()
-        super().__init__(f"unit {unit!r} failed: {type(error).__name__}" + (f": {lines[0]}" if lines else ""))
-        self.unit = unit
+__all__ = ["CPUExecutor", "StreamFailed", "ThreadedCall", "UnitFailed", "end_pool", "wait_until_gone"]
 
 
 class CPUExecutor:
@@ -60,12 +49,7 @@ class CPUExecutor:
 
     def __init__(self, program: StreamProgram, operator: Operator):
         self.program = program
-        graph = program.graph
-        self._slots = len(graph.inputs) + len(graph)
-        self._inputs = len(graph.inputs)
-        self._readers = program.readers
-        self._outputs = program.outputs
-        self._steps = lower(program, operator)
+        self.lowered = lower(program, operator)
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None
@@ -74,27 +58,27 @@ class CPUExecutor:
         """Run the program on the flat list of graph inputs; return the graph's flat outputs. With
         ``record_timeline``, ``self.timeline`` then holds (stream, units, start, finish) in seconds from the
         start of the call."""
-        if len(inputs) != self._inputs:
-            raise ValueError(f"the program takes {self._inputs} inputs, got {len(inputs)}")
+        values = self.lowered.start(inputs)
+        streams = len(self.lowered.streams)
         with self._lock:
-            while len(self._workers) < len(self._steps) - 1:
+            while len(self._workers) < streams - 1:
                 self._workers.append(_Worker())
-            call = _Call(self, inputs, record_timeline)
-            for k, worker in enumerate(self._workers[:len(self._steps) - 1], 1):
+            call = _Call(self, values, record_timeline)
+            for k, worker in enumerate(self._workers[:streams - 1], 1):
                 worker.submit(call, k)
             caller_threads = torch.get_num_threads()
             try:
                 call.run_stream(0)
             finally:
                 torch.set_num_threads(caller_threads)
-            for k in range(1, len(self._steps)):
+            for k in range(1, streams):
                 call.finished[k].wait()
             self._retire_wide_workers(call)
             if call.error is not None:
                 raise call.error
             if record_timeline:
                 self.timeline = sorted(call.timeline, key=lambda t: t[2])
-            return [call.values[s] for s in self._outputs]
+            return [values[s] for s in self.lowered.outputs]
 
     def _retire_wide_workers(self, call: _Call) -> None:
         """End every worker that ran a step on several threads in ``call`` (see the module's docstring), and
@@ -118,25 +102,46 @@ class CPUExecutor:
                 worker.join()
 
     def __del__(self) -> None:
-        # Collected: no call can be in progress. Only signal the workers; this may run on one of them (the last
-        # reference to a call, and through it to this executor, can be dropped there), which cannot join itself.
+        # Collected: no call can be in progress. Only signal the workers; this may run on one of them (the cyclic
+        # garbage collector runs on whichever thread allocates when it is due), which cannot join itself.
         for worker in getattr(self, "_workers", []):  # absent when __init__ failed
             worker.stop()
 
 
-class _Call:
-    """The state of one execution of a program."""
+class ThreadedCall:
+    """What one call of a program shares between the threads that run its streams: the slots' values, their
+    releases, a host event per program event, and the first error, which stops every stream."""
 
-    def __init__(self, executor: CPUExecutor, inputs: Sequence[Any], record_timeline: bool):
-        self.executor = executor
-        self.values: list[Any] = [None] * executor._slots
-        self.values[:len(inputs)] = inputs
-        self.remaining = list(executor._readers)
-        self.events = [threading.Event() for _ in range(executor.program.events)]
-        self.finished = [threading.Event() for _ in executor._steps]
-        self.wide = [False] * len(executor._steps)  # ran a step on more than one thread
+    def __init__(self, lowered: LoweredProgram, values: list[Any]):
+        self.values = values
+        self.remaining = Remaining(lowered)
+        self.events = [threading.Event() for _ in range(lowered.events)]
+        self.wide = [False] * len(lowered.streams)  # per stream: ran a step on more than one CPU thread
         self.lock = threading.Lock()
         self.error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Keep the call's first error, and set every event: no stream waits forever on one that stopped."""
+        with self.lock:
+            if self.error is None:
+                self.error = error
+        for event in self.events:
+            event.set()
+
+    def use_threads(self, k: int, threads: int) -> int:
+        """Give the next steps of stream ``k``, running on this thread, ``threads`` intra-op threads."""
+        torch.set_num_threads(threads)
+        self.wide[k] = self.wide[k] or threads > 1
+        return threads
+
+
+class _Call(ThreadedCall):
+    """The state of one execution of a program."""
+
+    def __init__(self, executor: CPUExecutor, values: list[Any], record_timeline: bool):
+        super().__init__(executor.lowered, values)
+        self.steps = executor.lowered.streams
+        self.finished = [threading.Event() for _ in self.steps]
         self.timeline: list | None = [] if record_timeline else None
         self.started = time.perf_counter()
 
@@ -145,25 +150,20 @@ class _Call:
             with torch.inference_mode():  # thread-local: each worker sets it for itself
                 self._run_steps(k)
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            with self.lock:
-                if self.error is None:
-                    self.error = e
-            for event in self.events:
-                event.set()
+            self.fail(e)
         finally:
             self.finished[k].set()
 
     def _run_steps(self, k: int) -> None:
         values, events, remaining = self.values, self.events, self.remaining
+        counts = remaining.counts
         threads_now = -1
-        for step in self.executor._steps[k]:
+        for step in self.steps[k]:
             if type(step) is Call:
                 if self.error is not None:  # another stream failed: the call's result is lost, stop now
                     raise StreamFailed("another stream failed")
                 if step.threads != threads_now:
-                    threads_now = step.threads
-                    torch.set_num_threads(threads_now)
-                    self.wide[k] = self.wide[k] or threads_now > 1
+                    threads_now = self.use_threads(k, step.threads)
                 began = time.perf_counter() if self.timeline is not None else 0.0
                 try:
                     result = step.fn(*[values[a] for a in step.reads])
@@ -173,12 +173,8 @@ class _Call:
                     self.timeline.append((k, step.units, began - self.started, time.perf_counter() - self.started))
                 step.store(values, result)
                 for slot in step.release:
-                    if remaining[slot] > 1:
-                        with self.lock:
-                            remaining[slot] -= 1
-                            if remaining[slot]:
-                                continue
-                    values[slot] = None
+                    if counts[slot] == 1 or remaining.last(slot):
+                        values[slot] = None
             elif type(step) is Record:
                 events[step.event].set()
             else:
@@ -216,8 +212,8 @@ class _Worker:
         while (item := self._queue.get()) is not None:
             call, stream = item
             call.run_stream(stream)
-            # A call refers to its executor: held here while waiting for the next one, it would keep the
-            # executor, and so this thread, alive after its module was dropped.
+            # A call holds its values and steps (whose callables hold the units): held here while waiting for the
+            # next one, it would keep them alive after the call returned, and after its module was dropped.
             del item, call
 
 

@@ -1,11 +1,10 @@
 """Compile a Schedule into a StreamProgram: for each stream, the steps it runs in order.
 
 A step runs units (one unit, or the units of a merge stage as one operator), records an event, or waits for
-one. :func:`lower` makes each run step a :class:`Call` (the callable of its units and the slots it reads,
-writes and releases), the one step type every executor reads. Values live in slots: the graph's inputs first,
-then one slot per unit. A run step also says which slots it releases once it is done, so that a backend frees
-every intermediate tensor as soon as its last reader has run; a slot read on several streams is released by
-whichever reader finishes last.
+one; executors run the program lowered (:mod:`opsched.runtime.lowered`). Values live in slots: the graph's
+inputs first, then one slot per unit. A run step also says which slots it releases once it is done, so that a
+backend frees every intermediate tensor as soon as its last reader has run; a slot read on several streams is
+released by whichever reader finishes last.
 
 - A staged schedule puts group ``i`` of each stage on stream ``i`` and joins the streams between stages
   through stream 0: each other stream records an event at the end of its group and stream 0 waits for
@@ -36,11 +35,10 @@ schedule mapped onto devices, the threads of the unit's device (its ``devices`` 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from opsched.graph.ir import Graph, Node, indices
+from opsched.graph.ir import Graph, indices
 from opsched.schedule import Schedule, ScheduleError, validate
 
 
@@ -74,61 +72,6 @@ class Wait:
 Step = Run | Record | Wait
 
 
-@dataclass(frozen=True)
-class Call:
-    """A run step lowered for an executor: ``fn`` called on the values of the slots ``reads`` gives the values
-    of ``writes`` (one, or one per unit of a merge); ``release`` are the slots it is the (or a) last reader of,
-    ``threads`` its intra-op threads, ``units`` and ``name`` what it runs (for timelines and errors)."""
-
-    fn: Callable[..., Any]
-    reads: tuple[int, ...]
-    writes: tuple[int, ...]
-    release: tuple[int, ...]
-    threads: int
-    units: tuple[int, ...]
-    name: str
-
-    def store(self, values: list, result: Any) -> None:
-        """Put the result in its slots: one value, or one per unit of a merge."""
-        store_outputs(values, self.writes, result)
-
-
-Lowered = Call | Record | Wait
-
-
-def lower(program: StreamProgram, operator: Callable[[list[Node], int], Any],
-          place: Callable[[int, list[Node]], list[Node]] | None = None) -> list[list[Lowered]]:
-    """Each stream's steps with every :class:`Run` made a :class:`Call`, the one step type every executor reads
-    (CPU threads, CUDA streams and graphs, several devices, Ray actors): ``operator(nodes, threads)`` makes the
-    callable of a run step's units, after ``place(stream, nodes)``, when given, put them where that stream runs
-    (their weights on its CUDA device, say).
-
-    >>> from opsched.graph.ir import Graph, Node
-    >>> from opsched.cost.table import TableCost
-    >>> from opsched.schedule import from_stages
-    >>> g = Graph([Node("a", args=("x",), latency=1.0), Node("b", args=("a",), latency=1.0)], inputs=["x"])
-    >>> p = compile_program(from_stages(g, TableCost(g), "demo", [("concurrent", [[0]]), ("concurrent", [[1]])]), g)
-    >>> [(c.name, c.reads, c.writes, c.release) for c in lower(p, lambda nodes, threads: None)[0]]
-    [('a', (0,), (1,), ()), ('b', (1,), (2,), (1,))]
-    """
-    graph = program.graph
-    lowered: list[list[Lowered]] = []
-    for k, steps in enumerate(program.streams):
-        out: list[Lowered] = []
-        for s in steps:
-            if not isinstance(s, Run):
-                out.append(s)
-                continue
-            nodes = [graph.nodes[u] for u in s.units]
-            if place is not None:
-                nodes = place(k, nodes)
-            out.append(Call(operator(nodes, s.threads), tuple(program.slot(a) for a in nodes[0].args),
-                            tuple(len(graph.inputs) + u for u in s.units), s.release, s.threads, s.units,
-                            "+".join(n.name for n in nodes)))
-        lowered.append(out)
-    return lowered
-
-
 @dataclass
 class StreamProgram:
     graph: Graph
@@ -150,15 +93,6 @@ class StreamProgram:
     def describe(self) -> list[list[str]]:
         """Each stream's steps as text."""
         return [[s.describe(self.graph) for s in steps] for steps in self.streams]
-
-
-def store_outputs(values: list, slots: Sequence[int], result: object) -> None:
-    """Put a run step's result in its slots: one value, or one per unit of a merge."""
-    if len(slots) == 1:
-        values[slots[0]] = result
-    else:
-        for slot, value in zip(slots, result):
-            values[slot] = value
 
 
 def compile_program(schedule: Schedule, graph: Graph, cores: int = 1) -> StreamProgram:

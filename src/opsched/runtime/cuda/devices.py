@@ -32,10 +32,11 @@ from typing import Any
 
 import torch
 
-from opsched.runtime.cpu import StreamFailed, UnitFailed, end_pool
+from opsched.runtime.cpu import ThreadedCall, end_pool
 from opsched.runtime.cuda.api import CudaApi, CudaError, current_api
 from opsched.runtime.kernels import Operator
-from opsched.runtime.program import Call, Record, StreamProgram, Wait, lower
+from opsched.runtime.lowered import Call, Record, StreamFailed, UnitFailed, Wait, lower
+from opsched.runtime.program import StreamProgram
 
 
 class DevicesExecutor:
@@ -57,14 +58,13 @@ class DevicesExecutor:
             raise CudaError(f"the program runs on cuda:{beyond[0]}, but PyTorch sees {count} CUDA device(s)")
         self.program = program
         self.devices = list(devices)
-        g = program.graph
-        self._inputs = len(g.inputs)
         self._streams = [None if d is None else self.cuda.new_stream(d) for d in devices]
-        self._made_on = [-1] * (self._inputs + len(g))  # the stream making each slot; -1: the caller, on the host
-        self._steps = lower(program, operator, self._place)
-        self._recorded_on = {s.event: k for k, steps in enumerate(self._steps) for s in steps if type(s) is Record}
+        self.lowered = lower(program, operator, self._place)
+        self._made_on = [-1] * self.lowered.slots  # the stream making each slot; -1: the caller, on the host
+        self._recorded_on = {s.event: k for k, steps in enumerate(self.lowered.streams) for s in steps
+                             if type(s) is Record}
         read_on_host: set[int] = set()
-        for k, steps in enumerate(self._steps):
+        for k, steps in enumerate(self.lowered.streams):
             for c in steps:
                 if type(c) is Call:
                     for slot in c.writes:
@@ -93,19 +93,19 @@ class DevicesExecutor:
         return None if maker < 0 else self.devices[maker]
 
     def __call__(self, *inputs: Any, record_timeline: bool = False) -> list[Any]:
-        if len(inputs) != self._inputs:
-            raise ValueError(f"the program takes {self._inputs} inputs, got {len(inputs)}")
+        values = self.lowered.start(inputs)
         if record_timeline:
             raise CudaError("a program on several devices records no per-unit timeline")
         if any(isinstance(x, torch.Tensor) and x.device.type == "cuda" for x in inputs):
             raise CudaError("a program on several devices takes its inputs on the host and moves them itself")
         with self._lock:  # a call's streams run on the shared worker threads, one call at a time
-            if self._workers is None and len(self._steps) > 1:
+            streams = len(self.lowered.streams)
+            if self._workers is None and streams > 1:
                 # torch.get_num_threads: PyTorch's first-use count setting, done before the steps set theirs
-                self._workers = ThreadPoolExecutor(len(self._steps) - 1, thread_name_prefix="opsched-device",
+                self._workers = ThreadPoolExecutor(streams - 1, thread_name_prefix="opsched-device",
                                                    initializer=torch.get_num_threads)
-            call = DevicesCall(self, inputs)
-            others = [self._workers.submit(call.run_stream, k) for k in range(1, len(self._steps))]
+            call = DevicesCall(self, values)
+            others = [self._workers.submit(call.run_stream, k) for k in range(1, streams)]
             caller_threads = torch.get_num_threads()
             try:
                 call.run_stream(0)
@@ -128,24 +128,18 @@ class DevicesExecutor:
             workers.shutdown()
 
 
-class DevicesCall:
+class DevicesCall(ThreadedCall):
     """One execution of a :class:`DevicesExecutor`'s program: the values as made, their copies on other
-    devices, and the events."""
+    devices, and the events (``events``, the host's: the recorder got there; ``cuda_events``, the CUDA streams')."""
 
-    def __init__(self, executor: DevicesExecutor, inputs: Sequence[Any]):
+    def __init__(self, executor: DevicesExecutor, values: list[Any]):
+        super().__init__(executor.lowered, values)
         self.executor = executor
         self.cuda = executor.cuda
-        self.values: list[Any] = [None] * len(executor._made_on)
-        self.values[:len(inputs)] = inputs
         self.on_host: dict[int, Any] = {}  # copies to the host of values made on a CUDA device
-        self.copies: list[dict[int, Any]] = [{} for _ in executor._steps]  # per stream: the values it read, there
-        self.remaining = list(executor.program.readers)
-        self.reached = [threading.Event() for _ in range(executor.program.events)]
-        self.events = {e: self.cuda.new_event() for e, k in executor._recorded_on.items()  # the CUDA streams' events
-                       if executor.devices[k] is not None}
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None
-        self.wide = [False] * len(executor._steps)  # per stream: ran a step on more than one CPU thread
+        self.copies: list[dict[int, Any]] = [{} for _ in executor.lowered.streams]  # per stream: what it read, there
+        self.cuda_events = {e: self.cuda.new_event() for e, k in executor._recorded_on.items()
+                            if executor.devices[k] is not None}
 
     def run_stream(self, k: int) -> None:
         device = self.executor.devices[k]
@@ -155,24 +149,18 @@ class DevicesCall:
                      else contextlib.nullcontext()):
                 self._run_steps(k, device)
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            with self.lock:
-                if self.error is None:
-                    self.error = e
-            for reached in self.reached:  # no stream waits forever on one that stopped
-                reached.set()
+            self.fail(e)
 
     def _run_steps(self, k: int, device: int | None) -> None:
         cuda, values, stream = self.cuda, self.values, self.executor._streams[k]
         threads_now = -1
-        for step in self.executor._steps[k]:
+        for step in self.executor.lowered.streams[k]:
             if self.error is not None:  # the call's result is lost: stop now
                 raise StreamFailed("another stream failed")
             if type(step) is Call:
                 if device is None and step.threads != threads_now:
-                    threads_now = step.threads
-                    torch.set_num_threads(threads_now)
-                    self.wide[k] = self.wide[k] or threads_now > 1
-                try:
+                    threads_now = self.use_threads(k, step.threads)
+                try:  # a failing copy of an input to this device is reported as the unit's failure
                     result = step.fn(*[self._value(slot, k, device) for slot in step.reads])
                 except Exception as e:
                     raise UnitFailed(step.name, e) from e
@@ -182,23 +170,20 @@ class DevicesCall:
                         self.on_host[slot] = cuda.to(values[slot], None)
                 for slot in step.release:
                     self.copies[k].pop(slot, None)
-                    with self.lock:
-                        self.remaining[slot] -= 1
-                        last = self.remaining[slot] == 0
-                    if last:
+                    if self.remaining.counts[slot] == 1 or self.remaining.last(slot):
                         values[slot] = None
                         self.on_host.pop(slot, None)
             elif type(step) is Record:
                 if device is not None:
-                    cuda.record(self.events[step.event], stream)
-                self.reached[step.event].set()
+                    cuda.record(self.cuda_events[step.event], stream)
+                self.events[step.event].set()
             else:
-                self.reached[step.event].wait()  # set by the recorder, or by a stream that failed
+                self.events[step.event].wait()  # set by the recorder, or by a stream that failed
                 if self.error is None and self.executor.devices[self.executor._recorded_on[step.event]] is not None:
                     if device is not None:
-                        cuda.wait(stream, self.events[step.event])
+                        cuda.wait(stream, self.cuda_events[step.event])
                     else:
-                        cuda.synchronize_event(self.events[step.event])
+                        cuda.synchronize_event(self.cuda_events[step.event])
 
     def _value(self, slot: int, k: int, device: int | None) -> Any:
         """The value of ``slot`` where stream ``k`` (on ``device``) reads it."""
@@ -231,4 +216,4 @@ class DevicesCall:
                 self.cuda.record(done, stream)
                 self.cuda.synchronize_event(done)
         return [self.on_host[slot] if slot in self.executor._to_host else self.values[slot]
-                for slot in self.executor.program.outputs]
+                for slot in self.executor.lowered.outputs]

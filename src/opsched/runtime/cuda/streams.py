@@ -43,7 +43,8 @@ import torch
 
 from opsched.runtime.cuda.api import CudaApi, CudaError, current_api
 from opsched.runtime.kernels import Operator
-from opsched.runtime.program import Call, Record, StreamProgram, Wait, lower
+from opsched.runtime.lowered import Call, Record, Remaining, Wait, lower
+from opsched.runtime.program import StreamProgram
 
 
 class StreamPerTask:
@@ -77,16 +78,13 @@ class CUDAExecutor:
         if not self.cuda.available():
             raise CudaError("CUDA is not available")
         self.program = program
-        g = program.graph
-        self._inputs = len(g.inputs)
-        self._slots = self._inputs + len(g)
+        self.lowered = lower(program, operator)
         self._streams: list[Any] = [None] + [self.cuda.new_stream() for _ in program.streams[1:]]
-        self._steps = lower(program, operator)
-        produced_on = {slot: k for k, steps in enumerate(self._steps) for c in steps if type(c) is Call
+        produced_on = {slot: k for k in range(len(program.streams)) for c in self.lowered.calls(k)
                        for slot in c.writes}
         # per run step, the inputs made on another stream (or by the caller, for side streams): record_stream
         self._foreign = [[tuple(a for a in c.reads if produced_on.get(a, 0) != k) if type(c) is Call else ()
-                          for c in steps] for k, steps in enumerate(self._steps)]
+                          for c in steps] for k, steps in enumerate(self.lowered.streams)]
         self._use_graph = graph
         self._graph: Any = None
         self._static_inputs: list[torch.Tensor] = []
@@ -94,10 +92,9 @@ class CUDAExecutor:
         self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None
 
     def __call__(self, *inputs: torch.Tensor, record_timeline: bool = False) -> list[Any]:
-        if len(inputs) != self._inputs:
-            raise ValueError(f"the program takes {self._inputs} inputs, got {len(inputs)}")
+        values = self.lowered.start(inputs)  # the count of inputs checked in either mode
         if not self._use_graph:
-            return self._launch(list(inputs), record_timeline)
+            return self._launch(values, record_timeline)
         if record_timeline:
             raise CudaError("a replayed CUDA graph has no per-unit timeline; record it without cuda_graph")
         if self._graph is None:
@@ -116,17 +113,16 @@ class CUDAExecutor:
         self.cuda.record(event, other)
         self.cuda.wait(stream, event)
 
-    def _launch(self, inputs: list[Any], record_timeline: bool, kept: list | None = None) -> list[Any]:
-        """Queue the program on the streams; while capturing a graph, ``kept`` receives every value, for
-        the caller to hold until capture has ended."""
+    def _launch(self, values: list[Any], record_timeline: bool, kept: list | None = None) -> list[Any]:
+        """Queue the program on the streams, ``values`` holding the inputs (see :meth:`LoweredProgram.start`);
+        while capturing a graph, ``kept`` receives every value, for the caller to hold until capture has
+        ended."""
         cuda = self.cuda
         capturing = kept is not None
         current = cuda.current_stream()
         streams = [current] + self._streams[1:]
-        values: list[Any] = [None] * self._slots
-        values[:len(inputs)] = inputs
-        remaining = list(self.program.readers)
-        events = [cuda.new_event() for _ in range(self.program.events)]
+        remaining = Remaining(self.lowered)
+        events = [cuda.new_event() for _ in range(self.lowered.events)]
         origin = None
         if record_timeline:
             origin = cuda.new_event(timing=True)
@@ -139,9 +135,9 @@ class CUDAExecutor:
             # stream has recorded yet, then the next stream is served; the device does the ordering.
             position = [0] * len(streams)
             recorded: set[int] = set()
-            while any(position[k] < len(self._steps[k]) for k in range(len(streams))):
+            while any(position[k] < len(steps) for k, steps in enumerate(self.lowered.streams)):
                 progressed = False
-                for k, steps in enumerate(self._steps):
+                for k, steps in enumerate(self.lowered.streams):
                     with cuda.use_stream(streams[k]):
                         while position[k] < len(steps):
                             step = steps[position[k]]
@@ -166,9 +162,8 @@ class CUDAExecutor:
                                     marks.append((k, step.units, began, ended))
                                 step.store(values, result)
                                 for slot in step.release:
-                                    remaining[slot] -= 1
-                                    # During capture every value stays alive until capture ends (see above).
-                                    if remaining[slot] == 0 and not capturing:
+                                    # during capture every value lives until capture ends (see above)
+                                    if (remaining.counts[slot] == 1 or remaining.last(slot)) and not capturing:
                                         values[slot] = None
                             position[k] += 1
                             progressed = True
@@ -182,7 +177,7 @@ class CUDAExecutor:
             cuda.synchronize()
             self.timeline = [(k, units, cuda.elapsed_ms(origin, b) / 1000.0, cuda.elapsed_ms(origin, e) / 1000.0)
                              for k, units, b, e in marks]
-        return [values[s] for s in self.program.outputs]
+        return [values[s] for s in self.lowered.outputs]
 
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
         """Capture the program into one CUDA graph with static inputs (after a warm-up on a side stream,
@@ -194,14 +189,14 @@ class CUDAExecutor:
         warmup = cuda.new_stream()
         self._after(warmup, caller)
         with cuda.use_stream(warmup):
-            self._launch(list(self._static_inputs), False)
+            self._launch(self.lowered.start(self._static_inputs), False)
         self._after(caller, warmup)
         graph = cuda.new_graph()
         kept: list = []
         with cuda.capture(graph):
             # Inside capture, the current stream is the capture stream: _launch forks the side streams from
             # it with an event and joins them back before capture ends.
-            self._static_outputs = self._launch(list(self._static_inputs), False, kept)
+            self._static_outputs = self._launch(self.lowered.start(self._static_inputs), False, kept)
         del kept  # every value lived until capture ended; their memory is the graph's now
         self._graph = graph
 

@@ -3,10 +3,9 @@
 A mapped plan (``opsched map``) is a stream-form Schedule whose stream d is device d. This engine creates one
 Ray actor per device that has units, pinned to the device's node through a custom resource the node declares,
 ``opsched_node:<node>`` (each actor takes :data:`NODE_SHARE` of it, and its device's ``threads`` CPUs). An actor
-holds the units of its device, made callable by the local engine's operator
-(:func:`opsched.runtime.kernels.unit_operator` over the Run steps of the plan's
-:class:`~opsched.runtime.program.StreamProgram`), and runs them in the plan's order with
-``torch.set_num_threads(threads)``.
+holds its device's run steps of the plan's lowered program (:mod:`opsched.runtime.lowered`), whose callables
+the local engine's operator (:func:`opsched.runtime.kernels.unit_operator`) makes there, and runs them in the
+plan's order with ``torch.set_num_threads(threads)``.
 
 A device's units are cut into *segments*: a segment starts at a unit that reads a value not yet on the device
 (from another device, or a graph input) and ends at a unit whose value another device or the caller reads. A
@@ -31,14 +30,14 @@ the ``[ray]`` extra.
 
 from opsched.runtime.ray.actors import DeviceWorker, RayModule, from_wire, to_wire
 from opsched.runtime.ray.cluster import (
-                                        ClusterError,
-                                        DeviceFailed,
-                                        RayUnavailable,
-                                        UnitError,
-                                        check_nodes,
-                                        import_ray,
-                                        probe,
-                                        ray_cluster,
+    ClusterError,
+    DeviceFailed,
+    RayUnavailable,
+    UnitError,
+    check_nodes,
+    import_ray,
+    probe,
+    ray_cluster,
 )
 from opsched.runtime.ray.segments import Segment, cut_segments
 

@@ -19,7 +19,8 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError
 from opsched.runtime.kernels import unit_operator
-from opsched.runtime.program import Call, compile_program, lower
+from opsched.runtime.lowered import Call, lower
+from opsched.runtime.program import compile_program
 from opsched.runtime.ray.cluster import (
     NODE_RESOURCE,
     NODE_SHARE,
@@ -177,10 +178,10 @@ class RayModule:
         used = sorted({o.stream for o in schedule.ops})  # program stream k is the k-th device with units
         self.devices = [every[d] for d in used]
         check_nodes(ray.cluster_resources(), [d.node for d in self.devices], "the connected Ray cluster")
-        program = compile_program(schedule, graph, max(d.threads for d in self.devices))
-        self.segments = cut_segments(program, per_unit)
-        self.inputs = len(graph.inputs)
-        self.outputs = program.outputs
+        lowered = lower(compile_program(schedule, graph, max(d.threads for d in self.devices)), ShippedUnits)
+        self.segments = cut_segments(lowered, per_unit)
+        self.inputs = lowered.inputs
+        self.outputs = lowered.outputs
         # what the actors return: each output a unit makes, once (an output may be a graph input, or repeated)
         self._returned = list(dict.fromkeys(slot for slot in self.outputs if slot >= self.inputs))
         # an input goes with the call that reads it (inline when small); one that several calls read is put in
@@ -190,9 +191,8 @@ class RayModule:
         self._graph: Any = None
         self.actors: list[Any] = []
         worker = ray.remote(DeviceWorker)
-        lowered = lower(program, ShippedUnits)
         for k, device in enumerate(self.devices):
-            steps = [c for c in lowered[k] if type(c) is Call]
+            steps = lowered.calls(k)
             read_here = {slot for c in steps for slot in c.reads}
             mine = sorted((s for s in self.segments if s.device == k), key=lambda s: s.position)
             specs = [(s.steps, s.imports, s.exports, tuple(e for e in s.exports if e not in read_here)) for s in mine]

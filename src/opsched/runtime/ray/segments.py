@@ -1,20 +1,20 @@
-"""A device's steps cut into segments, one remote call each (see :mod:`opsched.runtime.ray`)."""
+"""A device's lowered run steps cut into segments, one remote call each (see :mod:`opsched.runtime.ray`)."""
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Any
 
 from opsched.errors import OpschedError
-from opsched.runtime.program import Run
+from opsched.runtime.lowered import LoweredProgram, lower
+from opsched.runtime.program import StreamProgram
 
 
 @dataclass(frozen=True)
 class Segment:
-    """A run of one device's steps made by one remote call: ``steps`` index the device's Run steps,
-    ``position`` orders the device's segments; ``imports`` are the slots it receives (in argument order),
-    ``exports`` the slots it returns."""
+    """A run of one device's steps made by one remote call: ``steps`` index the device's run steps (its
+    :meth:`~opsched.runtime.lowered.LoweredProgram.calls`), ``position`` orders the device's segments;
+    ``imports`` are the slots it receives (in argument order), ``exports`` the slots it returns."""
 
     device: int
     position: int
@@ -23,19 +23,19 @@ class Segment:
     exports: tuple[int, ...]
 
 
-def cut_segments(program: Any, per_unit: bool = False) -> list[Segment]:
-    """Each stream's Run steps cut into segments (one per step with ``per_unit``, which the benchmark
+def cut_segments(program: LoweredProgram | StreamProgram, per_unit: bool = False) -> list[Segment]:
+    """Each stream's run steps cut into segments (one per step with ``per_unit``, which the benchmark
     compares), in an order in which every import is exported by an earlier segment (graph inputs come from
     the caller)."""
-    graph = program.graph
-    inputs = len(graph.inputs)
-    runs = [[s for s in steps if isinstance(s, Run)] for steps in program.streams]
-    producer = {inputs + u: k for k, steps in enumerate(runs) for s in steps for u in s.units}
+    if isinstance(program, StreamProgram):  # only the slots matter here: no callables are made
+        program = lower(program, lambda nodes, threads: None)
+    runs = [program.calls(k) for k in range(len(program.streams))]
+    producer = {slot: k for k, steps in enumerate(runs) for s in steps for slot in s.writes}
     readers: dict[int, set[int]] = {}  # slot -> streams that read it
     for k, steps in enumerate(runs):
         for s in steps:
-            for a in graph.nodes[s.units[0]].args:
-                readers.setdefault(program.slot(a), set()).add(k)
+            for slot in s.reads:
+                readers.setdefault(slot, set()).add(k)
     returned = set(program.outputs)
     segments: list[Segment] = []
     for k, steps in enumerate(runs):
@@ -44,16 +44,14 @@ def cut_segments(program: Any, per_unit: bool = False) -> list[Segment]:
         current: list[int] = []
         imports: list[int] = []
         for i, s in enumerate(steps):
-            arriving = [slot for slot in dict.fromkeys(program.slot(a) for a in graph.nodes[s.units[0]].args)
-                        if producer.get(slot) != k and slot not in received]
+            arriving = [slot for slot in dict.fromkeys(s.reads) if producer.get(slot) != k and slot not in received]
             if arriving and current:
                 mine.append(Segment(k, len(mine), tuple(current), tuple(imports), ()))
                 current, imports = [], []
             current.append(i)
             imports.extend(arriving)
             received.update(arriving)
-            exports = [slot for slot in (inputs + u for u in s.units)
-                       if slot in returned or readers.get(slot, set()) - {k}]
+            exports = [slot for slot in s.writes if slot in returned or readers.get(slot, set()) - {k}]
             if exports or per_unit or i == len(steps) - 1:
                 mine.append(Segment(k, len(mine), tuple(current), tuple(imports), tuple(exports)))
                 current, imports = [], []
