@@ -132,7 +132,8 @@ def test_fused_training_gives_each_model_its_own_gradients():
               for k in range(3)]
     x = torch.randn(4, 3, 8, 8)
     result = compare_training(models, (x,), steps=5, lrs=[0.01, 0.05, 0.1], repeats=1)
-    assert result["max_param_diff"] <= 1e-5 and result["method"] == "channels" and result["fallback"] is None, result
+    assert result["max_param_diff"] <= _noise_bound(result) and result["method"] == "channels", result
+    assert result["fallback"] is None
     with pytest.raises(MultiError, match="one architecture"):
         FusedTraining([torch.nn.Linear(2, 2), torch.nn.Linear(2, 3)], (torch.randn(1, 2),))
 
@@ -170,31 +171,56 @@ ARCHITECTURES = {
 }
 
 
+def _noise_bound(trained):
+    """What compare_training's ``max_param_diff`` may reach: twice float32's own noise on that training (fused and
+    one after another are each that far from float64 at most, about), and a few float32 steps."""
+    return 2 * trained["float32_noise"] + 1e-6
+
+
+def _within_float32_noise(value, exact, alone, what):
+    """``value`` (the fused float32 computation) is as close to ``exact`` (the same model trained alone in
+    float64) as float32 gets: within four times the error of ``alone`` (that model trained alone in float32)
+    and, where that error is zero, a few float32 steps of the largest magnitude. A fixed tolerance was one
+    CPU's rounding: 1e-5 held on one x86 machine and failed by 1.09e-5 on another (no AVX-512)."""
+    exact = exact.detach()
+    noise = (alone.detach().double() - exact).abs().max().item()
+    floor = 8 * torch.finfo(torch.float32).eps * max(1.0, exact.abs().max().item())
+    error = (value.detach().double() - exact).abs().max().item()
+    assert error <= 4 * noise + floor, f"{what}: {error:.3g} from float64, float32 alone {noise:.3g}"
+
+
 def _train_apart_and_fused(models, x, lrs, steps=2, method="auto", statistics=True):
     """One forward and backward of the fused models and of each model alone, compared (outputs, every
     parameter's gradient and, with ``statistics``, the running statistics), then SGD; ``steps`` times.
-    Returns both sides."""
+    Each model is also trained alone in float64, the exact side that tells float32's own noise
+    (:func:`_within_float32_noise`). Returns the fused models, the float32 ones alone and the float64 ones."""
     fused = FusedTraining([copy.deepcopy(m) for m in models], (x,), method=method)
     apart = [copy.deepcopy(m).train() for m in models]
+    exact = [copy.deepcopy(m).double().train() for m in models]
     labels = torch.randint(0, 3, (x.shape[0],), generator=torch.Generator().manual_seed(1))
     for _ in range(steps):
         out = fused.stacked_forward(x)
         fused.summed_loss(out, labels).backward()
-        for k, model in enumerate(apart):
-            own = model(x)
-            torch.testing.assert_close(out[k], own, atol=1e-5, rtol=1e-5)
-            model.zero_grad()
-            torch.nn.functional.cross_entropy(own, labels).backward()
-            for name, p in model.named_parameters():
-                torch.testing.assert_close(fused.stacked[fused.names.index(name)].grad[k], p.grad, atol=1e-5,
-                                           rtol=1e-5, msg=f"model {k}: gradient of {name}")
-            for name, b in model.named_buffers() if statistics else ():
-                torch.testing.assert_close(fused.buffers_of(k)[name], b, atol=1e-5, rtol=1e-5)
+        for k, (model, model64) in enumerate(zip(apart, exact, strict=True)):
+            own, own64 = model(x), model64(x.double())
+            _within_float32_noise(out[k], own64, own, f"model {k}: output")
+            for m, y in ((model, own), (model64, own64)):
+                m.zero_grad()
+                torch.nn.functional.cross_entropy(y, labels).backward()
+            for (name, p), p64 in zip(model.named_parameters(), model64.parameters(), strict=True):
+                _within_float32_noise(fused.stacked[fused.names.index(name)].grad[k], p64.grad, p.grad,
+                                      f"model {k}: gradient of {name}")
+            for (name, b), b64 in zip(model.named_buffers(), model64.buffers(), strict=True) if statistics else ():
+                if b.is_floating_point():
+                    _within_float32_noise(fused.buffers_of(k)[name], b64, b, f"model {k}: {name}")
+                else:  # a count of batches
+                    assert torch.equal(fused.buffers_of(k)[name], b)
             with torch.no_grad():
-                for p in model.parameters():
-                    p -= lrs[k] * p.grad
+                for m in (model, model64):
+                    for p in m.parameters():
+                        p -= lrs[k] * p.grad
         fused.step(lrs)
-    return fused, apart
+    return fused, apart, exact
 
 
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
@@ -202,18 +228,17 @@ def test_channel_stacked_training_gives_each_model_its_outputs_gradients_and_sta
     make, shape = ARCHITECTURES[name]
     models = [_randomised(make(), k).train() for k in range(3)]
     x = torch.randn(*shape)
-    fused, apart = _train_apart_and_fused(models, x, lrs=[0.05, 0.1, 0.2])
+    fused, apart, exact = _train_apart_and_fused(models, x, lrs=[0.05, 0.1, 0.2])
     assert fused.method == "channels" and fused.fallback is None
     assert "permute" not in fused.program.code and "vmap" not in fused.program.code
     fused.eval()  # evaluation after training: the running statistics were carried along
-    for k, model in enumerate(apart):
-        model.eval()
-        with torch.no_grad():
-            torch.testing.assert_close(fused(x)[k], model(x), atol=1e-5, rtol=1e-5)
+    for k, (model, model64) in enumerate(zip(apart, exact, strict=True)):
         fresh = make()
         fresh.load_state_dict(fused.state_of(k))
         with torch.no_grad():
-            torch.testing.assert_close(fresh.eval()(x), model(x), atol=1e-5, rtol=1e-5)
+            want, alone = model64.eval()(x.double()), model.eval()(x)
+            _within_float32_noise(fused(x)[k], want, alone, f"model {k}: evaluated after training")
+            _within_float32_noise(fresh.eval()(x), want, alone, f"model {k}: its state loaded alone")
 
 
 class _ReluReadTwice(torch.nn.Module):
@@ -240,11 +265,11 @@ def test_a_relu_moves_past_max_pooling_only_when_exact():
         model[0].weight.data = torch.randint(-1, 2, model[0].weight.shape).float()
         models.append(model.train())
     x = torch.randint(-1, 2, (4, 2, 7, 7)).float()
-    fused, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2, 0.3])
+    fused, _, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2, 0.3])
     (relu,) = [n for n in fused.program.graph.nodes if n.target is torch.relu]
     assert relu.args[0].target == "2", fused.program.code  # the ReLU after the pooling, on a quarter of the data
     models = [_randomised(_ReluReadTwice(), k).train() for k in range(2)]
-    fused, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1, 0.2])
+    fused, _, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1, 0.2])
     (relu,) = [n for n in fused.program.graph.nodes if n.target == "relu"]  # the in-place module, where it was
     assert fused.method == "channels" and relu.args[0].target is torch.nn.functional.conv2d, fused.program.code
 
@@ -286,17 +311,17 @@ class _Concatenating(torch.nn.Module):
 def test_an_architecture_the_rewrite_does_not_know_falls_back_to_vmap_and_says_why():
     models = [_randomised(_Concatenating(), k).train() for k in range(2)]
     x = torch.randn(4, 3, 6, 6)
-    fused, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2])
+    fused, _, _ = _train_apart_and_fused(models, x, lrs=[0.1, 0.2])
     assert fused.method == "vmap" and "cat" in fused.fallback, fused.fallback
     with pytest.raises(MultiError, match="channel-stacked rewrite cannot run.*cat"):
         FusedTraining(models, (x,), method="channels")
     result = compare_training(models, (x,), steps=3, lrs=[0.1, 0.2])
-    assert result["method"] == "vmap" and "cat" in result["fallback"] and result["max_param_diff"] <= 1e-5
+    assert result["method"] == "vmap" and "cat" in result["fallback"] and result["max_param_diff"] <= _noise_bound(result)
 
 
 def test_the_vmap_program_stays_reachable_and_agrees():
     models = [_randomised(ARCHITECTURES["grouped_cnn"][0](), k).train() for k in range(3)]
-    fused, _ = _train_apart_and_fused(models, torch.randn(4, 3, 8, 8), lrs=[0.05, 0.1, 0.2], method="vmap",
+    fused, _, _ = _train_apart_and_fused(models, torch.randn(4, 3, 8, 8), lrs=[0.05, 0.1, 0.2], method="vmap",
                                       statistics=False)  # vmap's batch norm does not carry them
     assert fused.method == "vmap" and fused.fallback is None
 
@@ -353,7 +378,7 @@ def test_channel_stacked_training_is_exact_on_random_small_architectures(layers,
         return torch.nn.Sequential(*mods)
 
     models = [_randomised(make(), k).train() for k in range(count)]
-    fused, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1] * count, steps=1)
+    fused, _, _ = _train_apart_and_fused(models, torch.randn(3, 3, 8, 8), lrs=[0.1] * count, steps=1)
     assert fused.method == "channels", fused.fallback
 
 
@@ -367,8 +392,8 @@ def test_training_small_cnns_for_20_steps_stays_within_the_target_of_each_model_
     torch.manual_seed(0)
     result = compare_training([small_cnn() for _ in range(4)], (torch.randn(4, 3, 16, 16),), steps=20,
                               lrs=[0.02, 0.04, 0.06, 0.08], also=("vmap",))
-    assert result["method"] == "channels" and result["max_param_diff"] <= 1e-4, result
-    assert result["also"]["fused_vmap"]["max_param_diff"] <= 1e-4
+    assert result["method"] == "channels" and result["max_param_diff"] <= _noise_bound(result), result
+    assert result["also"]["fused_vmap"]["max_param_diff"] <= _noise_bound(result)
     assert set(result["ms_per_step"]) == {"sequential_models", "fused", "fused_vmap"}
 
 

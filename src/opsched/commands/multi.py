@@ -95,5 +95,6 @@ def _print(out: dict[str, Any]) -> None:
     if "train" in out:
         t = out["train"]
         print(f"training   {t['steps']} steps: {t['ms_per_step']['sequential_models']:.2f} ms/step one after "
-              f"another, {t['ms_per_step']['fused']:.2f} fused; max_param_diff {t['max_param_diff']:.2g}")
+              f"another, {t['ms_per_step']['fused']:.2f} fused; max_param_diff {t['max_param_diff']:.2g} "
+              f"(float32's own noise, float64 against one after another: {t['float32_noise']:.2g})")
     print(f"plan       {out['plan']}")

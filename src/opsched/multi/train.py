@@ -191,8 +191,10 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
     step (medians, the first step left out) and the largest difference between their parameters after
     ``steps`` steps (``max_param_diff``). ``method`` is :class:`FusedTraining`'s; each of ``also`` (a method,
     say ``"vmap"``, or a pair ``(label, FusedTraining options)``) trains one more fused copy that way, timed
-    in the same rotation as ``fused_<label>``, with its ``max_param_diff`` in ``also``. ``repeats`` is accepted
-    for the command's sake; ``steps`` are the timed rounds."""
+    in the same rotation as ``fused_<label>``, with its ``max_param_diff`` in ``also``. ``float32_noise`` says
+    what a ``max_param_diff`` is to be read against: how far the models trained one after another in float32 end
+    from the same training in float64. ``repeats`` is accepted for the command's sake; ``steps`` are the timed
+    rounds."""
     torch.set_num_threads(cores or torch.get_num_threads())
     rates = _rates(lrs, len(models))
     apart = [copy.deepcopy(m).train() for m in models]
@@ -234,7 +236,26 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
 
     ms = {name: statistics.median(t[1:] or t) for name, t in times.items()}  # the first step warms up
     main = fused["fused"]
-    return {"steps": steps, "models": len(models), "max_param_diff": diff(main), "ms_per_step": ms,
+    return {"steps": steps, "models": len(models), "max_param_diff": diff(main),
+            "float32_noise": _float32_noise(models, args, labels, rates, steps, apart), "ms_per_step": ms,
             "speedup": ms["sequential_models"] / ms["fused"], "method": main.method, "fallback": main.fallback,
             "also": {name: {"method": t.method, "max_param_diff": diff(t), "fused_speedup": ms[name] / ms["fused"]}
                      for name, t in fused.items() if name != "fused"}}
+
+
+def _float32_noise(models: Sequence[torch.nn.Module], args: Sequence[Any], labels: torch.Tensor,
+                   rates: Sequence[float], steps: int, trained: Sequence[torch.nn.Module]) -> float:
+    """The largest difference between the parameters of ``trained`` (``models`` after ``steps`` SGD steps in
+    float32, one after another) and the same training in float64: float32's own noise on this training, which
+    depends on the CPU's kernels (the same fused step was 1e-5 from one model's own on one x86 machine and
+    1.09e-5 on another)."""
+    exact = [copy.deepcopy(m).double().train() for m in models]
+    args64 = [a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    for model, rate in zip(exact, rates):
+        optimizer = torch.optim.SGD(model.parameters(), lr=rate)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(*args64), labels).backward()
+            optimizer.step()
+    return max((p.double() - p64).abs().max().item() for m, m64 in zip(trained, exact)
+               for p, p64 in zip(m.parameters(), m64.parameters(), strict=True))
