@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import networkx as nx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.mapping_cases import brute_force
 
 from opsched.graph.ir import Graph, Node
 from opsched.mapping import MappingError
@@ -60,24 +60,10 @@ def _random_problem(seed: int, n: int, devices: int, objective: str = "latency",
     return build_problem(graph, platform, objective, batch, device_latencies=latencies, edge_bytes=nbytes)
 
 
-def _brute_force(problem) -> float:
-    """The optimum: every assignment with every topological order as the devices' order (an optimal
-    schedule's units sorted by start give such an order, and replaying it is no slower)."""
-    g = nx.DiGraph()
-    g.add_nodes_from(range(problem.n))
-    g.add_edges_from(problem.graph.edges)
-    orders = list(nx.all_topological_sorts(g))
-    best = float("inf")
-    for devices in itertools.product(range(problem.devices), repeat=problem.n):
-        for order in orders:
-            best = min(best, replay(problem, Mapping.from_devices(problem.n, devices, order, problem.devices)).makespan)
-    return best
-
-
 @pytest.mark.parametrize("seed,n,devices", [(0, 5, 2), (1, 5, 3), (2, 6, 2), (3, 4, 3)])
 def test_milp_equals_brute_force_and_bounds_and_heuristics_hold(seed, n, devices):
     problem = _random_problem(seed, n, devices)
-    optimum = _brute_force(problem)
+    optimum = brute_force(problem)
     result = milp(problem, time_limit=10)
     assert result.optimal
     assert replay(problem, result.mapping).makespan == pytest.approx(optimum)

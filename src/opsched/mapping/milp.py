@@ -222,7 +222,7 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
             bound = 0.0
         # out of time before the solver's first mapping (a large model's presolve alone can take that long):
         # the hint is the best mapping known, and what the solver proved is still a bound
-        slack = (n * pieces + len(problem.graph.edges)) / scale
+        slack = rounding_slack(problem)
         return MilpResult(hint, status, False, max(0.0, bound / scale - slack), replay(problem, hint).makespan,
                           time.perf_counter() - started, found.factor)
     jobs: list[tuple[int, int, int, tuple[int, ...]]] = []
@@ -239,7 +239,7 @@ def milp(problem: Problem, time_limit: float = 30.0, hint: Mapping | None = None
     for _, u, d, qs in sorted(jobs):
         order[d].append(Job(u, d, qs))
     mapping = Mapping(order)
-    slack = (n * pieces + len(problem.graph.edges)) / scale  # rounding of durations and transfers
+    slack = rounding_slack(problem)
     solver_makespan = value(makespan) / scale
     replayed = replay(problem, mapping).makespan
     optimal = status == "OPTIMAL" and replayed <= solver_makespan + slack
@@ -261,6 +261,12 @@ def within_caps(problem: Problem, mapping: Mapping, memory_caps: Sequence[tuple[
 
 def _fits_pins(mapping: Mapping, pinned: MappingType[int, int]) -> bool:
     return all(j.device == pinned.get(j.unit, j.device) for j in mapping.jobs())
+
+
+def rounding_slack(problem: Problem) -> float:
+    """How far the MILP's rounding of times to whole steps can move a schedule's makespan: one rounding per job
+    and per transfer. A proven optimum is the true one within it, and a proven bound less it is a true bound."""
+    return (problem.n * problem.pieces + len(problem.graph.edges)) / _scale(problem)
 
 
 def _scale(problem: Problem) -> float:

@@ -1,8 +1,8 @@
 """Cutting a graph into modules for MILP-SPLIT and the lower bound (DiviML Section IV-B).
 
-- Single channel: a *cut unit* is one every other unit is an ancestor or a descendant of (an articulation
-  point all paths pass through; DiviML turns it into a bridge with a dummy node, which is the same as the
-  module owning its exit and the next module reading it). Modules run from one cut to the next, the cut
+- Single channel: a *cut unit* is one every other unit is an ancestor or a descendant of, and whose value is
+  the only one its descendants read from it or before it (a bridge of the graph once DiviML's dummy node
+  splits the unit: the module owning its exit and the next module reading it). Modules run from one cut to the next, the cut
   included; consecutive small modules are joined (the join of consecutive modules is still cut-bounded).
 - Several channels: the modules are the k-edge-connected components (k = channels + 1) of the undirected
   graph in which each value read by several units is first a hub node (so a value crossing a boundary is
@@ -45,9 +45,22 @@ class OutOfTime(Exception):
 
 
 def cut_units(graph: Graph) -> list[int]:
-    """Units that every other unit reaches or is reached from, in topological order."""
+    """Units whose value is the only one crossing the boundary right after them in topological order: every
+    other unit reaches them or is reached from them, and no value of their ancestors is read past them. (Every
+    unit reaching a unit u and reached from it is not enough: in ``a -> b -> c`` with ``a -> c``, ``b`` is
+    on every path's way in that sense, but ``a``'s value crosses the boundary after ``b`` beside ``b``'s.)
+
+    >>> from opsched.graph.ir import Graph, Node
+    >>> cut_units(Graph([Node("a"), Node("b", args=("a",)), Node("c", args=("a", "b"))]))
+    [0, 2]
+    """
     n = len(graph)
-    return [u for u in range(n) if (graph.ancestors[u] | graph.descendants[u]).bit_count() == n - 1]
+    cuts = []
+    for u in range(n):
+        before, after = graph.ancestors[u], graph.descendants[u]
+        if (before | after).bit_count() == n - 1 and not any(graph.succs[a] & after for a in indices(before)):
+            cuts.append(u)
+    return cuts
 
 
 def single_channel_modules(graph: Graph, min_size: int = 4) -> list[list[int]]:

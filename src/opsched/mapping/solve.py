@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opsched.mapping import MappingError
+from opsched.mapping.heuristics import HEURISTICS, heuristic
 from opsched.mapping.plan import Mapping, check
 from opsched.mapping.problem import Problem
 from opsched.mapping.replay import Timeline, replay
 
-METHODS = ("best-device", "met", "greedy", "heft", "sa", "ea", "milp", "milp-split")
+METHODS = (*HEURISTICS, "milp", "milp-split")
 
 
 @dataclass
@@ -45,54 +46,39 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
     """Map ``problem`` with ``method`` within ``time_limit`` seconds (the searches; the list heuristics take
     milliseconds). ``lower_bound`` is DiviML's recursive bound, raised to what a solver proved."""
     from opsched.mapping.bound import lower_bound
+    from opsched.mapping.milp import rounding_slack
 
     started = time.perf_counter()
     stats: dict[str, Any] = {}
     optimal = False
     proven_bound = 0.0
-    if method == "best-device":
-        from opsched.mapping.best_device import best_device
-
-        mapping = best_device(problem)
-    elif method == "met":
-        from opsched.mapping.met import met
-
-        mapping = met(problem)
-    elif method == "greedy":
-        from opsched.mapping.greedy import greedy
-
-        mapping = greedy(problem)
-    elif method == "heft":
-        from opsched.mapping.heft import heft
-
-        mapping = heft(problem)
-    elif method == "sa":
-        from opsched.mapping.anneal import anneal
-
-        mapping = anneal(problem, seed=seed, time_limit=time_limit, progress=progress)
-    elif method == "ea":
-        from opsched.mapping.evolve import evolve
-
-        mapping = evolve(problem, seed=seed, time_limit=time_limit, progress=progress)
+    if method in HEURISTICS:
+        mapping = heuristic(problem, method, seed=seed, time_limit=time_limit, progress=progress)
     elif method == "milp":
         from opsched.mapping.heft import heft
         from opsched.mapping.milp import milp
 
-        result = milp(problem, time_limit=time_limit, hint=heft(problem), symmetry=symmetry)
+        try:
+            hint = heft(problem)
+        except MappingError:  # HEFT's greedy placement can run out of memory where the MILP finds a mapping
+            hint = None
+        result = milp(problem, time_limit=time_limit, hint=hint, symmetry=symmetry)
         mapping, optimal, proven_bound = result.mapping, result.optimal, result.bound
         stats.update(status=result.status, solver_makespan=result.solver_makespan,
                      symmetry_factor=result.symmetry_factor)
     elif method == "milp-split":
         from opsched.mapping.split import milp_split
 
-        result = milp_split(problem, time_limit=time_limit, symmetry=symmetry, progress=progress)
+        result = milp_split(problem, time_limit=time_limit, symmetry=symmetry, progress=progress, seed=seed)
         mapping, optimal = result.mapping, result.optimal
         stats.update(modules=len(result.decomposition.modules), channels=result.decomposition.channels,
                      single_channel=result.decomposition.single_channel, solves=result.solves,
                      symmetry_factor=result.symmetry_factor,
                      module_sizes=[len(m) for m in result.decomposition.modules],
                      cut_by=result.decomposition.cut_by,
-                     decomposition_out_of_time=result.decomposition.out_of_time)
+                     decomposition_out_of_time=result.decomposition.out_of_time,
+                     heuristics={name: {"makespan": ms, "seconds": sec} for name, (ms, sec) in result.heuristics.items()},
+                     taken_from=result.taken_from)
     else:
         raise MappingError(f"unknown mapping method {method!r}; choose from {', '.join(METHODS)}")
     check(problem, mapping)
@@ -101,7 +87,7 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
     # MILP-SPLIT's modules are the bound's (the same decompose arguments): cutting a large graph takes seconds
     parts = result.decomposition if method == "milp-split" else None
     lb = max(lower_bound(problem, parts) if bound else 0.0, proven_bound)
-    if optimal:
-        lb = max(lb, timeline.makespan)  # proven: the optimum is its own best bound
+    if optimal:  # proven, up to the MILP's rounding of times to whole steps (the optimum may be that much less)
+        lb = max(lb, timeline.makespan - rounding_slack(problem))
     stats["solve_seconds"] = seconds
     return Solved(mapping, timeline, optimal, min(lb, timeline.makespan), seconds, stats)

@@ -27,19 +27,24 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 
 from opsched.graph.ir import Graph, Node, indices
 from opsched.mapping import MappingError
 from opsched.mapping.heft import heft
-from opsched.mapping.milp import held, milp, within_caps
+from opsched.mapping.heuristics import HEURISTICS, SEARCHES, heuristic
+from opsched.mapping.milp import held, milp, rounding_slack, within_caps
 from opsched.mapping.modules import Decomposition, decompose
-from opsched.mapping.plan import Job, Mapping
+from opsched.mapping.plan import Job, Mapping, check
 from opsched.mapping.platform import Platform
 from opsched.mapping.problem import Problem
 from opsched.mapping.replay import replay
 from opsched.mapping.symmetry import balanced
+
+# Of the time limit, what each search heuristic (SA, EA) may take before the modules' solves: at their default
+# 4000 iterations they take 2-6 s on the benchmark graphs, so with a 60 s limit they finish as run alone.
+SEARCH_SHARE = 0.1
 
 
 @dataclass
@@ -50,11 +55,28 @@ class SplitResult:
     solves: int
     seconds: float
     symmetry_factor: int = 1   # the largest reduction the symmetry constraints of one module's model gave
+    heuristics: dict[str, tuple[float, float]] = field(default_factory=dict)  # name -> (makespan, seconds)
+    taken_from: str = "milp-split"  # or the heuristic whose whole mapping beat the modules' joined one
+
+
+@dataclass(frozen=True)
+class Start:
+    """A whole-graph mapping a heuristic found, and when each of its jobs began: where the modules' MILPs start
+    from (:func:`_restricted`)."""
+
+    mapping: Mapping
+    began: dict[Job, float]
 
 
 def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None = None, symmetry: str = "none",
-               min_module: int = 4, progress: Callable[[int, int], None] | None = None) -> SplitResult:
-    """
+               min_module: int = 4, progress: Callable[[int, int], None] | None = None,
+               heuristics: Sequence[str] = HEURISTICS, seed: int = 0) -> SplitResult:
+    """MILP-SPLIT within ``time_limit`` seconds. ``heuristics`` map the whole graph too (the searches with at most
+    :data:`SEARCH_SHARE` of the limit each, ``seed`` theirs, and only where MILP-SPLIT has no proof): each
+    module's MILP starts from the best of their mappings of that module (and HEFT's own of it), and the result
+    is never worse than the best of them (``taken_from`` names it where it won; ``optimal`` is then true only if
+    the modules' proof still holds within the MILP's rounding).
+
     >>> from opsched.graph.ir import Graph, Node
     >>> from opsched.mapping.platform import platform_from_dict
     >>> from opsched.mapping.problem import build_problem
@@ -71,10 +93,63 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
     # cutting the graph may take half the limit (past it, decompose cuts by live values, in milliseconds), so
     # that the modules' solves have the rest
     parts = decompose(problem.graph, channels, min_size=min_module, deadline=started + time_limit / 2)
-    if not parts.single_channel or memory_binds(problem):
-        mapping, solves, factor = _chained(problem, parts.modules, deadline, symmetry, progress)
-        return SplitResult(mapping, False, parts, solves, time.perf_counter() - started, factor)
-    modules = parts.modules
+    joinable = parts.single_channel and not memory_binds(problem)  # the DP over (input, output) devices
+    provable = joinable and problem.objective == "latency"
+    # The list heuristics (milliseconds) run first. The searches (seconds) run first too where MILP-SPLIT cannot
+    # prove its mapping; where it can, only once it has not (a proven optimum no heuristic beats), in the time
+    # kept for them.
+    searches = [name for name in heuristics if name in SEARCHES]
+    search_limit = time_limit * SEARCH_SHARE
+    found = _run_heuristics(problem, [name for name in heuristics if name not in SEARCHES or not provable], seed,
+                            search_limit)
+    starts = [Start(mapping, replay(problem, mapping).start) for mapping, _, _ in found.values()]
+    if joinable:
+        kept = len(searches) * search_limit if provable else 0.0
+        mapping, solves, factor, proven = _joined(problem, parts.modules, deadline - kept, symmetry, progress,
+                                                  starts)
+        proven &= provable
+        if provable and not proven and searches:
+            found |= _run_heuristics(problem, searches, seed,
+                                     max(0.0, min(search_limit, (deadline - time.perf_counter()) / len(searches))))
+    else:
+        mapping, solves, factor = _chained(problem, parts.modules, deadline, symmetry, progress, starts)
+        proven = False
+    tried = {name: (makespan, seconds) for name, (_, makespan, seconds) in found.items()}
+    return _no_worse(problem, SplitResult(mapping, proven, parts, solves, 0.0, factor, tried), found, started)
+
+
+def _run_heuristics(problem: Problem, names: Sequence[str], seed: int, search_limit: float
+                    ) -> dict[str, tuple[Mapping, float, float]]:
+    """Each heuristic's whole-graph mapping, its makespan and the seconds it took; one that finds no mapping
+    (memory) is left out."""
+    found = {}
+    for name in names:
+        began = time.perf_counter()
+        try:
+            mapping = heuristic(problem, name, seed=seed, time_limit=search_limit)
+            check(problem, mapping)
+        except MappingError:
+            continue
+        found[name] = (mapping, replay(problem, mapping).makespan, time.perf_counter() - began)
+    return found
+
+
+def _no_worse(problem: Problem, result: SplitResult, found: dict[str, tuple[Mapping, float, float]],
+              started: float) -> SplitResult:
+    """``result``, or the best heuristic's mapping where it is faster than the modules' joined one."""
+    joined = replay(problem, result.mapping).makespan
+    best = min(found, key=lambda name: found[name][1], default=None)
+    if best is not None and found[best][1] < joined:
+        # a proof of the joined mapping holds for the heuristic's only within the MILP's rounding
+        result = replace(result, mapping=found[best][0], taken_from=best,
+                         optimal=result.optimal and joined - found[best][1] <= rounding_slack(problem))
+    return replace(result, seconds=time.perf_counter() - started)
+
+
+def _joined(problem: Problem, modules: list[list[int]], deadline: float, symmetry: str,
+            progress: Callable[[int, int], None] | None, starts: list[Start]) -> tuple[Mapping, int, int, bool]:
+    """Single channel: the DP over the modules' (input device, output device) solves (the module docstring);
+    the mapping, the solves made, the largest symmetry factor and whether every solve that counts was proven."""
     k = problem.devices
     position = {u: t for t, units in enumerate(modules) for u in units}
     outputs = [[u for u in units if any(position[v] > t for v in indices(problem.graph.succs[u]))]
@@ -101,7 +176,8 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
                 if not _dominated(problem, units, entries[t], v, w, found, length):
                     solves += 1
                     left = (deadline - time.perf_counter()) / max(1, total_solves - done + 1)
-                    found[(v, w)] = _solve_module(problem, units, entries[t], outputs[t], v, w, left, symmetry)
+                    found[(v, w)] = _solve_module(problem, units, entries[t], outputs[t], v, w, left, symmetry,
+                                                  starts)
                 if progress:
                     progress(done, total_solves)
         nxt: dict[int | None, tuple[float, list[Mapping]]] = {}
@@ -123,13 +199,11 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
     for mapping in chain:
         for d in range(k):
             order[d].extend(mapping.order[d])
-    mapping = Mapping(order)
-    exact = problem.objective == "latency"
-    return SplitResult(mapping, proven and exact, parts, solves, time.perf_counter() - started, factor)
+    return Mapping(order), solves, factor, proven
 
 
 def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmetry: str,
-             progress: Callable[[int, int], None] | None) -> tuple[Mapping, int, int]:
+             progress: Callable[[int, int], None] | None, starts: list[Start]) -> tuple[Mapping, int, int]:
     """Several channels, or memory that binds: each module in turn, the values it reads pinned where the
     modules before put them, its outputs free, each device's memory what the modules before left of it; the
     modules' jobs follow one another on each device. (With memory that binds, the modules compete for it, so
@@ -166,9 +240,10 @@ def _chained(problem: Problem, modules: list[list[int]], deadline: float, symmet
             attempts.append([(group, max(cap, held(sub, whole, group))) for group, cap in attempts[0]])
         if len(classes) > 1:
             attempts.append([_cap(list(range(k)), left_memory, share)])
+        candidates = [heft_of(True), whole] + [_restricted(sub, back, start, pinned) for start in starts]
         for attempt, caps in enumerate(attempts):
             last = attempt == len(attempts) - 1
-            hint = _heft_hint(sub, heft_of, caps)
+            hint = _best_hint(sub, candidates, caps)
             if hint is None and not last:
                 continue
             left = (deadline - time.perf_counter()) / (len(modules) - t)
@@ -230,9 +305,10 @@ def _dominated(problem: Problem, units: list[int], entries: list[int], v: int | 
 
 
 def _solve_module(problem: Problem, units: list[int], entries: list[int], outputs: list[int], v: int | None,
-                  w: int | None, time_limit: float, symmetry: str):
+                  w: int | None, time_limit: float, symmetry: str, starts: list[Start]):
     """OPT(module, inputs on v, outputs on w): (latency, the module's jobs in global units, proven, symmetry
-    factor, gap: the latency less the bound proved on it)."""
+    factor, gap: the latency less the bound proved on it). The MILP starts from the best of HEFT's mapping of
+    the module and the ``starts`` restricted to it."""
     sub, back = module_problem(problem, units, entries)
     pinned = {i: v for i, u in enumerate(back) if u is None and v is not None}
     if w is not None:
@@ -240,7 +316,8 @@ def _solve_module(problem: Problem, units: list[int], entries: list[int], output
     for i, d in pinned.items():
         if math.isinf(sub.time(i, d)):
             return None
-    hint = _heft_hint(sub, _heft_of(sub, pinned))
+    heft_of = _heft_of(sub, pinned)
+    hint = _best_hint(sub, [heft_of(True), heft_of(False)] + [_restricted(sub, back, s, pinned) for s in starts])
     if hint is not None and time_limit <= 0:  # out of time: HEFT's mapping, so that the limit holds
         latency = replay(sub, hint).makespan
         return latency, _global(hint, back), False, 1, latency
@@ -272,16 +349,41 @@ def _heft_of(sub: Problem, pinned: dict[int, int]) -> Callable[[bool], Mapping |
     return mapping
 
 
-def _heft_hint(sub: Problem, heft_of: Callable[[bool], Mapping | None],
+def _best_hint(sub: Problem, candidates: list[Mapping | None],
                memory_caps: list[tuple[list[int], float]] = ()) -> Mapping | None:
-    """Where to start a module's MILP: HEFT's mapping with the batch split where that fits ``memory_caps``
-    (devices, bytes), else every unit whole; None when neither fits them (the MILP then starts from
-    nothing)."""
-    for split in (True, False):
-        mapping = heft_of(split)
-        if mapping is not None and within_caps(sub, mapping, memory_caps):
-            return mapping
-    return None
+    """Where to start a module's MILP: the fastest of ``candidates`` that fits the devices and ``memory_caps``
+    (devices, bytes), the first among equals; None when none does (the MILP then starts from nothing)."""
+    best, best_makespan = None, math.inf
+    for mapping in candidates:
+        if mapping is None or not within_caps(sub, mapping, memory_caps):
+            continue
+        try:
+            check(sub, mapping)
+            makespan = replay(sub, mapping).makespan
+        except MappingError:
+            continue
+        if makespan < best_makespan:
+            best, best_makespan = mapping, makespan
+    return best
+
+
+def _restricted(sub: Problem, back: list[int | None], start: Start, pinned: dict[int, int]) -> Mapping:
+    """A whole-graph mapping restricted to a module's sub-problem: the module's units where ``start`` put them,
+    its entries and outputs moved where ``pinned`` says, each device's jobs in the order they began in
+    ``start`` (an order every dependency keeps: a job begins no earlier than the jobs it reads; entries
+    first)."""
+    local = {u: i for i, u in enumerate(back) if u is not None}
+    jobs: list[tuple[float, int, Job]] = [(-math.inf, i, Job(i, pinned.get(i, 0), tuple(range(sub.pieces))))
+                                          for i, u in enumerate(back) if u is None]
+    for d, row in enumerate(start.mapping.order):
+        for job in row:
+            if job.unit in local:
+                i = local[job.unit]
+                jobs.append((start.began[job], i, Job(i, pinned.get(i, d), job.pieces)))
+    order: list[list[Job]] = [[] for _ in range(sub.devices)]
+    for _, _, job in sorted(jobs, key=lambda item: item[:2]):
+        order[job.device].append(job)
+    return Mapping(order)
 
 
 def _pinned(mapping: Mapping, pinned: dict[int, int], devices: int) -> Mapping:
