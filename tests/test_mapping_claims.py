@@ -136,3 +136,31 @@ def test_the_command_reports_no_false_proof_on_the_chain_that_made_one(tmp_path)
         assert result["lower_bound"] <= best["makespan"] + 1e-6
         assert result["makespan"] >= best["makespan"] - 1e-6
     assert found["milp-split"]["optimal"] and found["milp-split"]["makespan"] == pytest.approx(best["makespan"])
+
+
+@pytest.mark.parametrize("platform,dag,message", [
+    ({"devices": [{"name": "x"}, {"name": "y"}, {"name": "z"}], "links": {"x-y": {"bandwidth": 1}}}, None,
+     "the platform is disconnected: no link between 'x' and 'z'"),
+    (None, {"nodes": [{"name": "a", "latency": {"d0": 1, "d1": 2, "gpu9": 3}}], "edges": []},
+     "unit 'a' gives a latency on device 'gpu9', which platform platform does not have"),
+])
+def test_a_platform_or_dag_that_do_not_fit_together_are_refused_in_one_line(tmp_path, platform, dag, message):
+    files = dag_json(module_chain(1))
+    for name, doc in (("platform", platform or files["platform"]), ("dag", dag or files["dag"])):
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+    code, out, err = cli(["map", str(tmp_path / "dag.json"), "--platform", str(tmp_path / "platform.json"),
+                          "--method", "heft"])
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_a_time_limit_that_leaves_no_time_is_refused_in_one_line(tmp_path, limit):
+    files = dag_json(module_chain(1))
+    for name in ("platform", "dag"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(files[name]))
+    code, out, err = cli(["map", str(tmp_path / "dag.json"), "--platform", str(tmp_path / "platform.json"),
+                          "--method", "milp-split", "--time-limit", limit])
+    assert code == 2 and out == "" and err == f"opsched map: error: argument --time-limit: expected a number of " \
+                                              f"seconds > 0, got '{limit}'\n", err
+    with pytest.raises(MappingError, match="time limit must be a number of seconds > 0"):
+        solve(module_chain(1), "milp-split", time_limit=float(limit))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -44,15 +45,31 @@ def _int_at_least(minimum: int, what: str):
 _positive = _int_at_least(1, "a positive integer")
 
 
-def _non_negative_float(text: str) -> float:
-    """An argparse type: a number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
-    return value
+def _float_above(least: float, inclusive: bool, what: str):
+    """An argparse type: a number >= ``least`` (``inclusive``) or > it; ``what`` names it in the refusal."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (value >= least if inclusive else value > least):  # nan fails both
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+_non_negative_float = _float_above(0.0, True, "a number >= 0")
+_positive_float = _float_above(0.0, False, "a number of seconds > 0")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """Refuses bad arguments in one line (``opsched map: error: ...``), exit status 2, as every other refusal;
+    ``--help`` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
@@ -102,7 +119,7 @@ def _add_run_options(p: argparse.ArgumentParser, reference: str = "eager", cuda_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="opsched", description="Inter-operator scheduling for PyTorch inference.")
     parser.add_argument("--version", action="version", version=f"opsched {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -131,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-overhead", type=float, default=0.0, metavar="X",
                    help="latency added for each extra group of a stage, or each cross-stream wait (default 0)")
     p.add_argument("--no-split", action="store_true", help="ios: schedule the whole graph as one block")
-    p.add_argument("--time-limit", type=float, default=30.0, metavar="SECONDS", help="exact: CP-SAT time limit (default 30)")
+    p.add_argument("--time-limit", type=_positive_float, default=30.0, metavar="SECONDS",
+                   help="exact: CP-SAT time limit (default 30)")
     p.add_argument("--out", metavar="PLAN.json", help="write the schedule (opsched.schedule/1) to this file")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -226,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the mapping algorithm (see docs/mapping.md)")
     p.add_argument("--objective", default="latency", choices=["latency", "throughput"])
     _add_model_options(p)
-    p.add_argument("--time-limit", type=_non_negative_float, default=30.0, metavar="S",
+    p.add_argument("--time-limit", type=_positive_float, default=30.0, metavar="S",
                    help="seconds for sa, ea, milp and milp-split (default 30)")
     p.add_argument("--seed", type=_non_negative, default=0, metavar="N", help="random seed of sa and ea (default 0)")
     p.add_argument("--symmetry", default="none", choices=["none", "batch", "task", "time"],

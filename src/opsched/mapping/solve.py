@@ -48,6 +48,8 @@ def solve(problem: Problem, method: str, time_limit: float = 30.0, seed: int = 0
     from opsched.mapping.bound import lower_bound
     from opsched.mapping.milp import rounding_slack
 
+    if not time_limit > 0:  # nan too
+        raise MappingError(f"the time limit must be a number of seconds > 0, got {time_limit!r}")
     started = time.perf_counter()
     stats: dict[str, Any] = {}
     optimal = False
