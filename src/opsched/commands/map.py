@@ -112,6 +112,10 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
     print(f"predicted   {result['predicted']:.6g}{unit}" + ("  (optimal)" if result["optimal"] else ""))
     print(f"makespan    {result['makespan']:.6g}  (lower bound {result['lower_bound']:.6g})")
     print(f"solved in   {result['solve_seconds']:.2f} s")
+    ran = result["stats"].get("heuristics")
+    if ran is not None:  # MILP-SPLIT: the heuristics it ran on the whole graph, and which mapping it returns
+        print("heuristics  " + (", ".join(f"{name} {h['makespan']:.6g} ({h['seconds']:.2f} s)" for name, h in ran.items())
+                                or "none found a mapping") + f"; the mapping is {result['stats']['taken_from']}'s")
     factor = result["stats"].get("symmetry_factor", 1)
     if factor > 1:
         print(f"symmetry    each mapping searched stands for up to {factor:.3g} equivalent ones (interchangeable "
