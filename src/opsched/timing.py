@@ -4,6 +4,13 @@ A burst of load from a neighbour lasts longer than one run. Timing configuration
 ten times lets such a burst land on one of them only; running A, B, A, B, ... spreads it over both, and
 the median of each then ignores the runs it hit.
 
+Each sample is led in by one untimed call of the same configuration, so that it is timed in its own steady
+state (a model called again and again, as it is deployed), not in the wake of the configuration before it. What
+that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the ``cpu2`` platform's two one-thread
+devices, medians of 30 calls): 9.4-9.6 ms called back to back, 14.0-14.3 ms right after eager on 2 threads,
+10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for a while after a parallel region
+before they sleep; eager's 2-thread regions left one spinning on the core the plan's second stream needed.
+
 >>> import time
 >>> fast, slow = interleaved_medians([lambda: None, lambda: time.sleep(0.002)], repeats=3)
 >>> fast < 1.0 < slow
@@ -60,7 +67,7 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
                         around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None
                         ) -> list[list[float]]:
     """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
-    calls each. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
+    calls each, each sample after an untimed lead-in call. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
     that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
     advance a progress bar); ``around[i]``, when given, is (prepare, settle), called before and after each
     call of runner i, untimed (either may be None)."""
@@ -93,6 +100,7 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
     samples: list[list[float]] = [[] for _ in runners]
     for _ in range(repeats):
         for i in range(len(runners)):
+            calls(i, 1)  # the lead-in (see the module docstring), untimed
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:
                 after_each()
