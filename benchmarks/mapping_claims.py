@@ -99,10 +99,14 @@ def dags(seed: int) -> tuple[str, list[str]] | None:
     memory, symmetry = bool(seed % 2), SYMMETRIES[(seed // 2) % 4]
     problem = (module_chain(seed, modules=3, inner=(2, 3), memory=memory) if seed % 3 == 0 else
                random_dag(seed, units=9, devices=3, memory=memory))
-    whole = milp(problem, time_limit=30, symmetry=symmetry)
-    if not whole.optimal:
-        return None
-    optimum = replay(problem, whole.mapping).makespan
+    try:
+        whole = milp(problem, time_limit=30, symmetry=symmetry)
+    except MappingError:  # proven: no mapping fits the memory budget
+        optimum = math.inf
+    else:
+        if not whole.optimal:
+            return None
+        optimum = replay(problem, whole.mapping).makespan
     return f"symmetry {symmetry}{' memory' if memory else ''}", _claims(problem, optimum, ["milp", "milp-split"], 10,
                                                                         symmetry)
 

@@ -74,6 +74,7 @@ def test_milp_split_on_single_channel_chains_is_the_proven_milps_optimum(seed, m
 
 @settings(CLAIMS, max_examples=20)
 @given(st.integers(0, 10**6), st.sampled_from(["latency", "throughput"]), st.booleans(), SYMMETRIES)
+@example(283053, "throughput", True, "none")  # no mapping fits the budget
 def test_what_solve_reports_holds_on_chains_and_multi_channel_dags(seed, objective, memory, symmetry):
     # the reported fields (optimal, lower_bound) of both exact methods, against the whole MILP's proven optimum;
     # throughput (the batch in four pieces) on small DAGs only: on 9 units the MILP proves no optimum in 20 s
@@ -83,7 +84,12 @@ def test_what_solve_reports_holds_on_chains_and_multi_channel_dags(seed, objecti
         problem = module_chain(seed, modules=3, inner=(2, 3), memory=memory)
     else:
         problem = random_dag(seed, units=9, devices=3, memory=memory)
-    whole = milp(problem, time_limit=20, symmetry=symmetry)
+    try:
+        whole = milp(problem, time_limit=20, symmetry=symmetry)
+    except MappingError:  # the MILP proved that no mapping fits the memory budget: MILP-SPLIT must find none
+        with pytest.raises(MappingError):
+            solve(problem, "milp-split", time_limit=10, symmetry=symmetry)
+        return
     assume(whole.optimal)  # throughput on 9 units can take longer; the claims below need the optimum
     optimum = replay(problem, whole.mapping).makespan
     for method in ("milp", "milp-split"):
