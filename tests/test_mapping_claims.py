@@ -57,7 +57,7 @@ def test_the_chain_that_made_a_false_proof_is_cut_where_one_value_crosses():
     assert names == ["m0e", "m0x", "m1e", "m1x", "m2e", "m2x"]
 
 
-@settings(CLAIMS, max_examples=40)
+@settings(CLAIMS, max_examples=25)
 @given(st.integers(0, 10**6), st.integers(3, 4), st.integers(2, 3), st.sampled_from([1, 4]), SYMMETRIES)
 def test_milp_split_on_single_channel_chains_is_the_proven_milps_optimum(seed, modules, devices, min_module, symmetry):
     problem = module_chain(seed, modules=modules, inner=(2, 3), devices=devices)
@@ -72,7 +72,7 @@ def test_milp_split_on_single_channel_chains_is_the_proven_milps_optimum(seed, m
     assert lower_bound(problem, split.decomposition) <= optimum + tolerance(problem)
 
 
-@settings(CLAIMS, max_examples=20)
+@settings(CLAIMS, max_examples=12)
 @given(st.integers(0, 10**6), st.sampled_from(["latency", "throughput"]), st.booleans(), SYMMETRIES)
 @example(283053, "throughput", True, "none")  # no mapping fits the budget
 def test_what_solve_reports_holds_on_chains_and_multi_channel_dags(seed, objective, memory, symmetry):
@@ -104,9 +104,10 @@ def test_what_solve_reports_holds_on_chains_and_multi_channel_dags(seed, objecti
             assert not found.optimal or (objective == "latency" and found.stats["single_channel"])
 
 
-@settings(CLAIMS, max_examples=30)
+@settings(CLAIMS, max_examples=20)
 @given(st.integers(0, 10**6), st.integers(3, 5), st.booleans())
 @example(597, 4, True)  # no mapping fits: every exact method must say so (benchmarks/mapping_claims.py found it)
+@example(9317, 4, True)  # MILP-SPLIT's modules, solved in order, left the last one no memory: it maps anyway
 def test_every_method_against_brute_force_on_small_dags(seed, units, memory):
     problem = random_dag(seed, units=units, devices=2, memory=memory)
     optimum = brute_force(problem)

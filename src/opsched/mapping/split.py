@@ -103,19 +103,31 @@ def milp_split(problem: Problem, time_limit: float = 60.0, channels: int | None 
     found = _run_heuristics(problem, [name for name in heuristics if name not in SEARCHES or not provable], seed,
                             search_limit)
     starts = [Start(mapping, replay(problem, mapping).start) for mapping, _, _ in found.values()]
-    if joinable:
-        kept = len(searches) * search_limit if provable else 0.0
-        mapping, solves, factor, proven = _joined(problem, parts.modules, deadline - kept, symmetry, progress,
-                                                  starts)
-        proven &= provable
-        if provable and not proven and searches:
-            found |= _run_heuristics(problem, searches, seed,
-                                     max(0.0, min(search_limit, (deadline - time.perf_counter()) / len(searches))))
-    else:
-        mapping, solves, factor = _chained(problem, parts.modules, deadline, symmetry, progress, starts)
-        proven = False
+    taken_from = "milp-split"
+    try:
+        if joinable:
+            kept = len(searches) * search_limit if provable else 0.0
+            mapping, solves, factor, proven = _joined(problem, parts.modules, deadline - kept, symmetry, progress,
+                                                      starts)
+            proven &= provable
+            if provable and not proven and searches:
+                found |= _run_heuristics(problem, searches, seed, max(0.0, min(
+                    search_limit, (deadline - time.perf_counter()) / len(searches))))
+        else:
+            mapping, solves, factor = _chained(problem, parts.modules, deadline, symmetry, progress, starts)
+            proven = False
+    except MappingError:
+        # Solved in order, the modules can leave a later one no memory where a mapping of the whole graph fits
+        # (random 4-unit DAGs with a tight budget): a heuristic's mapping, else the whole MILP's, is the answer.
+        if not found:
+            began = time.perf_counter()
+            whole = milp(problem, time_limit=max(0.05, deadline - began), symmetry=symmetry)
+            found["milp"] = (whole.mapping, replay(problem, whole.mapping).makespan, time.perf_counter() - began)
+        taken_from = min(found, key=lambda name: found[name][1])
+        mapping, solves, factor, proven = found[taken_from][0], 0, 1, False
     tried = {name: (makespan, seconds) for name, (_, makespan, seconds) in found.items()}
-    return _no_worse(problem, SplitResult(mapping, proven, parts, solves, 0.0, factor, tried), found, started)
+    return _no_worse(problem, SplitResult(mapping, proven, parts, solves, 0.0, factor, tried, taken_from), found,
+                     started)
 
 
 def _run_heuristics(problem: Problem, names: Sequence[str], seed: int, search_limit: float
