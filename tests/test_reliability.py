@@ -313,6 +313,23 @@ def test_an_interrupt_held_during_an_import_is_raised_when_the_import_is_over(tm
     del sys.modules["slow_module"]
 
 
+
+def test_an_interrupt_held_by_an_outer_handler_and_taken_by_an_inner_one_is_raised_once(tmp_path, monkeypatch):
+    # `python -m opsched`: the executable's CtrlC held an interrupt pressed while opsched.cli was importing, the
+    # command's own CtrlC (inside it) got it when it was sent again and reported it, and then the outer one
+    # raised it a second time on leaving: a traceback after "opsched: interrupted" (seen with an editable install)
+    (tmp_path / "slow_module2.py").write_text(textwrap.dedent("""
+        import os, signal
+        os.kill(os.getpid(), signal.SIGINT)  # held: sent again 50 ms later, once the import is over
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with CtrlC() as outer:
+        import slow_module2  # noqa: F401
+        with pytest.raises(KeyboardInterrupt), CtrlC() as inner:
+            time.sleep(2)  # the interrupt sent again arrives here, to the inner handler
+    assert outer.pressed and inner.pressed
+    del sys.modules["slow_module2"]
+
 def test_an_interrupt_a_library_turned_into_another_error_still_ends_as_interrupted(capsys, monkeypatch):
     import opsched.commands.cache
 

@@ -27,6 +27,8 @@ class CtrlC:
         self.pressed = False
         self._previous: Any = None
         self._held: threading.Timer | None = None
+        self._held_lock = threading.Lock()
+        self._resent = False  # the held interrupt was sent again (to whichever handler is in place then)
         self._previous_unraisable_hook = sys.unraisablehook
 
     def __call__(self, signum: int, frame: Any) -> None:
@@ -35,7 +37,8 @@ class CtrlC:
             # PyTorch's C++ initialisation calls back into Python where no exception can pass (pybind11 then
             # terminates the process), and importlib drops exceptions raised in its callbacks: hold the
             # interrupt until the import is over, by asking again shortly.
-            self._held = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT))
+            self._resent = False
+            self._held = threading.Timer(0.05, self._send_again)
             self._held.daemon = True
             self._held.start()
             return
@@ -49,10 +52,21 @@ class CtrlC:
             sys.unraisablehook = self._unraisable
         return self
 
+    def _send_again(self) -> None:
+        with self._held_lock:
+            if self._held is None:  # the block ended first, and delivers the interrupt itself
+                return
+            self._resent = True
+        os.kill(os.getpid(), signal.SIGINT)
+
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
-        held, self._held = self._held, None
-        if held is not None:
-            held.cancel()
+        with self._held_lock:
+            held, self._held = self._held, None
+            if held is not None:
+                held.cancel()
+                # Sent again already: a handler installed inside the block (the command's own) got it and
+                # reported it; raising it here as well printed a traceback after "opsched: interrupted".
+                held = None if self._resent else held
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             sys.unraisablehook = self._previous_unraisable_hook
