@@ -17,7 +17,7 @@ from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.models import load_model
 from opsched.runtime import make_executor
-from opsched.runtime.cpu import CPUExecutor, UnitFailed
+from opsched.runtime.cpu import CPUExecutor, Gate, UnitFailed
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.lowered import Call, LoweredProgram, lower
 from opsched.runtime.merge import MergeError, merged_operator
@@ -352,3 +352,19 @@ def test_make_executor_with_a_cpu_thread_per_stream_is_the_cpu_executor():
     by_name.close()
     with pytest.raises(OpschedError, match="the program has 2 streams, but 3 devices were given"):
         make_executor(program, unit_operator, [None, None, None])
+
+
+def test_a_gate_lets_every_waiter_through_once_set_and_setting_it_twice_is_harmless():
+    gate = Gate()
+    through = []
+    waiters = [threading.Thread(target=lambda k=k: (gate.wait(), through.append(k))) for k in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    assert through == []  # closed until set
+    gate.set()
+    gate.set()  # a failing stream opens every gate, one maybe opened already
+    for w in waiters:
+        w.join(timeout=5)
+    assert sorted(through) == [0, 1, 2, 3]
+    gate.wait()  # open for good

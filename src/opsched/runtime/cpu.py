@@ -4,7 +4,7 @@ Stream 0 runs on the calling thread, so a one-stream program (sequential) costs 
 other streams run on persistent worker threads, each applying the intra-op thread count of every step with
 ``torch.set_num_threads`` inside that thread (the OpenMP setting is per thread; set in the caller, it would
 not reach the workers, and workers left at the default would oversubscribe the cores). Events are
-``threading.Event`` s; PyTorch releases the GIL inside its kernels, so streams really run at the same time.
+:class:`Gate` s; PyTorch releases the GIL inside its kernels, so streams really run at the same time.
 
 A worker that ran a step on more than one intra-op thread ends after the call, and a fresh thread takes its
 place. With GNU OpenMP (PyTorch's CPU builds), every thread that opens a parallel region of several threads
@@ -68,7 +68,8 @@ class CPUExecutor:
                 worker.submit(call, k)
             caller_threads = torch.get_num_threads()
             try:
-                call.run_stream(0)
+                with torch.inference_mode():  # thread-local: each worker is in it for as long as it lives
+                    call.run_stream(0)
             finally:
                 torch.set_num_threads(caller_threads)
             for k in range(1, streams):
@@ -115,7 +116,7 @@ class ThreadedCall:
     def __init__(self, lowered: LoweredProgram, values: list[Any]):
         self.values = values
         self.remaining = Remaining(lowered)
-        self.events = [threading.Event() for _ in range(lowered.events)]
+        self.events = [Gate() for _ in range(lowered.events)]
         self.wide = [False] * len(lowered.streams)  # per stream: ran a step on more than one CPU thread
         self.lock = threading.Lock()
         self.error: BaseException | None = None
@@ -135,24 +136,47 @@ class ThreadedCall:
         return threads
 
 
+class Gate:
+    """A one-shot event for the threads of one call: closed when made, open for good once :meth:`set` (any number
+    of threads may :meth:`wait`). A lock held from the start: ``threading.Event`` does the same through a
+    Python-level condition, and making and passing one costs several times more, for every event of every call
+    (docs/runtime.md, per-call cost)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        try:
+            self._lock.release()
+        except RuntimeError:  # already open: a failing stream opens every gate, maybe one being opened
+            pass
+
+    def wait(self) -> None:
+        self._lock.acquire()
+        self.set()  # open again for the next waiter (unless a failing stream just opened it)
+
+
 class _Call(ThreadedCall):
     """The state of one execution of a program."""
 
     def __init__(self, executor: CPUExecutor, values: list[Any], record_timeline: bool):
         super().__init__(executor.lowered, values)
         self.steps = executor.lowered.streams
-        self.finished = [threading.Event() for _ in self.steps]
+        self.finished: list[Gate | None] = [None] + [Gate() for _ in self.steps[1:]]  # the caller waits for the workers
         self.timeline: list | None = [] if record_timeline else None
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if record_timeline else 0.0
 
     def run_stream(self, k: int) -> None:
         try:
-            with torch.inference_mode():  # thread-local: each worker sets it for itself
-                self._run_steps(k)
+            self._run_steps(k)
         except BaseException as e:  # noqa: BLE001 - handed to the calling thread
             self.fail(e)
         finally:
-            self.finished[k].set()
+            if k:
+                self.finished[k].set()
 
     def _run_steps(self, k: int) -> None:
         values, events, remaining = self.values, self.events, self.remaining
@@ -209,12 +233,13 @@ class _Worker:
         # PyTorch sets a thread's intra-op count at its first parallel operator, from the count last set in any
         # thread, over what this thread set before: asked now, it does that now, and the steps' counts hold.
         torch.get_num_threads()
-        while (item := self._queue.get()) is not None:
-            call, stream = item
-            call.run_stream(stream)
-            # A call holds its values and steps (whose callables hold the units): held here while waiting for the
-            # next one, it would keep them alive after the call returned, and after its module was dropped.
-            del item, call
+        with torch.inference_mode():  # entered once: a few microseconds of every call otherwise
+            while (item := self._queue.get()) is not None:
+                call, stream = item
+                call.run_stream(stream)
+                # A call holds its values and steps (whose callables hold the units): held here while waiting for
+                # the next one, it would keep them alive after the call returned, and after its module was dropped.
+                del item, call
 
 
 def wait_until_gone(native_ids: Sequence[int | None], timeout: float = 1.0) -> None:
