@@ -1,14 +1,16 @@
 """Several models at once (HiveMind), MEASURED on this machine through the one runner (every model verified
 against its own forward, configurations timed interleaved, medians), with SIMULATED GPU rows labelled as such.
 
-Cases: K in {2, 4, 8, 16} copies of a small CNN at batch 1 and 16; ResNet-18 copies at batch 2; eight models
-sharing a feature extractor (different heads, one input); the rewrites switched on one kind at a time (the
-IOS-style ablation) on sixteen copies; training eight small CNNs at batch 4 and 16, fused against one after
-another and against the vmap program (``--training-only``: just those, ``--threads`` of them);
+Cases: K in {2, 4, 8, 16} copies of a small CNN at batch 1 and 16; sixteen copies of another small CNN nobody
+tuned for; ResNet-18 copies at batch 2; eight models sharing a feature extractor (different heads, one input);
+the rewrites switched on one kind at a time (the IOS-style ablation) on sixteen copies; training eight small
+CNNs at batch 4 and 16, fused against one after another and against the vmap program (``--training-only``:
+just those, ``--threads`` of them);
 HiveMind's scheduler on a simulated V100. Writes a JSON line per case to ``--out`` (default multi.jsonl), a
 markdown table to ``--markdown`` and a bar chart to ``--plot``.
 
     python benchmarks/multi.py --out docs/multi.jsonl --plot docs/multi.png   (the table: multi-results.md)
+    python benchmarks/multi.py --only "other small"   (the measured cases whose name holds the text)
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def small_cnn(classes: int = 10) -> torch.nn.Module:
         torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
         torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
         torch.nn.Linear(32, classes)).eval()
+
+
+def other_cnn(classes: int = 5) -> torch.nn.Module:
+    """A small CNN nobody here tuned for: 5x5 conv-ReLU-avgpool, conv-BN-ReLU, global max pool, linear."""
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 5, padding=2), torch.nn.ReLU(), torch.nn.AvgPool2d(2),
+        torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
+        torch.nn.AdaptiveMaxPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, classes)).eval()
 
 
 def copies(make, count: int, seed: int = 0) -> list[torch.nn.Module]:
@@ -91,6 +101,7 @@ def cases(quick: bool):
         for k in counts:
             yield f"small CNN x{k}", lambda k=k: copies(small_cnn, k), torch.randn(batch, 3, 32, 32), \
                 WITH_COMPILE if k == 16 else {}
+    yield "other small CNN x16", lambda: copies(other_cnn, 16, seed=1), torch.randn(1, 3, 32, 32), {}
     yield "ResNet-18 x2", lambda: resnet18_copies(2), torch.randn(2, 3, 224, 224), {}
     yield "8 heads on one ResNet-18 trunk", shared_extractor, torch.randn(1, 3, 224, 224), WITH_COMPILE
     for rewrites in ((), ("same_input",), ("same_shape",), ("same_input", "same_shape")):
@@ -165,6 +176,7 @@ def main() -> None:
     parser.add_argument("--out", default="multi.jsonl")
     parser.add_argument("--markdown", default="multi-results.md")
     parser.add_argument("--plot", default="multi.png")
+    parser.add_argument("--only", default=None, help="only the measured cases whose name holds this text")
     parser.add_argument("--training-only", action="store_true", help="only the training case, printed")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads for --training-only")
     args = parser.parse_args()
@@ -182,7 +194,10 @@ def main() -> None:
 
         emit({"machine": f"{os.cpu_count()} cores, torch {torch.__version__}", "threads": torch.get_num_threads()})
         for name, make, x, options in cases(args.quick):
-            emit(measure(name, make(), x, args.repeats, cache=False, **options))
+            if args.only is None or args.only in name:
+                emit(measure(name, make(), x, args.repeats, cache=False, **options))
+        if args.only is not None:
+            return
         for batch in (4, 16):
             emit(training(batch))
         for row in simulated_rows():

@@ -17,8 +17,9 @@ from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.shared import share_work
 from opsched.multi.stack import batch_units, batchable_groups
 from opsched.multi.train import FusedTraining, compare_training
-from opsched.schedule import validate
+from opsched.schedule import from_streams, validate
 from opsched.schedulers import make_schedule
+from opsched.schedulers.hivemind import hivemind_streams
 
 
 class Residual(torch.nn.Module):
@@ -117,13 +118,19 @@ def test_a_batch_on_two_devices_is_refused():
 
 
 @settings(deadline=None, database=None, derandomize=True, max_examples=40, suppress_health_check=list(HealthCheck))
-@given(n=st.integers(1, 14), p=st.floats(0.05, 0.6), seed=st.integers(0, 10_000), streams=st.integers(0, 3))
-def test_hivemind_places_every_unit_once_respecting_dependencies(make_dag, n, p, seed, streams):
+@given(n=st.integers(1, 14), p=st.floats(0.05, 0.6), seed=st.integers(0, 10_000), streams=st.integers(0, 3),
+       capacity=st.sampled_from([0.0, 1.0, 2.0]), sync=st.sampled_from([0.0, 0.3]))
+def test_hivemind_places_every_unit_once_respecting_dependencies(make_dag, n, p, seed, streams, capacity, sync):
     graph = make_dag(n, p, seed)
-    schedule = make_schedule("hivemind", graph, TableCost(graph), streams=streams)
+    cost = TableCost(graph, capacity=capacity, sync_overhead=sync)
+    schedule = make_schedule("hivemind", graph, cost, streams=streams)
     validate(schedule, graph)
     if streams:
         assert len({o.stream for o in schedule.ops}) <= streams
+    # never predicted slower than the walk's units on one stream, nor than the walk's streams unfolded
+    walk = [u for units in hivemind_streams(graph) for u in units]  # the walk's streams in order: topological
+    for order in ([walk], hivemind_streams(graph, streams)):
+        assert schedule.predicted_latency <= from_streams(graph, cost, "walk", order).predicted_latency + 1e-9
 
 
 def test_fused_training_gives_each_model_its_own_gradients():
