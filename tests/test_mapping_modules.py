@@ -46,7 +46,7 @@ def _in_topological_order(graph: Graph, modules: list[list[int]]) -> bool:
     return sorted(position) == list(range(len(graph))) and all(position[a] <= position[b] for a, b in graph.edges)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(st.integers(0, 10_000), st.integers(5, 60))
 def test_edge_components_from_one_tree_are_networkx_k_edge_components(seed, units):
     graph = _sparse_dag(units, seed)
@@ -74,7 +74,7 @@ def test_modules_do_not_depend_on_python_hashing():
     script = ("from opsched.mapping.modules import decompose; from opsched.mapping.workloads import randwire_stack; "
               "print([decompose(randwire_stack(m, 10, 'er', links=2, seed=1)).modules for m in (5, 10)])")
     outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2, 3)}
+                              env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout for seed in (1, 2)}
     assert len(outputs) == 1
 
 

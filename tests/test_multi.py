@@ -431,6 +431,37 @@ def test_torch_compile_of_the_loop_is_a_peer_when_asked_for():
     assert set(MULTI_PEERS) <= set(evaluation.measured_ms) and max(result.model_errors) <= 1e-5
 
 
+class _Bessel(torch.nn.Module):
+    """A model ONNX cannot export (aten::i0 has no ONNX operator), which opsched itself captures and runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return torch.special.i0(self.conv(x))
+
+
+def test_onnx_runtime_sessions_one_after_another_are_a_peer_of_different_architectures():
+    pytest.importorskip("onnxruntime")
+    models = [_randomised(Residual(), 0), torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), torch.nn.ReLU())]
+    result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
+                      peers=(*MULTI_PEERS, "onnxruntime_models"))
+    evaluation = result.outcome.evaluation
+    assert "onnxruntime_models" in evaluation.measured_ms, (evaluation.dropped, result.outcome.notes)
+
+
+def test_a_model_onnx_cannot_export_leaves_only_the_onnx_peer_out_with_a_note_naming_it():
+    pytest.importorskip("onnxruntime")
+    models = [_randomised(Residual(), 0), _Bessel().eval()]
+    result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
+                      peers=(*MULTI_PEERS, "onnxruntime_models"))
+    notes = [n for n in result.outcome.notes if n.startswith("onnxruntime_models")]
+    assert len(notes) == 1 and "model 1: the ONNX export failed (UnsupportedOperatorError" in notes[0], notes
+    assert "\n" not in notes[0]
+    assert {"sequential", "sequential_models", "threads"} <= set(result.outcome.evaluation.measured_ms)
+
+
 def _transforms():
     from torchvision.transforms import v2
 

@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor"], help="how units run (default eager)")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
-                        "threads; on with --kernels inductor)")
+                        "threads) and, when onnxruntime is installed, every model in an ONNX Runtime session of its "
+                        "own, one after another (on with --kernels inductor)")
     _add_run_options(p, reference="each model's own forward", cuda_graph=False)
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "

@@ -20,7 +20,10 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
   that at several intra-op threads it is made before and ended after each call, untimed (its threads'
   OpenMP pools would slow every other configuration while they live);
 - ``vmap``: ``torch.func.stack_module_state`` and ``vmap`` over ``functional_call``, when every model has
-  the same architecture and they read one input; its stacked outputs are split back into one per model.
+  the same architecture and they read one input; its stacked outputs are split back into one per model;
+- ``onnxruntime_models`` (when installed): each model exported to ONNX once and run in a session of its
+  own, with ``onnxruntime``'s settings, one after another, with 1 and all intra-op threads; a model that
+  cannot be exported leaves the peer out, with a note naming it.
 
 Each peer is a list of :class:`opsched.evaluation.Candidate` (one per thread count) for
 :func:`opsched.evaluation.evaluate`.
@@ -34,7 +37,7 @@ from typing import Any
 
 from opsched.evaluation import Candidate
 
-PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap")
+PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap", "onnxruntime_models")
 
 
 def thread_counts(cores: int) -> list[int]:
@@ -89,34 +92,77 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
 
 def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:
     """ONNX Runtime sessions for 1 and ``cores`` intra-op threads, or no candidate and a note saying why."""
+    exported, note = _onnx_export(model, inputs)
+    if exported is None:
+        return [], note
+    candidates = []
+    for threads in thread_counts(cores):
+        session = _onnx_session(exported, threads)
+        feed = _onnx_feed(session, inputs)
+        candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
+                                    "peer", threads, module=_OnnxModule(session)))
+    return candidates, None
+
+
+def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:
+    """Each model of ``batch`` exported once and run in an ONNX Runtime session of its own (the settings of
+    :func:`onnxruntime`), one after another, with 1 and ``cores`` intra-op threads; or no candidate and a note
+    naming the first model that cannot be exported."""
+    per_model = batch.split(inputs)
+    exported = []
+    for k, (model, args) in enumerate(zip(batch.models, per_model)):
+        onnx, note = _onnx_export(model, args)
+        if onnx is None:
+            return [], f"model {k}: {note}"
+        exported.append(onnx)
+    candidates = []
+    for threads in thread_counts(cores):
+        sessions = [_onnx_session(onnx, threads) for onnx in exported]
+        feeds = [_onnx_feed(session, args) for session, args in zip(sessions, per_model)]
+
+        def run(sessions=sessions, feeds=feeds) -> Any:
+            return tuple(session.run(None, feed) for session, feed in zip(sessions, feeds))
+
+        candidates.append(Candidate("onnxruntime_models", run, "peer", threads))
+    return candidates, None
+
+
+def _onnx_export(model: Any, inputs: Sequence[Any]) -> tuple[bytes | None, str | None]:
+    """``model`` on ``inputs`` as ONNX, or None and why not."""
     try:
         import io
 
-        import onnxruntime as ort
+        import onnxruntime  # noqa: F401 - only whether it is installed
         import torch
     except ImportError:
-        return [], "onnxruntime is not installed (pip install 'opsched[onnx]')"
+        return None, "onnxruntime is not installed (pip install 'opsched[onnx]')"
     buffer = io.BytesIO()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the exporter's deprecation and constant-folding notes, mid-run
             torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
     except Exception as e:  # noqa: BLE001 - any export failure only leaves this peer out
-        return [], f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    candidates = []
-    for threads in thread_counts(cores):
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        # ORT's worker threads spin while the session lives, holding the core the next candidate needs
-        # (measured here: eager GoogLeNet 2.2x slower after an ORT call); timed beside others, they must not.
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
-        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
-        candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
-                                    "peer", threads, module=_OnnxModule(session)))
-    return candidates, None
+        return None, f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    return buffer.getvalue(), None
+
+
+def _onnx_session(exported: bytes, threads: int) -> Any:
+    """An ONNX Runtime session of ``exported`` on the CPU: every graph optimisation, sequential execution,
+    ``threads`` intra-op threads that do not spin."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # ORT's worker threads spin while the session lives, holding the core the next candidate needs
+    # (measured here: eager GoogLeNet 2.2x slower after an ORT call); timed beside others, they must not.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(exported, options, providers=["CPUExecutionProvider"])
+
+
+def _onnx_feed(session: Any, inputs: Sequence[Any]) -> dict[str, Any]:
+    return {i.name: x.detach().cpu().numpy() for i, x in zip(session.get_inputs(), inputs)}
 
 
 class _OnnxModule:
@@ -128,8 +174,7 @@ class _OnnxModule:
     def __call__(self, *inputs: Any) -> Any:
         import torch
 
-        feed = {i.name: x.detach().cpu().numpy() for i, x in zip(self.session.get_inputs(), inputs)}
-        out = [torch.from_numpy(y) for y in self.session.run(None, feed)]
+        out = [torch.from_numpy(y) for y in self.session.run(None, _onnx_feed(self.session, inputs))]
         return out[0] if len(out) == 1 else tuple(out)
 
 

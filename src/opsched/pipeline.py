@@ -154,12 +154,13 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
             candidates += peer_runners.torch_compile(model, inputs, cores, sync)
         except Exception as e:  # noqa: BLE001 - a peer that cannot compile is reported, not fatal
             notes.append(f"torch_compile left out: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
-    if "onnxruntime" in peers:
-        say("ONNX Runtime sessions for 1 and all threads ...")
-        found, note = peer_runners.onnxruntime(model, inputs, cores)
-        candidates += found
-        if note:
-            notes.append(f"onnxruntime left out: {note}")
+    for name in ("onnxruntime", "onnxruntime_models"):
+        if name in peers:
+            say("ONNX Runtime sessions for 1 and all threads ...")
+            found, note = getattr(peer_runners, name)(model, inputs, cores)
+            candidates += found
+            if note:
+                notes.append(f"{name} left out: {note}")
     return candidates, notes
 
 
