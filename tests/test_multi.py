@@ -503,6 +503,16 @@ def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path
     assert main(["multi", f"{batch_file}:batch", "--out", str(plan), "--json"]) == 2  # never overwritten
 
 
+
+def test_opsched_multi_with_simulated_costs_writes_the_requested_plan_and_runs_nothing(batch_file, tmp_path, capsys):
+    # it raised KeyError 'measured_as': the errors of a plan nothing ran were looked up in its measurements
+    plan = tmp_path / "plan.json"
+    assert main(["multi", f"{batch_file}:batch", "--copies", "2", "--cost", "sim:v100", "--no-cache",
+                 "--out", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["simulated"] and "measured_ms" not in out and "hivemind" in out["predicted_ms"]
+    assert json.loads(plan.read_text())["method"] == "hivemind"
+
 def test_opsched_multi_preprocesses_once(batch_file, capsys):
     assert main(["multi", f"{batch_file}:batch", "--preprocess", f"{batch_file}:pre", "--repeats", "2", "--no-cache",
                  "--out", str(batch_file.with_suffix(".plan.json")), "--json"]) == 0

@@ -105,7 +105,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     outcome.graph, outcome.requested = fusion.graph, requested or list(methods)[-1]
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()
-    if plan is not None:
+    if plan is not None and outcome.evaluation is not None:  # simulated costs: nothing was run
         module = outcome.modules[plan.options["measured_as"]]
         result.model_errors = model_errors(module, batch, cores)
     return result
