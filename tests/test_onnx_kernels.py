@@ -145,3 +145,32 @@ def test_eager_kernels_price_no_regions():
     cost = MeasuredCost(graph, [x], cores=2, cache=False, repeats=2)
     assert cost.region_latencies([list(range(len(graph)))]) is None
     assert "regions" not in make_schedule("ios", graph, cost).options
+
+
+class ChannelSplit(nn.Module):
+    """ShuffleNet V2's unit: a unit reads one tensor of the list ``chunk`` made."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU())
+
+    def forward(self, x):
+        kept, changed = x.chunk(2, dim=1)
+        return torch.cat([kept, self.branch(changed)], 1)
+
+
+def test_a_unit_reading_a_list_or_part_of_one_runs_on_its_session():
+    # ShuffleNet V2 x0.5 failed here ("'list' object has no attribute 'detach'"): the session was fed the list
+    model = ChannelSplit().eval()
+    x = torch.randn(1, 8, 6, 6)
+    graph = capture(model, (x,))
+    for n in graph.nodes:
+        n.latency = 1.0
+    reads_a_list = [n.name for n in graph.nodes
+                    if any(isinstance(v, (list, tuple)) for v in (all_values(graph, [x])[a] for a in n.args))]
+    operator = OnnxRuntimeOperator(all_values(graph, [x]).__getitem__)
+    module = OptimizedModule(graph, make_schedule("sequential", graph, TableCost(graph)), 1, operator)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
+    assert reads_a_list and operator.eager_units == []  # the case is here, on sessions
+    module.close()

@@ -147,7 +147,10 @@ class OnnxRuntimeOperator(CompiledOperator):
                 module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
-                    torch.onnx.export(module, tuple(args), buffer, dynamo=False)
+                    # named by position among the arguments' tensors: the exporter drops those the unit
+                    # does not use (one of the list chunk made), and the names say which are left
+                    torch.onnx.export(module, tuple(args), buffer, dynamo=False,
+                                      input_names=[f"in{k}" for k in range(len(pytree.tree_leaves(args)))])
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
@@ -161,14 +164,19 @@ class OnnxRuntimeOperator(CompiledOperator):
             return base
         finally:
             self.compile_seconds += time.perf_counter() - began
-        names = [i.name for i in session.get_inputs()]
-        if len(names) != len(args):  # an input the graph does not use was dropped by the exporter
+        # The exporter takes a list argument (what chunk or split made) as one input per tensor in it, in order;
+        # fed the list itself, the session failed (ShuffleNet V2).
+        if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
             self.eager_units.append(nodes[0].name)
             return base
+        names = [i.name for i in session.get_inputs()]
+        used = [int(n[2:]) for n in names]
         run = session.run
+        flat = any(not isinstance(a, torch.Tensor) for a in args)
 
-        def call(*values: torch.Tensor) -> Any:
-            outputs = run(None, {n: v.detach().contiguous().numpy() for n, v in zip(names, values)})
+        def call(*values: Any) -> Any:
+            tensors = pytree.tree_leaves(values) if flat else values
+            outputs = run(None, {n: tensors[k].detach().contiguous().numpy() for n, k in zip(names, used)})
             return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
 
         return call
