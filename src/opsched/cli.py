@@ -281,7 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduler whose plan is written when costs are simulated (default hivemind; measured, "
                         "the fastest verified schedule is written)")
     p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
-    p.add_argument("--kernels", default="eager", choices=["eager", "inductor"], help="how units run (default eager)")
+    p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
+                   help="how units run (default eager); inductor or onnxruntime compile each unit, and each run of "
+                        "units a schedule makes back to back (a region), and add the peers of --peers")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
                         "threads) and, when onnxruntime is installed, every model in an ONNX Runtime session of its "

@@ -12,6 +12,7 @@ capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> evaluate (
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -290,11 +291,15 @@ def run_workload(job: Workload) -> Outcome:
     if simulated:
         return outcome
     if job.kernels != "eager":
-        # Compiled regions beside compiled units, for every staged schedule that does not run them yet (IOS
-        # chose its own, block by block): which pays is measured.
+        # Compiled regions beside compiled units, for every schedule that does not run them yet (IOS chose its
+        # own, block by block): which pays is measured. A stream schedule's regions are its streams' runs of
+        # units (four different small networks on ONNX Runtime: a session per network and stream).
         for name, schedule in list(schedules.items()):
-            if schedule.stages is not None and not schedule.options.get("regions"):
-                schedules[f"{name}+regions"] = with_regions(schedule, job.graph, cost)
+            if schedule.options.get("regions") or schedule.devices is not None:
+                continue
+            schedules[f"{name}+regions"] = (
+                with_regions(schedule, job.graph, cost) if schedule.stages is not None
+                else dataclasses.replace(schedule, options={**schedule.options, "regions": True}))
     evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=cores, device=job.device, peers=job.peers,
                    tolerance=job.tolerance, repeats=job.repeats, cuda_graph=job.cuda_graph, say=job.say)
     return outcome

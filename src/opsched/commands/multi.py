@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names, loaded, inputs, preprocess = load_command_batch(args, device)
     say(f"loaded {len(args.models)} model(s) x {args.copies}")
     methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
-    peers = MULTI_PEERS + (("torch_compile", "onnxruntime_models") if args.peers or args.kernels == "inductor"
+    peers = MULTI_PEERS + (("torch_compile", "onnxruntime_models") if args.peers or args.kernels != "eager"
                            else ())
     result = optimize_batch([m.model for m in loaded], inputs, methods=methods, cost=args.cost,
                             preprocess=preprocess, kernels=args.kernels,

@@ -1,6 +1,7 @@
-"""Compiled regions: the units a staged schedule runs back to back on one stream, fused into one unit, so
-that a compiler (``--kernels inductor`` or ``onnxruntime``) sees them whole and fuses across their boundaries, where compiling
-unit by unit stops at every unit.
+"""Compiled regions: the units a schedule runs back to back on one stream, fused into one unit, so that a
+compiler (``--kernels inductor`` or ``onnxruntime``) sees them whole and fuses across their boundaries, where
+compiling unit by unit stops at every unit. Below, for a staged schedule; a stream schedule's runs are its
+streams.
 
 A *run* is a maximal sequence of consecutive one-group stages. It is cut into regions so that every value a
 region makes for the outside is its last unit's (the graph of units has one output per unit): after any
@@ -34,32 +35,21 @@ from torch import fx
 from opsched.cost.table import TableCost
 from opsched.graph.ir import Graph, Node, indices
 from opsched.graph.ops import get_attr_value
-from opsched.schedule import Schedule, from_stages
+from opsched.schedule import Schedule, from_stages, from_streams
 
 
 def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False) -> tuple[Graph, Schedule]:
     """The graph with each region of ``schedule`` fused into one unit, and the schedule on that graph (see
-    the module docstring). A stream schedule is returned unchanged. With ``each_stage``, every one-group
-    stage is a run of its own instead of joining the one-group stages around it (how the measured cost
-    model profiles one region per block)."""
+    the module docstring). A stream schedule's runs are its streams (a mapped plan, whose units are placed on
+    devices, is returned unchanged). With ``each_stage``, every one-group stage is a run of its own instead
+    of joining the one-group stages around it (how the measured cost model profiles one region per block)."""
     if schedule.stages is None:
-        return graph, schedule
+        return _stream_regions(graph, schedule)
     index = graph.index
     stages = [(st.strategy, [[index[u] for u in g] for g in st.groups], st.threads) for st in schedule.stages]
     regions = _regions(graph, stages, each_stage)
     fused_of = {u: k for k, region in enumerate(regions) for u in region}
-    durations = {o.name: o.finish - o.start for o in schedule.ops}
-    # A region is named after its last unit, whose value it returns: readers, the graph's outputs and the
-    # example values compilers are given keep their names.
-    name_of = {k: graph.nodes[region[-1]].name if len(region) > 1 else None for k, region in enumerate(regions)}
-    nodes: list[Node] = []
-    for u, node in enumerate(graph.nodes):
-        k = fused_of.get(u)
-        if k is None or name_of[k] is None:
-            nodes.append(dataclasses.replace(node, latency=durations[node.name]))
-        elif u == regions[k][0]:
-            nodes.append(_fused_node(graph, regions[k], durations))
-    fused = Graph(nodes, inputs=graph.inputs, outputs=graph.outputs, name=graph.name, out_spec=graph.out_spec)
+    fused, name_of = _fused_graph(graph, schedule, regions)
     new_stages: list[tuple[str, list[list[int]]]] = []
     threads: list[Any] = []
     for strategy, groups, stage_threads in stages:
@@ -81,6 +71,43 @@ def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False)
     plan.cost, plan.device, plan.batch = schedule.cost, schedule.device, schedule.batch
     plan.options = {**schedule.options, "regions": True}
     return fused, plan
+
+
+def _stream_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
+    """A stream schedule with each stream's units cut into regions as a run's are: a region's value read on
+    another stream is its last unit's, so the streams wait for regions as they waited for units (and the
+    regions form no cycle: nothing reads into a region from its own last unit). Each region runs where its
+    units ran, with the threads the streams beside it leave."""
+    if schedule.devices is not None:
+        return graph, schedule
+    index = graph.index
+    streams = [[index[u] for u in units] for units in schedule.streams()]
+    regions = _cut_runs(graph, [units for units in streams if units])
+    first_of = {region[0]: k for k, region in enumerate(regions)}
+    fused, name_of = _fused_graph(graph, schedule, regions)
+    fused_streams = [[fused.index[name_of[first_of[u]] or graph.nodes[u].name] for u in units if u in first_of]
+                     for units in streams]
+    plan = from_streams(fused, _CarriedCost(fused), schedule.method, fused_streams)
+    plan.cost, plan.device, plan.batch = schedule.cost, schedule.device, schedule.batch
+    plan.options = {**schedule.options, "regions": True}
+    return fused, plan
+
+
+def _fused_graph(graph: Graph, schedule: Schedule, regions: Sequence[Sequence[int]]) -> tuple[Graph, dict]:
+    """The graph with every region of two or more units one unit, and each region's name (None for one unit).
+    A region is named after its last unit, whose value it returns: readers, the graph's outputs and the
+    example values compilers are given keep their names."""
+    fused_of = {u: k for k, region in enumerate(regions) for u in region}
+    durations = {o.name: o.finish - o.start for o in schedule.ops}
+    name_of = {k: graph.nodes[region[-1]].name if len(region) > 1 else None for k, region in enumerate(regions)}
+    nodes: list[Node] = []
+    for u, node in enumerate(graph.nodes):
+        k = fused_of.get(u)
+        if k is None or name_of[k] is None:
+            nodes.append(dataclasses.replace(node, latency=durations[node.name]))
+        elif u == regions[k][0]:
+            nodes.append(_fused_node(graph, regions[k], durations))
+    return Graph(nodes, inputs=graph.inputs, outputs=graph.outputs, name=graph.name, out_spec=graph.out_spec), name_of
 
 
 class _CarriedCost(TableCost):
@@ -106,6 +133,12 @@ def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], e
             current = []
     if current:
         runs.append(current)
+    return _cut_runs(graph, runs)
+
+
+def _cut_runs(graph: Graph, runs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each run (units in an order that respects the graph) cut into regions, after every unit read outside
+    its region or returned by the graph."""
     returned = {graph.index[o] for o in graph.outputs if o in graph.index}
     regions = []
     for run in runs:
@@ -123,7 +156,7 @@ def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], e
                     changed = True
         start = 0
         for position in sorted(cuts):
-            regions.append(run[start:position + 1])
+            regions.append(list(run[start:position + 1]))
             start = position + 1
     return regions
 

@@ -13,6 +13,8 @@ wants: the models run side by side.
 
 from __future__ import annotations
 
+from typing import Any
+
 from opsched.cost.base import CostModel
 from opsched.graph.ir import Graph, indices
 from opsched.schedule import Schedule, from_streams
@@ -84,6 +86,10 @@ def hivemind(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
     own has a price (threads split between streams, the hand-off): on this 2-core CPU, sixteen small CNNs
     on sixteen streams ran 1.46x slower than on one, so the plan keeps the streams only where they pay.
 
+    The graph's independent parts (on a model batch with nothing fused, its models) are candidates too, each
+    whole on one stream, spread over the streams by their predicted work: the walk cuts a branchy model into
+    a stream per branch, where one stream per model is what running models side by side means.
+
     >>> from opsched.cost.table import TableCost
     >>> from opsched.graph.ir import Node
     >>> g = Graph([Node("a", latency=1.0), Node("b", latency=1.0), Node("c", args=("a", "b"), latency=1.0)])
@@ -91,12 +97,53 @@ def hivemind(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
     [['a'], ['b', 'c']]
     >>> hivemind(g, TableCost(g, capacity=1)).streams()  # one unit at a time: a second stream cannot pay
     [['a', 'b', 'c']]
+    >>> two = Graph([Node("a", latency=1.0), Node("b", args=("a",), latency=1.0), Node("c", args=("a",), latency=1.0),
+    ...              Node("d", latency=3.0)])
+    >>> hivemind(two, TableCost(two, capacity=2)).streams()  # a and its two readers beside d
+    [['a', 'b', 'c'], ['d']]
     """
     walked = hivemind_streams(graph)
-    most = max(1, min(streams, len(walked)) if streams > 0 else len(walked))
-    best = None
-    for count in _counts(most):
-        schedule = from_streams(graph, cost, "hivemind", _folded(walked, count), options={"streams": streams})
-        if best is None or schedule.predicted_latency < best.predicted_latency:
-            best = schedule
+    parts = independent_parts(graph)
+    candidates = [_folded(walked, count) for count in _counts(_at_most(streams, len(walked)))]
+    if len(parts) > 1:
+        candidates += [_balanced(parts, count, cost.op_latency) for count in _counts(_at_most(streams, len(parts)))]
+    best, best_key = None, None
+    for order in candidates:
+        schedule = from_streams(graph, cost, "hivemind", order, options={"streams": streams})
+        key = (schedule.predicted_latency, len(order))
+        if best_key is None or key < best_key:
+            best, best_key = schedule, key
     return best
+
+
+def independent_parts(graph: Graph) -> list[list[int]]:
+    """The units of each weakly connected part of the graph (units joined by the values they pass; graph
+    inputs join nothing), in graph order.
+
+    >>> from opsched.graph.ir import Node
+    >>> independent_parts(Graph([Node("a", args=("x",)), Node("b", args=("x",)), Node("c", args=("b",))],
+    ...                         inputs=["x"]))
+    [[0], [1, 2]]
+    """
+    import networkx as nx
+
+    joined = nx.Graph()
+    joined.add_nodes_from(range(len(graph)))
+    joined.add_edges_from((p, u) for u in range(len(graph)) for p in indices(graph.preds[u]))
+    return sorted((sorted(part) for part in nx.connected_components(joined)), key=lambda part: part[0])
+
+
+def _at_most(streams: int, available: int) -> int:
+    return max(1, min(streams, available) if streams > 0 else available)
+
+
+def _balanced(parts: list[list[int]], count: int, latency: Any) -> list[list[int]]:
+    """``parts`` spread over ``count`` streams, the largest predicted first onto the least loaded stream; each
+    stream's units in graph order."""
+    loads = [0.0] * count
+    placed: list[list[int]] = [[] for _ in range(count)]
+    for part in sorted(parts, key=lambda part: -sum(latency(u) for u in part)):
+        k = loads.index(min(loads))
+        placed[k] += part
+        loads[k] += sum(latency(u) for u in part)
+    return [sorted(units) for units in placed if units]
