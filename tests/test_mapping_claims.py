@@ -57,7 +57,7 @@ def test_the_chain_that_made_a_false_proof_is_cut_where_one_value_crosses():
     assert names == ["m0e", "m0x", "m1e", "m1x", "m2e", "m2x"]
 
 
-@settings(CLAIMS, max_examples=25)
+@settings(CLAIMS, max_examples=15)
 @given(st.integers(0, 10**6), st.integers(3, 4), st.integers(2, 3), st.sampled_from([1, 4]), SYMMETRIES)
 def test_milp_split_on_single_channel_chains_is_the_proven_milps_optimum(seed, modules, devices, min_module, symmetry):
     problem = module_chain(seed, modules=modules, inner=(2, 3), devices=devices)
