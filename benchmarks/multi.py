@@ -2,7 +2,8 @@
 against its own forward, configurations timed interleaved, medians), with SIMULATED GPU rows labelled as such.
 
 Cases: K in {2, 4, 8, 16} copies of a small CNN at batch 1 and 16; sixteen copies of another small CNN nobody
-tuned for; ResNet-18 copies at batch 2; eight models sharing a feature extractor (different heads, one input);
+tuned for; sixteen copies whose layers are named differently in each; ResNet-18 copies at batch 2; the
+ResNet-18s of torchvision and timm; eight models sharing a feature extractor (different heads, one input);
 the rewrites switched on one kind at a time (the IOS-style ablation) on sixteen copies; training eight small
 CNNs at batch 4 and 16, fused against one after another and against the vmap program (``--training-only``:
 just those, ``--threads`` of them);
@@ -47,6 +48,24 @@ def other_cnn(classes: int = 5) -> torch.nn.Module:
 def copies(make, count: int, seed: int = 0) -> list[torch.nn.Module]:
     torch.manual_seed(seed)
     return [make().eval() for _ in range(count)]
+
+
+def renamed_copies(make, count: int, seed: int = 0) -> list[torch.nn.Module]:
+    """Copies whose layers are named differently in each (fine-tuned copies from different hands): the same
+    computation, no module path in common."""
+    from collections import OrderedDict
+
+    return [torch.nn.Sequential(OrderedDict((f"copy{k}_layer{j}", m) for j, m in enumerate(model))).eval()
+            for k, model in enumerate(copies(make, count, seed))]
+
+
+def torchvision_and_timm_resnet18() -> list[torch.nn.Module]:
+    """ResNet-18 from torchvision and from timm: one architecture, two libraries' module names."""
+    import timm
+    import torchvision
+
+    torch.manual_seed(0)
+    return [torchvision.models.resnet18().eval(), timm.create_model("resnet18").eval()]
 
 
 def shared_extractor(count: int = 8) -> list[torch.nn.Module]:
@@ -102,7 +121,10 @@ def cases(quick: bool):
             yield f"small CNN x{k}", lambda k=k: copies(small_cnn, k), torch.randn(batch, 3, 32, 32), \
                 WITH_COMPILE if k == 16 else {}
     yield "other small CNN x16", lambda: copies(other_cnn, 16, seed=1), torch.randn(1, 3, 32, 32), {}
+    yield "small CNN x16, layers renamed in every copy", lambda: renamed_copies(small_cnn, 16), \
+        torch.randn(1, 3, 32, 32), {}
     yield "ResNet-18 x2", lambda: resnet18_copies(2), torch.randn(2, 3, 224, 224), {}
+    yield "ResNet-18 of torchvision and of timm", torchvision_and_timm_resnet18, torch.randn(2, 3, 112, 112), {}
     yield "8 heads on one ResNet-18 trunk", shared_extractor, torch.randn(1, 3, 224, 224), WITH_COMPILE
     for rewrites in ((), ("same_input",), ("same_shape",), ("same_input", "same_shape")):
         label = "+".join(rewrites) or "no rewrite"

@@ -17,6 +17,7 @@ from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.shared import share_work
 from opsched.multi.stack import batch_units, batchable_groups
 from opsched.multi.train import FusedTraining, compare_training
+from opsched.multi.units import layout_key
 from opsched.schedule import from_streams, validate
 from opsched.schedulers import make_schedule
 from opsched.schedulers.hivemind import hivemind_streams
@@ -691,3 +692,89 @@ def test_batched_convolutions_take_their_biases_in_the_kernel():
     outputs = run_graph(fusion.graph, x)
     with torch.no_grad():
         assert all(torch.allclose(out, m(x), atol=1e-5) for out, m in zip(outputs, models))
+
+
+class _Renamed(torch.nn.Module):
+    """Residual's computation with every module named differently (a fine-tuned copy whose layers were renamed)."""
+
+    def __init__(self, channels=6, classes=5):
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, channels, 3, padding=1),
+                                            torch.nn.BatchNorm2d(channels), torch.nn.ReLU())
+        self.shortcut_conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.downsample = torch.nn.MaxPool2d(2)
+        self.classifier = torch.nn.Linear(channels * 4 * 4, classes)
+
+    def forward(self, x):
+        y = self.features(x)
+        y = torch.relu(y + self.shortcut_conv(y))
+        return self.classifier(torch.flatten(self.downsample(y), 1)), y.mean()
+
+
+class _Wrapped(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.backbone = model
+
+    def forward(self, x):
+        return self.backbone(x)
+
+
+def test_units_batch_whatever_their_modules_are_called():
+    models = [_randomised(Residual(), 0), _randomised(_Renamed(), 1), _randomised(_Wrapped(Residual()), 2)]
+    x = torch.randn(2, 3, 8, 8)
+    batch = ModelBatch(models, [(x,)] * 3)
+    graph = combine(batch)
+    assert len({n.name.split("/", 1)[1] for n in graph.nodes}) > len(graph) // 3  # the names differ
+    groups = batchable_groups(graph)
+    assert len(groups) == len(graph) // 3 and all(len(g) == 3 for g in groups)
+    fused = batch_units(graph, groups, all_values(graph, [x]))
+    with torch.no_grad():  # each member's weights went with it: every model gets its own outputs
+        _outputs_match(run_graph(fused, x), models, [(x,)] * 3)
+
+
+class _TwinBranches(torch.nn.Module):
+    """Two branches computing the same function of the same input with their own weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = torch.nn.Conv2d(3, 4, 1), torch.nn.Conv2d(3, 4, 1)
+        self.head = torch.nn.Conv2d(4, 2, 1)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.left(x)) - torch.relu(self.right(x)))
+
+
+def test_twin_branches_batch_with_their_counterparts_in_the_other_models():
+    models = [_randomised(_TwinBranches(), k) for k in range(2)] + [_randomised(_Wrapped(_TwinBranches()), 2)]
+    x = torch.randn(1, 3, 5, 5)
+    graph = combine(ModelBatch(models, [(x,)] * 3))
+    groups = batchable_groups(graph)
+    names = [[graph.nodes[i].name.rsplit("/", 1)[1].rsplit(".", 1)[-1] for i in g] for g in groups]
+    assert len(groups) == len(graph) // 3 and all(len(n) == 3 and len(set(n)) == 1 for n in names), names
+    fused = batch_units(graph, groups, all_values(graph, [x]))
+    with torch.no_grad():
+        _outputs_match(run_graph(fused, x), models, [(x,)] * 3)
+
+
+def test_canonical_code_ignores_names_but_not_what_the_code_does():
+    def unit(model):
+        return combine(ModelBatch([model], [(torch.randn(1, 3, 8, 8),)])).nodes[0]
+
+    a, b = unit(torch.nn.Conv2d(3, 4, 3)), unit(_Wrapped(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3))))
+    assert a.run.code != b.run.code and layout_key(a) == layout_key(b)
+    assert layout_key(unit(torch.nn.Conv2d(3, 4, 3, stride=2))) != layout_key(a)
+    assert layout_key(unit(torch.nn.Conv2d(3, 4, 3, bias=False))) != layout_key(a)
+
+
+def test_torchvision_and_timm_resnet18_batch_every_unit():
+    timm = pytest.importorskip("timm")
+    torchvision = pytest.importorskip("torchvision")
+    models = [torchvision.models.resnet18().eval(), timm.create_model("resnet18").eval()]
+    x = torch.randn(1, 3, 32, 32)
+    graph = combine(ModelBatch(models, [(x,)] * 2))
+    groups = batchable_groups(graph)
+    assert len(groups) == len(graph) // 2
+    fused = batch_units(graph, groups, all_values(graph, [x]))
+    with torch.no_grad():
+        _outputs_match(run_graph(fused, x), models, [(x,)] * 2, atol=1e-4)

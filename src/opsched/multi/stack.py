@@ -50,33 +50,71 @@ from opsched.graph.convbias import conv_biases_folded
 from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices, plain_max_pools
-from opsched.multi.units import layout_key, local_name, model_of, tensors_of
+from opsched.multi.units import layout_key, local_name, model_of, tensors_of, weight_names
 
 FUSIONS = ("same_input", "same_shape")
 
 
 def batchable_groups(graph: Graph) -> list[list[int]]:
-    """Groups of units (indices, ordered by model) that can run as one batched unit: the unit of the same
-    name in different models, with the same layout and equally shaped inputs, none a predecessor of another,
-    and no set of groups forming a cycle once each is one unit."""
-    buckets: dict[Any, list[int]] = {}
-    for i, node in enumerate(graph.nodes):
-        key = layout_key(node)
-        if key is None or model_of(node.name) is None:
-            continue
-        shapes = tuple(_shape_of(graph, a) for a in node.args)
-        buckets.setdefault((local_name(node.name), key, shapes), []).append(i)
-    groups = []
-    for members in buckets.values():
-        members = sorted(members, key=lambda i: model_of(graph.nodes[i].name))
-        chosen: list[int] = []
-        for i in members:
-            if all(not (graph.ancestors[i] >> j & 1 or graph.ancestors[j] >> i & 1) for j in chosen):
-                chosen.append(i)
-        if len(chosen) > 1:
-            groups.append(chosen)
+    """Groups of units (indices, ordered by model) that can run as one batched unit: units of different
+    models with the same layout (code and weights up to their names, see :func:`layout_key`) and equally
+    shaped inputs, none a predecessor of another, and no set of groups forming a cycle once each is one unit.
+
+    Which unit of one model goes with which of another is decided without names first: units that compute
+    the same function of the same inputs (the same :func:`computations`, whatever the modules were called)
+    are matched, the k-th of each model with the k-th of every other; units left unmatched are then matched
+    by their name in their model, so different architectures that share a layer's name and layout still
+    batch it."""
+    keys = [layout_key(node) for node in graph.nodes]
+    batchable = [i for i, node in enumerate(graph.nodes) if keys[i] is not None and model_of(node.name) is not None]
+    shapes = [tuple(_shape_of(graph, a) for a in node.args) for node in graph.nodes]
+    computed = computations(graph, keys)
+    by_computation: dict[Any, list[int]] = {}
+    for i in batchable:
+        by_computation.setdefault((computed[i], shapes[i]), []).append(i)
+    groups = [g for members in by_computation.values() for g in _kth_of_each_model(graph, members)]
+    grouped = {i for g in groups for i in g}
+    by_name: dict[Any, list[int]] = {}
+    for i in batchable:
+        if i not in grouped:
+            by_name.setdefault((local_name(graph.nodes[i].name), keys[i], shapes[i]), []).append(i)
+    groups += [g for members in by_name.values() for g in _kth_of_each_model(graph, members)]
     groups.sort(key=lambda members: members[0])
     return _acyclic(graph, groups)
+
+
+def computations(graph: Graph, keys: Sequence[Any]) -> list[int]:
+    """For every unit, a number that is the same for units computing the same function (equal ``keys``) of
+    the same computations, down to the inputs (known by their names inside a model, ``x0``): equal for the
+    corresponding units of two copies of a network however their modules are named."""
+    ids: dict[Any, int] = {}
+    known = {name: ids.setdefault(("input", local_name(name)), len(ids)) for name in graph.inputs}
+    result = []
+    for node, key in zip(graph.nodes, keys):
+        what = key if key is not None else ("opaque", node.name)
+        number = ids.setdefault((what, tuple(known[a] for a in node.args)), len(ids))
+        known[node.name] = number
+        result.append(number)
+    return result
+
+
+def _kth_of_each_model(graph: Graph, members: Sequence[int]) -> list[list[int]]:
+    """``members`` (in graph order) as groups: the k-th member of each model with the k-th of every other,
+    dropping any that depends on one already in its group; groups of one are left out."""
+    per_model: dict[int, list[int]] = {}
+    for i in members:
+        per_model.setdefault(model_of(graph.nodes[i].name), []).append(i)
+    groups = []
+    for k in range(max(map(len, per_model.values()), default=0)):
+        chosen: list[int] = []
+        for model in sorted(per_model):
+            if k < len(per_model[model]):
+                i = per_model[model][k]
+                if all(not (graph.ancestors[i] >> j & 1 or graph.ancestors[j] >> i & 1) for j in chosen):
+                    chosen.append(i)
+        if len(chosen) > 1:
+            groups.append(chosen)
+    return groups
 
 
 def _shape_of(graph: Graph, name: str) -> Any:
@@ -173,9 +211,9 @@ def batched_module(members: Sequence[Node], dims: Sequence[Any], examples: Seque
     # Batch norm folded into its convolution per member first: batched, its element-wise pass over the
     # stacked output cost as much as the convolution (16 small CNNs at batch 1, measured).
     units = [fold_batch_norms(m.run) if isinstance(m.run, fx.GraphModule) else m.run for m in members]
-    weights = list(tensors_of(units[0]))
-    stacked = {f"w{j}": torch.stack([tensors_of(u)[name].detach() for u in units])
-               for j, name in enumerate(weights)}
+    weights = weight_names(units[0])
+    by_position = [[tensors_of(u)[name].detach() for name in weight_names(u)] for u in units]
+    stacked = {f"w{j}": torch.stack([w[j] for w in by_position]) for j in range(len(weights))}
     template = _batch_norm_decomposed(units[0])
 
     def one(w: Sequence[torch.Tensor], *args: Any) -> Any:
