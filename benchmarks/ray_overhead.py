@@ -12,6 +12,10 @@ checked against the local engine's:
 Each form is timed interleaved with the local engine (medians of ``--repeats`` rounds), one form alive at a
 time: an actor waiting in a Compiled Graph polls, and would slow down what is timed beside it.
 
+GoogLeNet's plan is also run with both devices on node n0, where the engine's default is one actor running
+both devices as the local engine does, an inference one call: as remote calls (the default there), as a
+Compiled Graph, and, for comparison, as actors per device.
+
 Plans: GoogLeNet (torchvision, random weights, ``--image-size``) and a chain of convolutions, both mapped with
 HEFT onto the two devices; and two synthetic plans of ``--units`` trivial units (each adds 1 to a one-element
 tensor) in a chain, all on one device (no value crosses devices) or alternating between the two (every value
@@ -41,9 +45,12 @@ from opsched.timing import interleaved_samples
 PLATFORM = {"name": "two-nodes", "devices": [{"name": "cpu0", "kind": "cpu", "node": "n0", "threads": 1},
                                              {"name": "cpu1", "kind": "cpu", "node": "n1", "threads": 1}],
             "links": {"default": {"bandwidth": "inf", "latency": 0.0}}}
+ONE_NODE = {**PLATFORM, "name": "one-node", "devices": [{**d, "node": "n0"} for d in PLATFORM["devices"]]}
 FORMS = {"compiled graph": {"compiled": True}, "remote calls": {"compiled": False},
          "compiled graph per unit": {"compiled": True, "per_unit": True},
          "remote calls per unit": {"compiled": False, "per_unit": True}}
+NODE_FORMS = {"node's actor, remote calls": {}, "node's actor, compiled": {"compiled": True},
+              "actors per device, compiled": {"actors": "device", "compiled": True}}
 
 
 def add_one(x):
@@ -60,7 +67,7 @@ def synthetic(units: int, alternate: bool) -> tuple[Graph, Schedule]:
                            devices=DevicesSection(PLATFORM))
 
 
-def heft_plan(model: torch.nn.Module, x: torch.Tensor, name: str) -> tuple[Graph, Schedule]:
+def heft_plan(model: torch.nn.Module, x: torch.Tensor, name: str, platform: dict = PLATFORM) -> tuple[Graph, Schedule]:
     """``model`` captured and mapped with HEFT onto the two devices, its units measured at 1 thread."""
     from opsched.cost.measure import MeasuredCost
     from opsched.mapping.plan import to_schedule
@@ -74,7 +81,7 @@ def heft_plan(model: torch.nn.Module, x: torch.Tensor, name: str) -> tuple[Graph
         cost = MeasuredCost(graph, (x,), cores=threads, repeats=5)
         return [cost.latency[threads][u] for u in range(len(graph))]
 
-    problem = build_problem(graph, platform_from_dict(PLATFORM, "two-nodes"), measure=measure)
+    problem = build_problem(graph, platform_from_dict(platform, platform["name"]), measure=measure)
     solved = solve(problem, "heft")
     return graph, to_schedule(problem, solved.mapping, solved.timeline, "heft", solved.lower_bound, solved.optimal, {})
 
@@ -86,10 +93,12 @@ def conv_chain() -> torch.nn.Module:
     return torch.nn.Sequential(*layers).eval()
 
 
-def compare(graph: Graph, plan: Schedule, x: torch.Tensor, repeats: int) -> dict[str, tuple[float, float, float]]:
+def compare(graph: Graph, plan: Schedule, x: torch.Tensor, repeats: int,
+            forms: dict[str, dict] = FORMS) -> dict[str, tuple[float, float, float, int]]:
     """For each form on Ray: (its median milliseconds, the local engine's median interleaved with it, the
-    seconds it took to set up: actors started, units loaded, graph compiled). One form is alive at a time: an
-    actor waiting in a Compiled Graph polls, and would slow down whatever else is timed beside it."""
+    seconds it took to set up: actors started, units loaded, graph compiled; the calls an inference makes). One
+    form is alive at a time: an actor waiting in a Compiled Graph polls, and would slow down whatever else is
+    timed beside it."""
     local = OptimizedModule(graph, plan, cores=2)
     with torch.inference_mode():
         want = local(x)
@@ -101,26 +110,26 @@ def compare(graph: Graph, plan: Schedule, x: torch.Tensor, repeats: int) -> dict
         return run
 
     measured = {}
-    for name, options in FORMS.items():
+    for name, options in forms.items():
         started = time.perf_counter()
         with RayModule(graph, plan, **options) as module:
             setup = time.perf_counter() - started
             if not torch.allclose(module(x), want, atol=1e-5):
                 raise SystemExit(f"{name}: the outputs differ from the local engine's")
             on_ray, on_local = interleaved_samples([runner(module), runner(local)], repeats, warmup=3)
-        measured[name] = (statistics.median(on_ray), statistics.median(on_local), setup)
+        measured[name] = (statistics.median(on_ray), statistics.median(on_local), setup,
+                          len(graph) if options.get("per_unit") else len(module.segments))
     local.close()
     return measured
 
 
-def report(label: str, graph: Graph, plan: Schedule, measured: dict[str, tuple[float, float, float]]) -> None:
+def report(label: str, graph: Graph, plan: Schedule, measured: dict[str, tuple[float, float, float, int]]) -> None:
     program = compile_program(plan, graph, 1)
     segments = cut_segments(program)
     crossing = sum(1 for s in segments for slot in s.imports if slot >= len(graph.inputs))
     print(f"\n{label}: {len(graph)} units, {crossing} values crossing devices, {len(segments)} segments")
-    for name, (ms, local, setup) in measured.items():
-        calls = len(graph) if "per unit" in name else len(segments)
-        print(f"  {name:<24} {ms:8.2f} ms against local {local:6.2f} ms ({ms / local:4.1f}x), {calls} calls, "
+    for name, (ms, local, setup, calls) in measured.items():
+        print(f"  {name:<28} {ms:8.2f} ms against local {local:6.2f} ms ({ms / local:4.1f}x), {calls} calls, "
               f"set up in {setup:.1f} s")
 
 
@@ -152,6 +161,9 @@ def main() -> None:
         for label, graph, plan, x in cases:
             measured.append(compare(graph, plan, x, args.repeats))
             report(label, graph, plan, measured[-1])
+        graph, plan = heft_plan(googlenet, image, "googlenet", ONE_NODE)
+        report(f"GoogLeNet {size}x{size}, HEFT, both devices on node n0", graph, plan,
+               compare(graph, plan, image, args.repeats, NODE_FORMS))
     n = args.units
     one, alternating = measured[2], measured[3]
     print(f"\nRay's overhead over the local engine, from the synthetic plans ({n} units; measured):")

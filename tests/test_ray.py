@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import local_ray
+from support import ray_trials
 
 from opsched.cli import main
 
@@ -155,7 +156,7 @@ def test_the_cli_starts_a_local_ray_for_the_run_verifies_and_reports_the_engine(
     assert set(result["measured_ms"]) == {"heft", "eager"}
     assert min(result["devices"].values()) > 0  # both devices run units
     assert result["ray"]["cluster"] == "a local Ray started for the run"
-    assert result["ray"]["actors"] == {"cpu0": "n0", "cpu1": "n1"}
+    assert result["ray"]["actors"] == {"cpu0": "n0", "cpu1": "n1"} and result["ray"]["actor_per"] == "device"
 
 
 def test_an_address_that_does_not_answer_fails_at_once_in_one_line(plan_file):
@@ -209,3 +210,58 @@ def test_segments_are_cut_from_the_lowered_program():
     assert segments == [Segment(0, 0, (0,), (0,), ()), Segment(1, 0, (0,), (0,), (2,)),
                         Segment(0, 1, (1,), (2,), (3,))]
     assert cut_segments(program) == segments  # the benchmark cuts the program itself
+
+
+@pytest.fixture(scope="module")
+def one_node_plan(plan_file, googlenet):
+    """The GoogLeNet plan with both devices on node n0."""
+    from opsched import schedule
+
+    doc = json.loads(plan_file.read_text())
+    doc["devices"]["platform"]["devices"][1]["node"] = "n0"
+    path = plan_file.with_name("one-node.json")
+    path.write_text(json.dumps(doc))
+    return schedule.load(path, googlenet[2])
+
+
+@pytest.mark.parametrize("compiled", [None, True], ids=["default", "compiled-graph"])
+def test_a_plan_on_one_node_runs_as_one_actor_with_one_call_per_inference(ray_session, googlenet, one_node_plan,
+                                                                          compiled):
+    from opsched.runtime.ray import RayModule, Segment
+
+    model, x, graph, _ = googlenet
+    with RayModule(graph, one_node_plan, compiled=compiled, run_seconds=20) as module, torch.inference_mode():
+        assert module.per_node and len(module.actors) == 1 and module.compiled is bool(compiled)
+        assert module.segments == [Segment(0, 0, (), (0,), tuple(module._returned))]
+        assert [(d.name, d.node) for d in module.devices] == [("cpu0", "n0"), ("cpu1", "n0")]
+        want = model(x)
+        for _ in range(2):
+            assert torch.allclose(module(x), want, atol=1e-4)
+
+
+def test_on_the_nodes_actor_a_failing_unit_names_its_device_and_a_killed_actor_its_node(ray_session, googlenet,
+                                                                                        one_node_plan):
+    import ray
+
+    from opsched.runtime.ray import DeviceFailed, RayModule
+
+    model, x, graph, _ = googlenet
+    unit = next(op.name for op in one_node_plan.ops if op.stream == 1)
+    result = ray_trials.ray_fault_trial(model, graph, (x,), one_node_plan, unit, compiled=False, on_call=2)
+    assert result["device"] == "cpu1" and result["right_before"] == 1 and result["named"], result
+    assert result["later_call"] == "DeviceFailed" and result["actors_left"] == 0 and result["new_module_right"], result
+    with RayModule(graph, one_node_plan, run_seconds=20) as module:
+        module(x)
+        ray.kill(module.actors[0])
+        with pytest.raises(DeviceFailed) as failed:
+            module(x)
+    assert _one_line(str(failed.value)) == ("the run on Ray failed: the actor of node 'n0' (devices cpu0, cpu1) "
+                                            "died: its Ray actor was killed")
+
+
+def test_one_actor_for_every_device_needs_them_on_one_node(ray_session, googlenet):
+    from opsched.runtime.ray import ClusterError, RayModule
+
+    _, _, graph, plan = googlenet
+    with pytest.raises(ClusterError, match="all on one node .*n0, n1"):
+        RayModule(graph, plan, actors="node")

@@ -196,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Load MODEL, check that PLAN was made for its graph and batch, run the plan, "
                                    "verify its outputs against eager PyTorch and time both, interleaved. A mapped "
                                    "plan (opsched map) runs its devices as threads of this process (--engine "
-                                   "local), or as one Ray actor per device (--engine ray, on a local Ray started "
+                                   "local), or as one Ray actor per device, or one for them all when they are on one "
+                                   "node (--engine ray, on a local Ray started "
                                    "for the run or the cluster at --address; see docs/ray.md). A plan made by "
                                    "opsched multi takes the same MODELs: the batch is rebuilt as the plan records "
                                    "it (copies, preprocessing, batch, input shapes and rewrites; options not given "
@@ -214,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     p.add_argument("--engine", choices=["local", "ray"],
                    help="how a mapped plan's devices run: local, as threads of this process (the default), or "
-                        "ray, one Ray actor per device on its node (needs pip install 'opsched[ray]')")
+                        "ray, one Ray actor per device on its node, or one for them all when they are on one node "
+                        "(needs pip install 'opsched[ray]')")
     p.add_argument("--address", metavar="ADDR",
                    help="the Ray cluster to run on (HOST:PORT of its head, or auto; implies --engine ray); by "
                         "default --engine ray starts a local Ray for the run and shuts it down after")

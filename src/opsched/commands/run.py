@@ -214,5 +214,5 @@ def _ray_candidates(ray_run: contextlib.ExitStack, graph: Any, plan: Any, label:
 
     module = ray_run.enter_context(RayModule(graph, plan))
     about = {"cluster": cluster, "compiled_graph": module.compiled, "calls": len(module.segments),
-             "actors": {d.name: d.node for d in module.devices}}
+             "actors": {d.name: d.node for d in module.devices}, "actor_per": "node" if module.per_node else "device"}
     return [Candidate(label, module_runner(module, inputs, cores), module=module)], about

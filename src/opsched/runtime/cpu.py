@@ -45,11 +45,12 @@ __all__ = ["CPUExecutor", "StreamFailed", "ThreadedCall", "UnitFailed", "end_poo
 class CPUExecutor:
     """Execute ``program``; ``operator(nodes, threads)`` gives the callable for the units of a run step
     (see :mod:`opsched.runtime.kernels`): called with the values the first unit reads, it returns one
-    value, or one per unit for a merge."""
+    value, or one per unit for a merge. A program already lowered (its callables made elsewhere: the Ray
+    engine's actor running every device of a node) is run as it is, with no ``operator``."""
 
-    def __init__(self, program: StreamProgram, operator: Operator):
+    def __init__(self, program: StreamProgram | LoweredProgram, operator: Operator | None = None):
         self.program = program
-        self.lowered = lower(program, operator)
+        self.lowered = program if isinstance(program, LoweredProgram) else lower(program, operator)
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []
         self.timeline: list[tuple[int, tuple[int, ...], float, float]] | None = None

@@ -1,6 +1,8 @@
 """The Ray engine (``opsched run --engine ray``): a mapped plan's devices as Ray actors.
 
-A mapped plan (``opsched map``) is a stream-form Schedule whose stream d is device d. This engine creates one
+A mapped plan (``opsched map``) is a stream-form Schedule whose stream d is device d. When every device with
+units is on one node, this engine creates one Ray actor there that runs them all as the local engine does
+(:class:`~opsched.runtime.ray.actors.NodeWorker`; an inference is one call). Otherwise it creates one
 Ray actor per device that has units, pinned to the device's node through a custom resource the node declares,
 ``opsched_node:<node>`` (each actor takes :data:`NODE_SHARE` of it, and its device's ``threads`` CPUs). An actor
 holds its device's run steps of the plan's lowered program (:mod:`opsched.runtime.lowered`), whose callables
@@ -28,7 +30,7 @@ device that did not finish within ``run_seconds``; the module is then closed. No
 the ``[ray]`` extra.
 """
 
-from opsched.runtime.ray.actors import DeviceWorker, RayModule, from_wire, to_wire
+from opsched.runtime.ray.actors import DeviceWorker, NodeWorker, RayModule, from_wire, to_wire
 from opsched.runtime.ray.cluster import (
     ClusterError,
     DeviceFailed,
@@ -41,5 +43,5 @@ from opsched.runtime.ray.cluster import (
 )
 from opsched.runtime.ray.segments import Segment, cut_segments
 
-__all__ = ["ClusterError", "DeviceFailed", "DeviceWorker", "RayModule", "RayUnavailable", "Segment", "UnitError",
+__all__ = ["ClusterError", "DeviceFailed", "DeviceWorker", "NodeWorker", "RayModule", "RayUnavailable", "Segment", "UnitError",
            "check_nodes", "cut_segments", "from_wire", "import_ray", "probe", "ray_cluster", "to_wire"]

@@ -1,5 +1,6 @@
 """The Ray engine's actors and module: values crossing devices as NumPy arrays, units shipped to the actors, one
-actor per device running its lowered steps, and :class:`RayModule`, the plan as a module."""
+actor per device running its lowered steps (or one running every device of a node with the local engine), and
+:class:`RayModule`, the plan as a module."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError
+from opsched.runtime.cpu import CPUExecutor
 from opsched.runtime.kernels import unit_operator
-from opsched.runtime.lowered import Call, lower
+from opsched.runtime.lowered import Call, LoweredProgram, UnitFailed, lower
 from opsched.runtime.program import compile_program
 from opsched.runtime.ray.cluster import (
     NODE_RESOURCE,
@@ -34,7 +36,7 @@ from opsched.runtime.ray.cluster import (
     first_line,
     import_ray,
 )
-from opsched.runtime.ray.segments import cut_segments
+from opsched.runtime.ray.segments import Segment, cut_segments
 from opsched.schedule import PlanDevice
 
 NUMPY_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
@@ -118,9 +120,10 @@ class DeviceWorker:
         self.running: str | None = None   # the unit running now, read by status() from another thread
         self.failure: str | None = None   # the inference's first unit failure
 
-    def status(self) -> tuple[int, str | None, str | None]:
-        """(process id, the unit running, the first unit failure of the current inference)."""
-        return os.getpid(), self.running, self.failure
+    def status(self) -> tuple[int, tuple[str, str] | None, tuple[str, str] | None]:
+        """(process id, (device, the unit running), (device, the first unit failure of the current inference))."""
+        running, failure = self.running, self.failure
+        return os.getpid(), running and (self.name, running), failure and (self.name, failure)
 
     def run(self, position: int, *imported: Any) -> Any:
         steps, imports, exports, drop = self.segments[position]
@@ -139,7 +142,7 @@ class DeviceWorker:
                 try:
                     result = step.fn(*[values[slot] for slot in step.reads])
                 except Exception as e:  # noqa: BLE001 - reported to the driver in one picklable line
-                    self.failure = f"failed in unit {step.name!r}: {type(e).__name__}: {first_line(e)}"
+                    self.failure = _unit_failure(step.name, e)
                     raise UnitError(self.failure) from None
                 finally:
                     self.running = None
@@ -152,21 +155,58 @@ class DeviceWorker:
         return out[0] if len(out) == 1 else (out or None)
 
 
-class RayModule:
-    """A mapped plan run by Ray actors, one per device with units; called like the model (inputs and outputs
-    structured as its). Needs a connected Ray (:func:`ray_cluster`) with every node of the plan.
+class NodeWorker:
+    """Every device of the plan, all on one node, as one Ray actor: the plan's lowered program (its callables
+    :class:`ShippedUnits`, loaded when the actor starts) run by the local engine's CPU executor, each device a
+    stream on a thread of the actor with its own ``threads``, its values passed in memory. An inference is one
+    call: the inputs in, the ``returned`` slots' values out. ``devices`` names each stream's device."""
 
-    ``compiled``: make the calls as one Ray Compiled Graph (True), as remote calls (False), or the graph when
-    the installed Ray can compile it (None). ``per_unit``: a call per unit instead of per segment (the
-    benchmark compares). ``close()`` (or leaving a ``with`` block) ends the actors, as does collecting an unclosed
-    module.
+    def __init__(self, devices: Sequence[str], lowered: LoweredProgram, returned: Sequence[int]):
+        for k in range(len(lowered.streams)):
+            for step in lowered.calls(k):
+                step.fn.load()
+        self.device_of = {step.name: devices[k] for k in range(len(lowered.streams)) for step in lowered.calls(k)}
+        self.executor = CPUExecutor(lowered)
+        self.outputs = lowered.outputs
+        self.returned = tuple(returned)
+        self.failure: tuple[str, str] | None = None  # (device, what) of the last inference's unit failure
+
+    def status(self) -> tuple[int, None, tuple[str, str] | None]:
+        """As :meth:`DeviceWorker.status`; which unit runs is not followed here."""
+        return os.getpid(), None, self.failure
+
+    def run(self, position: int, *inputs: Any) -> Any:
+        """An inference (``position`` is always 0: the node's one segment, called as a device's are)."""
+        self.failure = None
+        try:
+            outputs = self.executor(*from_wire(list(inputs)))
+        except UnitFailed as e:
+            self.failure = (self.device_of[e.unit], _unit_failure(e.unit, e.__cause__ or e))
+            raise UnitError(self.failure[1]) from None
+        values = dict(zip(self.outputs, outputs))
+        out = tuple(to_wire(values[slot]) for slot in self.returned)
+        return out[0] if len(out) == 1 else (out or None)
+
+
+class RayModule:
+    """A mapped plan run by Ray actors; called like the model (inputs and outputs structured as its). Needs a
+    connected Ray (:func:`ray_cluster`) with every node of the plan.
+
+    ``actors``: ``"device"``, an actor per device with units (:class:`DeviceWorker`), its units cut into
+    segments, a call each; ``"node"``, one actor running every device of the plan's one node as the local engine
+    runs them (:class:`NodeWorker`), an inference one call; default: ``"node"`` when the plan's devices are all
+    on one node. ``compiled``: make the calls as one Ray Compiled Graph (True), as remote calls (False), or
+    (None) the graph where the installed Ray can compile it, for actors per device, and remote calls for the
+    node's actor. ``per_unit``: a call per unit instead of per segment (the
+    benchmark compares; actors per device). ``close()`` (or leaving a ``with`` block) ends the actors, as does
+    collecting an unclosed module.
 
     Calls from several threads run one at a time: a Compiled Graph's ``execute`` is not thread-safe (two at once
     aborted the process in Ray's C++ core), and each actor holds the values of one inference (two inferences of
     remote calls interleaved mixed them up: wrong outputs). An actor runs one call at a time anyway."""
 
     def __init__(self, graph: Any, schedule: Any, compiled: bool | None = None, per_unit: bool = False,
-                 run_seconds: float = RUN_SECONDS, start_seconds: float = START_SECONDS):
+                 run_seconds: float = RUN_SECONDS, start_seconds: float = START_SECONDS, actors: str | None = None):
         ray = import_ray()
         if not ray.is_initialized():
             raise ClusterError("the Ray engine needs a connected Ray (see opsched.runtime.ray.ray_cluster)")
@@ -177,21 +217,37 @@ class RayModule:
         every = schedule.devices.devices
         used = sorted({o.stream for o in schedule.ops})  # program stream k is the k-th device with units
         self.devices = [every[d] for d in used]
-        check_nodes(ray.cluster_resources(), [d.node for d in self.devices], "the connected Ray cluster")
+        nodes = list(dict.fromkeys(d.node for d in self.devices))
+        if actors not in (None, "node", "device"):
+            raise ValueError(f"actors is 'node' or 'device', not {actors!r}")
+        self.per_node = (actors or ("node" if len(nodes) == 1 and not per_unit else "device")) == "node"
+        if self.per_node and (len(nodes) > 1 or per_unit):
+            raise ClusterError("one actor runs every device of a plan only when they are all on one node (this "
+                               f"plan's are on {', '.join(nodes)}), a segment per call" if len(nodes) > 1 else
+                               "one actor for the node makes one call per inference, not one per unit")
+        check_nodes(ray.cluster_resources(), nodes, "the connected Ray cluster")
         lowered = lower(compile_program(schedule, graph, max(d.threads for d in self.devices)), ShippedUnits)
-        self.segments = cut_segments(lowered, per_unit)
         self.inputs = lowered.inputs
         self.outputs = lowered.outputs
         # what the actors return: each output a unit makes, once (an output may be a graph input, or repeated)
         self._returned = list(dict.fromkeys(slot for slot in self.outputs if slot >= self.inputs))
+        # the node's actor is one segment: every input in, the outputs out
+        self.segments = [Segment(0, 0, (), tuple(range(self.inputs)), tuple(self._returned))] if self.per_node \
+            else cut_segments(lowered, per_unit)
         # an input goes with the call that reads it (inline when small); one that several calls read is put in
         # the object store once: a put costs more than a call here (1.8 ms against 1 ms, measured)
         self._shared_inputs = [sum(i in s.imports for s in self.segments) > 1 for i in range(self.inputs)]
         self._failure: DeviceFailed | None = None
         self._graph: Any = None
         self.actors: list[Any] = []
+        # each actor's devices, for what a failure says
+        self._hosts: list[list[PlanDevice]] = [self.devices] if self.per_node else [[d] for d in self.devices]
+        if self.per_node:
+            self.actors.append(ray.remote(NodeWorker).options(
+                num_cpus=sum(d.threads for d in self.devices), resources={NODE_RESOURCE + nodes[0]: NODE_SHARE},
+                max_restarts=0, max_task_retries=0).remote([d.name for d in self.devices], lowered, self._returned))
         worker = ray.remote(DeviceWorker)
-        for k, device in enumerate(self.devices):
+        for k, device in enumerate([] if self.per_node else self.devices):
             steps = lowered.calls(k)
             read_here = {slot for c in steps for slot in c.reads}
             mine = sorted((s for s in self.segments if s.device == k), key=lambda s: s.position)
@@ -201,7 +257,11 @@ class RayModule:
                 max_restarts=0, max_task_retries=0).remote(device.name, device.threads, steps, specs))
         try:
             self._await_start(start_seconds)
-            self.compiled = self._compile() if compiled is not False else False
+            # The node's one call per inference gains little from a Compiled Graph, and its polling actor and driver
+            # take cores from the node's streams: GoogLeNet 64 px on two 1-thread devices of one node ran 16.1 ms
+            # compiled against 12.4-13.2 ms as remote calls (2 cores, measured; docs/ray.md).
+            wanted = compiled if compiled is not None else not self.per_node
+            self.compiled = self._compile() if wanted else False
             if compiled and not self.compiled:
                 raise ClusterError("this Ray cannot compile the plan's calls into a Compiled Graph")
         except BaseException:
@@ -210,18 +270,19 @@ class RayModule:
 
     def _await_start(self, seconds: float) -> None:
         ray = self._ray
-        pending = {a.status.remote(): d for a, d in zip(self.actors, self.devices)}
+        pending = {a.status.remote(): host for a, host in zip(self.actors, self._hosts)}
         ready, waiting = ray.wait(list(pending), num_returns=len(pending), timeout=seconds)
         for ref in ready:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError as e:
-                raise DeviceFailed(pending[ref].name, f"could not start its Ray actor: {_actor_error(e)}") from None
+                raise _host_failed(pending[ref], f"could not start its Ray actor: {_actor_error(e)}") from None
         if waiting:
             late = pending[waiting[0]]
-            raise DeviceFailed(late.name, f"(node {late.node}) was not placed and started within {seconds:g} s: "
-                                          f"has a Ray node declaring {NODE_RESOURCE}{late.node} {late.threads} "
-                                          "CPU(s) free?")
+            node = late[0].node
+            raise _host_failed(late, f"(node {node}) was not placed and started within {seconds:g} s: has a Ray "
+                                     f"node declaring {NODE_RESOURCE}{node} {sum(d.threads for d in late)} "
+                                     "CPU(s) free?")
 
     def _compile(self) -> bool:
         """Bind the segments' calls into a Compiled Graph; False when this Ray has none or cannot compile it."""
@@ -296,32 +357,36 @@ class RayModule:
         except ray.exceptions.RayError as e:
             # the first call not finished, in submission order, is one running or stuck
             done, _ = ray.wait([ref for ref, _ in calls], num_returns=len(calls), timeout=0)
-            late = next((self.devices[d] for ref, d in calls if ref not in done), None)
+            late = next((self._hosts[d] for ref, d in calls if ref not in done), None)
             raise self._fail(e, late) from None
 
-    def _fail(self, error: Exception, late: PlanDevice | None = None) -> DeviceFailed:
+    def _fail(self, error: Exception, late: Sequence[PlanDevice] | None = None) -> DeviceFailed:
         """The failure as one :class:`DeviceFailed` naming the device: one whose actor is gone, else one whose
-        unit raised, else (a timeout) one still running; the module is closed, and later calls raise it too."""
+        unit raised, else (a timeout) one still running (``late``: the devices of the first call not finished,
+        when known); the module is closed, and later calls raise it too. An actor running every device of a
+        node is named by its node and devices where no one device is to blame."""
         ray = self._ray
-        pings = {a.status.remote(): d for a, d in zip(self.actors, self.devices)}
+        pings = {a.status.remote(): host for a, host in zip(self.actors, self._hosts)}
         answered, _ = ray.wait(list(pings), num_returns=len(pings), timeout=PING_SECONDS)
-        dead = failed = running = None  # each (device, what)
+        dead = failed = running = None
         for ref in answered:
             try:
-                _, unit, failure = ray.get(ref)
+                _, unit, failure = ray.get(ref)  # unit and failure: (device, what) or None
             except ray.exceptions.RayActorError as e:
                 dead = dead or (pings[ref], f"died: {_actor_error(e)}")
                 continue
-            failed = failed or (failure and (pings[ref], failure))
-            running = running or (unit and (pings[ref], f"running unit {unit!r}"))
+            failed = failed or failure
+            running = running or (unit and (unit[0], f"running unit {unit[1]!r}"))
         timed_out = isinstance(error, ray.exceptions.GetTimeoutError | ray.exceptions.RayChannelTimeoutError)
-        if dead or failed:
-            device, what = dead or failed
-            self._failure = DeviceFailed(device.name, what)
-        elif timed_out and (running or late):
-            device, where = running or (late, None)
-            self._failure = DeviceFailed(device.name, f"did not finish within {self.run_seconds:g} s"
-                                         + (f" ({where})" if where else ""))
+        within = f"did not finish within {self.run_seconds:g} s"
+        if dead:
+            self._failure = _host_failed(*dead)
+        elif failed:
+            self._failure = DeviceFailed(*failed)
+        elif timed_out and running:
+            self._failure = DeviceFailed(running[0], f"{within} ({running[1]})")
+        elif timed_out and late:
+            self._failure = _host_failed(late, within)
         else:
             self._failure = DeviceFailed(None, f"{type(error).__name__}: {first_line(error)}")
         self.close()
@@ -357,6 +422,17 @@ class RayModule:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unit_failure(unit: str, error: BaseException) -> str:
+    return f"failed in unit {unit!r}: {type(error).__name__}: {first_line(error)}"
+
+
+def _host_failed(host: Sequence[PlanDevice], what: str) -> DeviceFailed:
+    """What an actor hosting ``host`` did: said of its device, or of its node and devices when it runs several."""
+    if len(host) == 1:
+        return DeviceFailed(host[0].name, what)
+    return DeviceFailed(None, f"the actor of node {host[0].node!r} (devices {', '.join(d.name for d in host)}) {what}")
 
 
 def _actor_error(error: Exception) -> str:
