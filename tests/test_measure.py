@@ -115,3 +115,17 @@ def test_the_thread_count_is_timed_whole_never_taken_from_cached_unit_timings(sm
     monkeypatch.setattr(MeasuredCost, "_fastest_thread_count", lambda self: timed.append(1) or real(self))
     again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
     assert again.counts["units_measured"] == 0 and timed == [1]
+
+
+def test_measuring_at_fewer_threads_leaves_the_callers_thread_count(small, tmp_path):
+    # a 1-thread device measured for opsched map left the process on one thread: map then timed eager there
+    import torch
+
+    m, g = small
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        MeasuredCost(g, m.inputs, cores=1, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=2)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -372,12 +372,13 @@ class MeasuredCost:
         executors = [make_executor(staged_program(self.graph, order, t), self.operator, self.where)
                      for t in self.thread_options]
         args = [self.values[name] for name in self.graph.inputs]
+        caller_threads = torch.get_num_threads()
         try:  # on the CPU only: a GPU has one thread option
             times = interleaved_medians([lambda e=e: e(*args) for e in executors], self.repeats, warmup=1)
         finally:
             for e in executors:
                 e.close()
-            torch.set_num_threads(self.cores)
+            torch.set_num_threads(caller_threads)
         ms, threads = min(zip(times, self.thread_options), key=lambda pair: (pair[0], -pair[1]))
         return threads, ms
 
@@ -386,6 +387,7 @@ class MeasuredCost:
         executors = [make_executor(p, self.operator, self.where) for p in programs]
         args = [self.values[name] for name in self.graph.inputs]
         timelines: list[list[list]] = [[] for _ in programs]
+        caller_threads = torch.get_num_threads()
         try:
             with self.progress(label, len(programs) * (self.repeats + 1)) as bar:
                 for executor in executors:
@@ -399,8 +401,9 @@ class MeasuredCost:
         finally:
             for executor in executors:
                 executor.close()
-            if not self.gpu:
-                torch.set_num_threads(self.cores)
+            # The caller's thread count, not the one measured at: measuring a 1-thread device of opsched map left
+            # the process on one thread, and map then timed eager on one thread (1.5x slower than on two).
+            torch.set_num_threads(caller_threads)
         return timelines
 
     def _measure_regions(self, regions: Sequence[tuple[int, ...]]) -> None:
