@@ -158,10 +158,12 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
     from opsched.mapping.plan import to_schedule
     from opsched.mapping.platform import load_platform
     from opsched.mapping.problem import build_problem
+    from opsched.mapping.replay import replay
     from opsched.mapping.solve import solve
 
     if isinstance(platform, str):
         platform = load_platform(platform)
+    cores = threads or torch.get_num_threads()  # the caller's, before anything measured sets its own
     runnable = not isinstance(model, Graph)
     if runnable:
         if graph is None:
@@ -169,15 +171,29 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
 
             say("capturing the model ...")
             graph = capture(model, tuple(example_inputs), name=name)
+        measure = UnitCosts(graph, _flat(example_inputs), cache)
         problem = build_problem(graph, platform, objective, batch or int(_flat(example_inputs)[0].shape[0]),
-                                measure=_unit_costs(graph, _flat(example_inputs), cache))
+                                measure=measure)
+        cpus = [d for d, device in enumerate(platform.devices) if device.kind == "cpu"]
+        if len(cpus) > 1:  # devices that run as threads of one process, beside each other
+            from opsched.cost.corun import co_running_factor
+
+            say("measuring the units with the other CPU devices busy ...")
+            threads = max(platform.devices[d].threads for d in cpus)
+            problem.co_running = co_running_factor(graph, tuple(example_inputs), threads, others=len(cpus) - 1)
+            problem.handoff = measure.handoff
     else:
         graph = model
         problem = build_problem(graph, platform, objective, batch or 1, latencies, edge_bytes)
     for note in problem.notes:
         notes(note)
     solved = solve(problem, method, time_limit=time_limit, seed=seed, symmetry=symmetry, progress=progress)
-    plan = to_schedule(problem, solved.mapping, solved.timeline, method, solved.lower_bound, solved.optimal,
+    timeline = solved.timeline
+    if sum(1 for d in {job.device for job in solved.mapping.jobs()} if platform.devices[d].kind == "cpu") > 1:
+        # Several CPU devices busy together: their units cost what they do beside each other. The search
+        # compared mappings on the units alone; its bound and optimum hold for those, and so below this.
+        timeline = replay(problem.beside(), solved.mapping)
+    plan = to_schedule(problem, solved.mapping, timeline, method, solved.lower_bound, solved.optimal,
                        solved.stats)
     outcome = Mapped(cost=None, schedules={method: plan}, problem=problem, solved=solved, graph=graph,
                      requested=method)
@@ -194,7 +210,6 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
 
     check_runnable(plan)  # a CUDA device this machine does not have is said before anything runs
     outcome.schedules.update(single_device_plans(problem))
-    cores = threads or torch.get_num_threads()
     evaluate_plans(outcome, graph, model, tuple(example_inputs), cores=cores, tolerance=tolerance,
                    repeats=repeats, say=say)
     if outcome.plan() is None:
@@ -229,31 +244,38 @@ def single_device_plans(problem: Any) -> dict[str, Any]:
     return plans
 
 
-def _unit_costs(graph: Any, inputs: Sequence[Any], cache: bool) -> Callable[[Any, int], list[float]]:
+class UnitCosts:
     """``build_problem``'s ``measure``: the units' measured milliseconds on a real device (a CPU device at its
-    threads; a CUDA device with the units' weights and the inputs copied there), measured once per kind."""
-    costs: dict[tuple[str, int], list[float]] = {}
+    threads; a CUDA device with the units' weights and the inputs copied there), measured once per kind.
+    ``handoff``: what a value crossing between two CPU devices costs the local engine, which runs them as
+    threads of one process: the thread waiting for it is woken. The measured cost model's hand-off, from the
+    first CPU device measured, as that model charges a value crossing streams."""
 
-    def measure(device: Any, threads: int) -> list[float]:
+    def __init__(self, graph: Any, inputs: Sequence[Any], cache: bool):
+        self.graph, self.inputs, self.cache = graph, inputs, cache
+        self.costs: dict[tuple[str, int], list[float]] = {}
+        self.handoff = 0.0
+
+    def __call__(self, device: Any, threads: int) -> list[float]:
         from opsched.mapping.execute import check_cuda_devices, on_cuda_device
         from opsched.pipeline import cost_model
         from opsched.schedule import PlanDevice
 
+        graph, inputs, cache = self.graph, self.inputs, self.cache
         gpu = PlanDevice(device.name, device.kind, device.node, threads).cuda_index
         if gpu is not None:
             check_cuda_devices([(device.name, device.kind)], "the platform has")
         key = (device.kind, 1 if gpu is not None else threads)  # threads are a CPU device's
-        if key not in costs:
+        if key not in self.costs:
             if gpu is None:
                 cost, _ = cost_model(graph, inputs, "measured", cores=threads, device="cpu", cache=cache)
-                costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
+                self.costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
+                self.handoff = self.handoff or cost.sync_overhead
             else:  # the units' weights and the inputs on that GPU, timed there
                 with on_cuda_device(graph, inputs, gpu) as (placed, moved):
                     cost, _ = cost_model(placed, moved, "measured", device="cuda", cache=cache)
-                costs[key] = [cost.best[u] for u in range(len(graph))]
-        return costs[key]
-
-    return measure
+                self.costs[key] = [cost.best[u] for u in range(len(graph))]
+        return self.costs[key]
 
 
 def _flat(inputs: Any) -> list[Any]:

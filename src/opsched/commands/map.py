@@ -3,7 +3,10 @@ report the plan: the design's ``method``, ``objective``, ``platform``, ``predict
 per time unit for throughput), ``lower_bound``, ``optimal``, ``solve_seconds``, ``placements`` and
 ``transfers``; plus ``makespan``, ``batch``, ``unit``, ``simulated``, ``devices`` (units per device), ``stats``
 and ``plan``. On a platform whose devices are all real, also what ``opsched optimize`` reports of its
-measured run: ``measured_ms`` (the mapping, each device alone and eager), ``chosen``, ``max_abs_error``."""
+measured run: ``measured_ms`` (the mapping, each device alone and eager), ``chosen``, ``max_abs_error``; and,
+with several CPU devices, ``co_running`` (how much slower their units run beside each other than alone: a
+mapping using several of them is predicted with it; the search and its bound use the units alone) and
+``handoff_ms`` (what a value crossing them costs, searched with)."""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         units[platform.names[op.stream]] += 1
     result: dict[str, Any] = {
         "method": args.method, "objective": problem.objective, "platform": platform.name,
-        "predicted": problem.objective_value(solved.makespan), "lower_bound": solved.lower_bound,
+        "predicted": problem.objective_value(mapped.predicted_latency), "lower_bound": solved.lower_bound,
         "optimal": solved.optimal, "solve_seconds": solved.seconds,
         "placements": mapped.devices.placements(mapped.ops, mapped.batch),
         "transfers": [{**vars(t), "inputs": list(t.inputs)} for t in mapped.devices.transfers],
@@ -59,6 +62,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if problem.objective == "throughput":
         result["throughput_bound"] = problem.objective_value(solved.lower_bound)
+    if problem.co_running != 1.0 or problem.handoff:  # several CPU devices of this machine, measured
+        result["co_running"] = problem.co_running
+        result["handoff_ms"] = problem.handoff
     if outcome.measured:
         result.update(measured_fields(outcome, plan))
     elif outcome.notes:
@@ -112,6 +118,9 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
     print(f"predicted   {result['predicted']:.6g}{unit}" + ("  (optimal)" if result["optimal"] else ""))
     print(f"makespan    {result['makespan']:.6g}  (lower bound {result['lower_bound']:.6g})")
     print(f"solved in   {result['solve_seconds']:.2f} s")
+    if "co_running" in result:
+        print(f"costs       units {result['co_running']:.3g}x their time alone beside the other CPU devices; a value "
+              f"crossing them {result['handoff_ms']:.3g} ms (measured)")
     ran = result["stats"].get("heuristics")
     if ran is not None:  # MILP-SPLIT: the heuristics it ran on the whole graph, and which mapping it returns
         print("heuristics  " + (", ".join(f"{name} {h['makespan']:.6g} ({h['seconds']:.2f} s)" for name, h in ran.items())

@@ -45,6 +45,13 @@ class Problem:
     time_unit: str = ""
     simulated: bool = True
     notes: list[str] = field(default_factory=list)
+    # Milliseconds a value crossing between two CPU devices costs beyond its link: the local engine runs the
+    # devices as threads of one process, and the device waiting for the value has its thread woken (measured
+    # with the units; 0 where nothing runs, and for other devices).
+    handoff: float = 0.0
+    # How much slower the CPU devices' units run beside each other than alone (measured; 1 where it was not):
+    # see :mod:`opsched.cost.corun` and :meth:`beside`. ``times`` are the units alone.
+    co_running: float = 1.0
 
     @property
     def n(self) -> int:
@@ -62,7 +69,10 @@ class Problem:
         """Moving ``a``'s output read by ``b`` (``k`` pieces of it) from device ``da`` to ``db``."""
         if da == db:
             return 0.0
-        return self.platform.transfer_time(da, db, self.edge_bytes.get((a, b), 0.0) * (k or self.pieces) / self.pieces)
+        moved = self.platform.transfer_time(da, db, self.edge_bytes.get((a, b), 0.0) * (k or self.pieces) / self.pieces)
+        if self.handoff and self.platform.devices[da].kind == "cpu" == self.platform.devices[db].kind:
+            moved += self.handoff
+        return moved
 
     def memory(self, u: int, k: int | None = None) -> float:
         """Bytes unit ``u`` holds on a device running ``k`` pieces of it: weights, inputs and output."""
@@ -86,6 +96,16 @@ class Problem:
             return self.batch / makespan if makespan > 0 else math.inf
         return makespan
 
+    def beside(self) -> Problem:
+        """The problem with the CPU devices' units at their cost beside each other: what a mapping keeping
+        several of them busy costs (a device alone costs ``times``)."""
+        if self.co_running == 1.0:
+            return self
+        cpu = [d.kind == "cpu" for d in self.platform.devices]
+        times = [[[t * self.co_running for t in row] if cpu[d] else row for d, row in enumerate(per_device)]
+                 for per_device in self.times]
+        return replace(self, times=times)
+
     def sub(self, units: Sequence[int]) -> Problem:
         """The problem restricted to ``units`` (edges to units outside are dropped), renumbered in order."""
         keep = sorted(units)
@@ -99,7 +119,8 @@ class Problem:
                        {(position[a], position[b]): v for (a, b), v in self.edge_bytes.items()
                         if a in position and b in position},
                        [self.activation_bytes[u] for u in keep], [self.weight_bytes[u] for u in keep],
-                       self.objective, self.batch, self.pieces, self.time_unit, self.simulated)
+                       self.objective, self.batch, self.pieces, self.time_unit, self.simulated, handoff=self.handoff,
+                       co_running=self.co_running)
 
 
 def build_problem(graph: Graph, platform: Platform, objective: str = "latency", batch: int = 1,

@@ -442,7 +442,8 @@ def module_problem(problem: Problem, units: list[int], entries: list[int], platf
     activation = [0.0 if u is None else problem.activation_bytes[u] for u in back]
     weights = [0.0 if u is None else problem.weight_bytes[u] for u in back]
     return Problem(sub_graph, platform or problem.platform, times, edge_bytes, activation, weights, problem.objective, problem.batch,
-                   problem.pieces, problem.time_unit, problem.simulated), back
+                   problem.pieces, problem.time_unit, problem.simulated, handoff=problem.handoff,
+                   co_running=problem.co_running), back
 
 
 def memory_binds(problem: Problem) -> bool:
