@@ -778,3 +778,21 @@ def test_torchvision_and_timm_resnet18_batch_every_unit():
     fused = batch_units(graph, groups, all_values(graph, [x]))
     with torch.no_grad():
         _outputs_match(run_graph(fused, x), models, [(x,)] * 2, atol=1e-4)
+
+
+@pytest.mark.parametrize("apart_faster", [True, False])
+def test_with_compiled_regions_the_batched_graph_is_kept_only_when_its_regions_are_predicted_faster(apart_faster):
+    # ResNet-18 x4 with ONNX Runtime kernels: every batched unit paid unit by unit, yet the graph's regions ran
+    # 120 ms batched against 51 ms apart (one session per model)
+    models = [torch.nn.Linear(4, 4) for _ in range(3)]
+    x = torch.randn(2, 4)
+    batch = ModelBatch(models, [(x,)] * 3)
+    unbatched = len(combine(batch))
+
+    def whole(graph):
+        return 1.0 if (len(graph) == unbatched) == apart_faster else 2.0
+
+    fusion = fuse_graph(batch, latencies=lambda g: [1.0 if len(g) == unbatched else 0.1] * len(g), whole=whole)
+    assert fusion.whole == {"batched_ms": 2.0 if apart_faster else 1.0, "apart_ms": 1.0 if apart_faster else 2.0}
+    assert fusion.fused["same_input"] == (0 if apart_faster else 1)
+    assert len(fusion.graph) == (3 if apart_faster else 4) and fusion.batched == ([] if apart_faster else ["m0-2/linear"])

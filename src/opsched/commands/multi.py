@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
         "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
-        "fusions": fusion.decisions,
+        "fusions": fusion.decisions, "regions_ms": fusion.whole,
         "cost": args.cost, "simulated": simulated, "device": args.cost if simulated else device,
         "method": args.method, "kernels": args.kernels,
         "predicted_ms": {"sequential_models": result.predicted_sequential_ms,
@@ -78,6 +78,11 @@ def _print(out: dict[str, Any]) -> None:
     print(f"units      {out['units_before_fusion']} -> {out['units']} "
           f"(computed once: {out['fused']['shared']}, batched: {out['fused']['same_input']} same input, "
           f"{out['fused']['same_shape']} same shape)")
+    if out["regions_ms"]:
+        whole = out["regions_ms"]
+        print(f"regions    the graph's compiled regions, predicted: {whole['batched_ms']:.3g} ms batched, "
+              f"{whole['apart_ms']:.3g} ms apart: " + ("batched" if whole["batched_ms"] < whole["apart_ms"] else
+                                                       "nothing batched"))
     print(f"cost       {out['cost']}" + ("  -- every latency below is SIMULATED, not measured" if simulated else ""))
     print()
     measured = out.get("measured_ms", {})

@@ -3,7 +3,10 @@
 :func:`fuse_graph` combines the models into one Graph, computes shared work once (always: it only removes
 work) and batches units across models (``same_input``, ``same_shape``, see :mod:`opsched.multi.stack`).
 A batched unit is kept only when the cost model predicts it, with the units that select its members'
-outputs, faster than its members one after another; the decision for every group is recorded.
+outputs, faster than its members one after another; the decision for every group is recorded. With compiled
+kernels a graph's units run as regions that a compiler sees whole (:mod:`opsched.runtime.regions`), which a
+unit's own cost does not show: the batched graph is then kept only when its regions are predicted faster than
+the graph without batching's (``whole``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Fusion:
     fused: dict[str, int] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
     rewrites: tuple[str, ...] = REWRITES
+    whole: dict[str, float] | None = None  # with compiled kernels: each graph's regions, batched and apart, in ms
 
     @property
     def batched(self) -> list[str]:
@@ -47,10 +51,13 @@ class Fusion:
 
 def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
                latencies: Callable[[Graph], list[float]] | None = None,
-               made: Collection[str] | None = None) -> Fusion:
+               made: Collection[str] | None = None,
+               whole: Callable[[Graph], float | None] | None = None) -> Fusion:
     """The batch's graph with the ``rewrites`` named made; ``latencies(graph)`` (the predicted milliseconds
     of each unit, from a cost model) decides which batched units pay. Without it, every batchable group is
-    batched. ``made`` (the names of the batched units an earlier fusion made, as a plan records them) makes
+    batched. ``whole(graph)`` (the predicted milliseconds of the whole graph run in order with compiled
+    regions, or None where it cannot say) then decides between the batched graph and the graph with no batched
+    unit. ``made`` (the names of the batched units an earlier fusion made, as a plan records them) makes
     exactly those instead, with no cost model asked: the graph that plan was made for. A name this batch has
     no group for is a :class:`MultiError`."""
     unknown = set(rewrites) - set(REWRITES)
@@ -87,6 +94,14 @@ def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
         paying = [g for g, d in zip(groups, decisions) if d["made"]]
         if len(paying) != len(groups):
             batched = batch_units(graph, paying, values) if paying else graph
+        if whole is not None and paying:
+            together, apart = whole(batched), whole(graph)
+            if together is not None and apart is not None:
+                result.whole = {"batched_ms": together, "apart_ms": apart}
+                if apart <= together:  # the models' own regions pay more than the batched units
+                    batched = graph
+                    for d in decisions:
+                        d["made"] = False
     result.graph = batched
     result.decisions = decisions
     for d in decisions:
@@ -94,20 +109,44 @@ def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
     return result
 
 
-def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
-                   cache: bool = True, progress: Any = None, device: str = "cpu") -> Callable[[Graph], list[float]]:
+class CostLatencies:
     """Each unit's predicted milliseconds under the cost model ``spec`` (measured on ``device``; see
-    :func:`opsched.pipeline.cost_model`)."""
-    from opsched.pipeline import cost_model
+    :func:`opsched.pipeline.cost_model`), called with a graph; :meth:`regions_ms`, the whole graph's."""
 
-    flat = pytree.tree_leaves(tuple(inputs))
-    known: dict[str, list[float]] = {}  # by fingerprint: fuse_graph and optimize both ask for the combined graph
+    def __init__(self, spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
+                 cache: bool = True, progress: Any = None, device: str = "cpu"):
+        self.spec, self.kernels, self.cores, self.cache, self.progress, self.device = \
+            spec, kernels, cores, cache, progress, device
+        self.flat = pytree.tree_leaves(tuple(inputs))
+        self.models: dict[str, Any] = {}  # by fingerprint: fuse_graph and optimize both ask for the combined graph
 
-    def latencies(graph: Graph) -> list[float]:
-        if graph.fingerprint not in known:
-            cost, _ = cost_model(graph, flat, spec, device=device, kernels=kernels, cores=cores, cache=cache,
-                                 progress=progress)
-            known[graph.fingerprint] = [cost.op_latency(u) for u in range(len(graph))]
-        return known[graph.fingerprint]
+    def cost(self, graph: Graph) -> Any:
+        from opsched.pipeline import cost_model
 
-    return latencies
+        if graph.fingerprint not in self.models:
+            self.models[graph.fingerprint], _ = cost_model(graph, self.flat, self.spec, device=self.device,
+                                                           kernels=self.kernels, cores=self.cores, cache=self.cache,
+                                                           progress=self.progress)
+        return self.models[graph.fingerprint]
+
+    def __call__(self, graph: Graph) -> list[float]:
+        cost = self.cost(graph)
+        return [cost.op_latency(u) for u in range(len(graph))]
+
+    def regions_ms(self, graph: Graph) -> float | None:
+        """The whole graph's units run in order, as the compiled regions they form: predicted, its regions
+        measured in place; None with eager kernels, or where a region fails to compile."""
+        from opsched.pipeline import with_regions
+        from opsched.schedulers import make_schedule
+
+        cost = self.cost(graph)
+        plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
+        if getattr(cost, "kernels", "eager") == "eager" or getattr(cost, "region_error", None):
+            return None
+        return plan.predicted_latency
+
+
+def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
+                   cache: bool = True, progress: Any = None, device: str = "cpu") -> CostLatencies:
+    """Each unit's predicted milliseconds under the cost model ``spec`` (see :class:`CostLatencies`)."""
+    return CostLatencies(spec, inputs, kernels, cores, cache, progress, device)

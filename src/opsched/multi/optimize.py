@@ -95,7 +95,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     say("combining the models and choosing the fusions that pay ...")
     device = "cpu" if simulated else batch.device
     latencies = cost_latencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
-    fusion = fuse_graph(batch, rewrites, latencies)
+    fusion = fuse_graph(batch, rewrites, latencies,
+                        whole=latencies.regions_ms if kernels != "eager" and not simulated else None)
     sequential_ms = sum(latencies(fusion.combined))
     default_streams = 8 if simulated or device == "cuda" else cores
     jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
