@@ -31,7 +31,6 @@ Each peer is a list of :class:`opsched.evaluation.Candidate` (one per thread cou
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -130,20 +129,15 @@ def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[l
 def _onnx_export(model: Any, inputs: Sequence[Any]) -> tuple[bytes | None, str | None]:
     """``model`` on ``inputs`` as ONNX, or None and why not."""
     try:
-        import io
-
         import onnxruntime  # noqa: F401 - only whether it is installed
-        import torch
     except ImportError:
         return None, "onnxruntime is not installed (pip install 'opsched[onnx]')"
-    buffer = io.BytesIO()
+    from opsched.runtime.kernels import onnx_bytes
+
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the exporter's deprecation and constant-folding notes, mid-run
-            torch.onnx.export(model, tuple(inputs), buffer, dynamo=False)
+        return onnx_bytes(model, inputs), None
     except Exception as e:  # noqa: BLE001 - any export failure only leaves this peer out
         return None, f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    return buffer.getvalue(), None
 
 
 def _onnx_session(exported: bytes, threads: int) -> Any:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
+import os
+import sys
 import threading
 import time
 import warnings
@@ -130,7 +133,6 @@ class OnnxRuntimeOperator(CompiledOperator):
         self.eager_units: list[str] = []
 
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
-        import io
 
         import onnxruntime as ort
         import torch.utils._pytree as pytree
@@ -141,15 +143,12 @@ class OnnxRuntimeOperator(CompiledOperator):
         try:
             with torch.no_grad():
                 _, out_spec = pytree.tree_flatten(base(*args))
-                buffer = io.BytesIO()
                 module = base.__self__ if isinstance(getattr(base, "__self__", None), torch.fx.GraphModule) else \
                     _trace(base, nodes, self.example)
                 module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # the exporter's deprecation and tracer warnings
-                    # named by position among the arguments' tensors: the exporter drops those the unit
-                    # does not use (one of the list chunk made), and the names say which are left
-                    torch.onnx.export(module, tuple(args), buffer, dynamo=False,
+                # named by position among the arguments' tensors: the exporter drops those the unit does not
+                # use (one of the list chunk made), and the names say which are left
+                exported = onnx_bytes(module, args,
                                       input_names=[f"in{k}" for k in range(len(pytree.tree_leaves(args)))])
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
@@ -158,7 +157,7 @@ class OnnxRuntimeOperator(CompiledOperator):
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
             options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             options.log_severity_level = 3
-            session = ort.InferenceSession(buffer.getvalue(), options, providers=["CPUExecutionProvider"])
+            session = ort.InferenceSession(exported, options, providers=["CPUExecutionProvider"])
         except Exception:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
             self.eager_units.append(nodes[0].name)
             return base
@@ -211,3 +210,31 @@ def check_kernels(kernels: str) -> None:
             import onnxruntime  # noqa: F401
         except ImportError:
             raise OpschedError("--kernels onnxruntime needs ONNX Runtime: pip install 'opsched[onnx]'") from None
+
+
+def onnx_bytes(module: Any, args: Sequence[Any], **options: Any) -> bytes:
+    """``module`` called on ``args``, exported to ONNX by PyTorch's TorchScript exporter, quietly: its deprecation
+    and tracer warnings, and the graph it logs when an export fails, are the exporter's notes to itself. That log
+    went to standard output whatever its setting (PyTorch 2.14 tests the setting's function, not its value) and
+    broke the JSON of ``opsched multi --json --kernels onnxruntime`` (a batched unit of MobileNetV3-small does not
+    export); it is sent to standard error, which is closed meanwhile. Raises what the exporter raises."""
+    buffer = io.BytesIO()
+    torch._C._jit_set_onnx_log_output_stream("stderr")
+    with warnings.catch_warnings(), _stderr_closed():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, tuple(args), buffer, dynamo=False, **options)
+    return buffer.getvalue()
+
+
+@contextlib.contextmanager
+def _stderr_closed() -> Iterator[None]:
+    """File descriptor 2 on /dev/null: what C++ writes there is dropped."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
