@@ -17,7 +17,7 @@ from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.shared import share_work
 from opsched.multi.stack import batch_units, batchable_groups
 from opsched.multi.train import FusedTraining, compare_training
-from opsched.multi.units import layout_key
+from opsched.multi.units import canonical_code, layout_key
 from opsched.schedule import from_streams, validate
 from opsched.schedulers import make_schedule
 from opsched.schedulers.hivemind import hivemind_streams
@@ -765,6 +765,17 @@ def test_canonical_code_ignores_names_but_not_what_the_code_does():
     assert a.run.code != b.run.code and layout_key(a) == layout_key(b)
     assert layout_key(unit(torch.nn.Conv2d(3, 4, 3, stride=2))) != layout_key(a)
     assert layout_key(unit(torch.nn.Conv2d(3, 4, 3, bias=False))) != layout_key(a)
+
+    def reading(module):  # a unit whose code reads a module as an attribute (torch.export's submodules)
+        root = torch.nn.Module()
+        root.body = module
+        g = torch.fx.Graph()
+        g.output(g.call_function(torch.ops.higher_order.wrap_with_set_grad_enabled,
+                                 (False, g.get_attr("body"), g.placeholder("x"))))
+        return torch.fx.GraphModule(root, g)
+
+    relu, tanh = reading(torch.nn.ReLU()), reading(torch.nn.Tanh())
+    assert canonical_code(relu) is None and canonical_code(tanh) is None  # what they do is not in the code
 
 
 def test_torchvision_and_timm_resnet18_batch_every_unit():

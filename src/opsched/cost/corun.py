@@ -44,7 +44,8 @@ def co_running_factor(graph: Graph, inputs: Sequence[Any], threads: int, others:
                 if not busy.wait(0.01):
                     continue
                 with lock:
-                    run_graph(graph, *inputs)
+                    if busy.is_set():  # not cleared since: an alone sample waits for this run, none starts after
+                        run_graph(graph, *inputs)
 
     # read before the other devices start: a thread's count, until it sets its own, follows the last one set in
     # any thread (see opsched.runtime.cpu), and theirs would be taken for the caller's

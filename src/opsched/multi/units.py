@@ -34,8 +34,8 @@ def layout_key(node: Node) -> Any:
         return None
     tensors = tensors_of(run)
     code = canonical_code(run)
-    if code is None:  # a leaf module inside: compare the code with its names, as written
-        code = (run.code, tuple(tensors))
+    if code is None:  # a module called inside: the code with its names, as written, and what each module is
+        code = (run.code, tuple(tensors), tuple(repr(m) for m in run.modules()))
     return (code, node.shape, node.dtype, tuple((tuple(tensors[n].shape), tensors[n].dtype) for n in weight_names(run)))
 
 
@@ -62,7 +62,8 @@ def canonical_code(run: torch.fx.GraphModule) -> tuple | None:
     """The unit's code with every name replaced by a position: a value by the operator that made it, a weight
     by the order in which the code reads it. Two units with equal canonical code compute the same function of
     their inputs and (positional) weights, whatever their modules were called. None where the code calls a
-    module (its behaviour is not in the code).
+    module or reads an attribute that is not one of its parameters or buffers (a submodule of torch.export's,
+    say): what those do is not in the code.
 
     >>> import torch
     >>> def unit(name):
@@ -81,8 +82,9 @@ def canonical_code(run: torch.fx.GraphModule) -> tuple | None:
     def value(a: Any) -> Any:
         return _Position(position[a]) if isinstance(a, torch.fx.Node) else a
 
+    tensors = tensors_of(run)
     for node in run.graph.nodes:
-        if node.op == "call_module":
+        if node.op == "call_module" or (node.op == "get_attr" and node.target not in tensors):
             return None
         position[node] = len(position)
         if node.op == "get_attr":
