@@ -40,7 +40,7 @@ ENSEMBLES = [
 
 
 def key(label: str, batch: int, size: int) -> str:
-    return f"{label} | b{batch} | {size} px"
+    return f"{label}, batch {batch}, {size} px"
 
 
 def one(label: str, models: list[str], copies: int, batch: int, size: int, kernels: str, timeout: float,

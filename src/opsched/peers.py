@@ -91,12 +91,14 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
 
 def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:
     """ONNX Runtime sessions for 1 and ``cores`` intra-op threads, or no candidate and a note saying why."""
+    from opsched.runtime.kernels import onnx_session
+
     exported, note = _onnx_export(model, inputs)
     if exported is None:
         return [], note
     candidates = []
     for threads in thread_counts(cores):
-        session = _onnx_session(exported, threads)
+        session = onnx_session(exported, threads)
         feed = _onnx_feed(session, inputs)
         candidates.append(Candidate("onnxruntime", lambda session=session, feed=feed: session.run(None, feed),
                                     "peer", threads, module=_OnnxModule(session)))
@@ -107,6 +109,8 @@ def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[l
     """Each model of ``batch`` exported once and run in an ONNX Runtime session of its own (the settings of
     :func:`onnxruntime`), one after another, with 1 and ``cores`` intra-op threads; or no candidate and a note
     naming the first model that cannot be exported."""
+    from opsched.runtime.kernels import onnx_session
+
     per_model = batch.split(inputs)
     exported = []
     for k, (model, args) in enumerate(zip(batch.models, per_model)):
@@ -116,7 +120,7 @@ def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[l
         exported.append(onnx)
     candidates = []
     for threads in thread_counts(cores):
-        sessions = [_onnx_session(onnx, threads) for onnx in exported]
+        sessions = [onnx_session(onnx, threads) for onnx in exported]
         feeds = [_onnx_feed(session, args) for session, args in zip(sessions, per_model)]
 
         def run(sessions=sessions, feeds=feeds) -> Any:
@@ -138,21 +142,6 @@ def _onnx_export(model: Any, inputs: Sequence[Any]) -> tuple[bytes | None, str |
         return onnx_bytes(model, inputs), None
     except Exception as e:  # noqa: BLE001 - any export failure only leaves this peer out
         return None, f"the ONNX export failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-
-
-def _onnx_session(exported: bytes, threads: int) -> Any:
-    """An ONNX Runtime session of ``exported`` on the CPU: every graph optimisation, sequential execution,
-    ``threads`` intra-op threads that do not spin."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # ORT's worker threads spin while the session lives, holding the core the next candidate needs
-    # (measured here: eager GoogLeNet 2.2x slower after an ORT call); timed beside others, they must not.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(exported, options, providers=["CPUExecutionProvider"])
 
 
 def _onnx_feed(session: Any, inputs: Sequence[Any]) -> dict[str, Any]:
