@@ -193,6 +193,10 @@ BAD = {
     "no cost": ({"devices": [{"name": "p1"}, {"name": "p9"}], "links": {"default": {"bandwidth": 1}}},
                 "no latency on device 'p9'"),
     "memory": ({"devices": [{"name": "p1", "memory": 1}], "links": {}}, "nothing fits"),
+    "negative overhead": ({"devices": [{"name": "p1", "kind": "sim:t4", "op_overhead": -1}], "links": {}},
+                          "op_overhead must be"),
+    "overhead on a real device": ({"devices": [{"name": "p1", "kind": "cpu", "op_overhead": 0.1}], "links": {}},
+                                  "applies to simulated devices"),
 }
 
 
@@ -239,3 +243,36 @@ def test_the_latency_milp_proves_the_true_optimum_where_presolve_once_proved_a_w
     for workers in (1, 2, 8):
         result = milp(problem, time_limit=30, workers=workers)
         assert result.optimal and replay(problem, result.mapping).makespan == pytest.approx(16.5)
+
+
+def test_the_diviml_platform_keeps_table_ii_ratios_on_randwire_and_pays_per_operator():
+    """The built-in platform is fitted to DiviML's Table II (benchmarks/fit_diviml.py): on the RandWire family
+    the T4 costs 1.26x and the Xeon 7.10x the A100. A device's op_overhead is paid once per operator of a unit,
+    whatever its share of the batch, and the Xeon's cost is its FLOPs at its speed."""
+    from opsched.cost.devices import CPUS
+    from opsched.mapping.platform import load_platform
+    from opsched.mapping.workloads import randwire_stack
+
+    platform = load_platform("diviml")
+    totals = dict.fromkeys(platform.names, 0.0)
+    for generator in ("ws", "er", "ba"):
+        for nodes in (10, 32):
+            graph = randwire_stack(1, nodes, generator, seed=3)
+            problem = build_problem(graph, platform)
+            for d, name in enumerate(platform.names):
+                totals[name] += sum(problem.times[u][d][0] for u in range(len(graph)))
+    assert totals["t4"] / totals["a100"] == pytest.approx(32.58 / 25.84, rel=0.01)
+    assert totals["cpu"] / totals["a100"] == pytest.approx(183.39 / 25.84, rel=0.01)
+
+    graph = randwire_stack(1, 4, "er", seed=1)
+    doc = {"devices": [{"name": "g", "kind": "sim:a100", "op_overhead": 0.5}, {"name": "x", "kind": "sim:xeon"}],
+           "links": {"default": {"bandwidth": 1e9, "latency": 0}}}
+    problem = build_problem(graph, platform_from_dict(doc), "throughput", 8)
+    plain = build_problem(graph, platform_from_dict({**doc, "devices": [{"name": "g", "kind": "sim:a100"},
+                                                                         {"name": "x", "kind": "sim:xeon"}]}),
+                          "throughput", 8)
+    for u, node in enumerate(graph.nodes):
+        for k in range(problem.pieces):
+            assert problem.times[u][0][k] == pytest.approx(plain.times[u][0][k] + 0.5 * len(node.ops))
+        assert problem.times[u][1][-1] == pytest.approx(node.flops / 1e9 * CPUS["xeon"].ms_per_gflop)
+        assert problem.times[u][1][0] == pytest.approx(problem.times[u][1][-1] / problem.pieces, rel=1e-3)

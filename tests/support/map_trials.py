@@ -110,7 +110,7 @@ PLATFORM_DAG = {"nodes": [{"name": "a", "latency": 2.0, "bytes": 100}, {"name": 
                           {"name": "c", "latency": 1.5, "bytes": 100}, {"name": "d", "latency": 2.5, "bytes": 100}],
                 "edges": [["a", "b", 40], ["a", "c", 10], ["b", "d", 25], ["c", "d"]]}
 PLATFORM_DEFECTS = ("none", "none", "none", "none", "missing_name", "duplicate_name", "bad_name", "kind", "memory",
-                    "bandwidth", "latency", "threads", "batch_sizes", "scale", "unknown_link", "disconnected",
+                    "bandwidth", "latency", "threads", "batch_sizes", "scale", "op_overhead", "unknown_link", "disconnected",
                     "links_type", "link_value", "devices_type", "device_type", "top_level", "truncate", "extra")
 ODD_NUMBERS = (-1, 0, -0.5, "2", "fast", None, True, [], {}, float("nan"), float("inf"), float("-inf"), 1e-300)
 
@@ -154,6 +154,8 @@ def platform_document(seed: int) -> tuple[str, str]:
         target["kind"] = rng.choice(["gpu", "sim:nope", "cuda:x", "cuda:", "CPU", "", 3, None, ["cpu"]])
     elif defect in ("memory", "threads", "scale"):
         target[defect] = rng.choice([*ODD_NUMBERS, 1.5, 10**30])
+    elif defect == "op_overhead":  # valid on a simulated device only
+        target[defect] = rng.choice([*ODD_NUMBERS, 0.02])
     elif defect == "batch_sizes":
         target[defect] = rng.choice([[], [0], [-4], "4", [1.5], [True], [2], 4, None])
     elif defect in ("bandwidth", "latency"):

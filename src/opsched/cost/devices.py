@@ -1,4 +1,5 @@
-"""The catalogue of simulated GPUs: the published figures the analytical model (``simulate.py``) starts from.
+"""The catalogue of simulated devices: GPUs, with the published figures the analytical model (``simulate.py``)
+starts from, and host CPUs (:class:`HostCPU`).
 
 Figures are the vendors' datasheet numbers (peak, boost clock, dense). The K80 entry is one of the board's
 two GK210 GPUs, since a framework sees each as its own device (the datasheet's 8.73 TFLOPS and 480 GB/s are
@@ -55,10 +56,27 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
 ]}
 
 
-# Simulated devices that are not GPUs of the catalogue: (catalogue GPU, factor on its simulated cost).
-# The Xeon (Skylake, 2.0 GHz) of DiviML's platform runs RandWire 7.10x slower than the A100 (the paper's
-# Table II: 183.39 ms against 25.84 ms), so its cost is the simulated A100's times 7.10.
-DERIVED = {"xeon": ("a100", 7.10)}
+@dataclass(frozen=True)
+class HostCPU:
+    """A simulated host CPU: a unit costs its FLOPs at ``ms_per_gflop`` (a CPU at batch 1 is compute-bound on
+    convolutions and, unlike a GPU, has no launch to hide; what it pays per operator is the platform device's
+    ``op_overhead``)."""
+
+    name: str
+    full_name: str
+    ms_per_gflop: float
+    source: str
+
+    def latency(self, flops: float) -> float:
+        return flops / 1e9 * self.ms_per_gflop
+
+
+# The Xeon of DiviML's platform. Its speed, with the platform's per-operator overheads, is fitted so that the
+# paper's Table II holds on the models it averages (benchmarks/fit_diviml.py prints the fit and the check).
+CPUS: dict[str, HostCPU] = {c.name: c for c in [
+    HostCPU("xeon", "Intel Xeon (Skylake) 2.0 GHz, DiviML's host CPU", ms_per_gflop=13.74,
+            source="fitted to DiviML's Table II (benchmarks/fit_diviml.py)"),
+]}
 
 
 def kind_problem(kind: object) -> str | None:
@@ -71,7 +89,7 @@ def kind_problem(kind: object) -> str | None:
         return "kind must be a string"
     if kind == "cpu" or (kind.startswith("cuda:") and kind[5:].isdigit()):
         return None
-    if kind.startswith("sim:") and (kind[4:] in DEVICES or kind[4:] in DERIVED):
+    if kind.startswith("sim:") and (kind[4:] in DEVICES or kind[4:] in CPUS):
         return None
-    known = ["cpu", "cuda:N"] + [f"sim:{d}" for d in [*DEVICES, *DERIVED]]
+    known = ["cpu", "cuda:N"] + [f"sim:{d}" for d in [*DEVICES, *CPUS]]
     return f"unknown device kind {kind!r}; choose from {', '.join(known)}"

@@ -6,16 +6,18 @@ PLATFORM.json::
      "links": {"default": {"bandwidth": 2.5e7, "latency": 0.01}, "gpu0-cpu": {...}}}
 
 ``kind`` is ``cpu``, ``cuda:N`` (real devices) or ``sim:NAME`` (a simulated GPU of ``opsched.cost.devices``, or
-``sim:xeon``, see :data:`DERIVED`). Optional per device: ``memory`` (bytes; default unlimited), ``threads`` (intra-op
+``sim:xeon``, a host CPU of that catalogue). Optional per device: ``memory`` (bytes; default unlimited), ``threads`` (intra-op
 threads of a CPU device; default 1), ``batch_sizes`` (the batch pieces it accepts; default any), ``scale`` (its
-simulated cost is the kind's times this). A device may have no ``kind`` when the DAG JSON gives every unit's
+simulated cost is the kind's times this), ``op_overhead`` (ms a simulated device adds per operator of a unit: what
+a framework running the graph operator by operator pays, as in DiviML's measurements; default 0). A device may have no ``kind`` when the DAG JSON gives every unit's
 latency on it. A transfer takes ``latency + bytes / bandwidth`` on the link between two devices: the link named
 ``"a-b"`` (either order), else ``"intra-node"`` for two devices on one node or ``"inter-node"`` for two on
 different nodes, else ``"default"``; two devices with none of these are not connected, which is an error.
 Times are in the graph's unit (ms for models), so bandwidth is bytes per that unit.
 
-Symmetry: devices on one node with the same kind, memory, threads, batch sizes, scale and links to every other
-device are interchangeable in any mapping, and so are whole nodes whose devices are so position by position
+Symmetry: devices on one node with the same kind, memory, threads, batch sizes, scale, operator overhead and links
+to every other device are interchangeable in any mapping, and so are whole nodes whose devices are so position by
+position
 (:meth:`Platform.symmetry`); the MILP uses that to break symmetry (DiviML Section VI).
 
 >>> p = platform_from_dict({"devices": [{"name": "a"}, {"name": "b"}], "links": {"default": {"bandwidth": 1,
@@ -48,11 +50,13 @@ INFINIBAND_100G = {"bandwidth": 11e9 / 1e3, "latency": 0.02}
 
 BUILTIN: dict[str, dict[str, Any]] = {
     "diviml": {
-        "description": "DiviML's server node: a Xeon CPU, a T4 and an A100 on PCIe 4.0 x16 (simulated)",
+        "description": "DiviML's server node: a Xeon CPU, a T4 and an A100 on PCIe 4.0 x16, costed operator by "
+                       "operator as the paper measured, fitted to its Table II (simulated)",
+        # op_overhead and the Xeon's speed: benchmarks/fit_diviml.py solves them from Table II's four ratios
         "devices": [
-            {"name": "cpu", "kind": "sim:xeon", "node": "n0", "memory": 64e9},
-            {"name": "t4", "kind": "sim:t4", "node": "n0", "memory": 16e9},
-            {"name": "a100", "kind": "sim:a100", "node": "n0", "memory": 40e9},
+            {"name": "cpu", "kind": "sim:xeon", "node": "n0", "memory": 64e9, "op_overhead": 0.1697},
+            {"name": "t4", "kind": "sim:t4", "node": "n0", "memory": 16e9, "op_overhead": 0.02005},
+            {"name": "a100", "kind": "sim:a100", "node": "n0", "memory": 40e9, "op_overhead": 0.01845},
         ],
         "links": {"default": PCIE4_X16},
     },
@@ -80,6 +84,7 @@ class Device:
     threads: int = 1
     batch_sizes: tuple[int, ...] | None = None
     scale: float = 1.0
+    op_overhead: float = 0.0
 
     @property
     def simulated(self) -> bool:
@@ -98,6 +103,8 @@ class Device:
             doc["batch_sizes"] = list(self.batch_sizes)
         if self.scale != 1.0:
             doc["scale"] = self.scale
+        if self.op_overhead:
+            doc["op_overhead"] = self.op_overhead
         return doc
 
 
@@ -217,7 +224,7 @@ class Symmetry:
 
 
 def _signature(d: Device) -> tuple:
-    return (d.kind, d.memory, d.threads, d.batch_sizes, d.scale)
+    return (d.kind, d.memory, d.threads, d.batch_sizes, d.scale, d.op_overhead)
 
 
 def _pair(a: int, b: int) -> tuple[int, int]:
@@ -317,8 +324,14 @@ def _device(item: Any, k: int, where: str) -> Device:
     scale = item.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise MappingError(f"{at}: scale must be a finite positive number, got {json.dumps(scale)}")
+    overhead = item.get("op_overhead", 0.0)
+    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
+        raise MappingError(f"{at}: op_overhead must be a finite number of ms, 0 or more, got {json.dumps(overhead)}")
+    if overhead and not (kind or "").startswith("sim:"):
+        raise MappingError(f"{at}: op_overhead applies to simulated devices (sim:NAME); a real device's measured "
+                           "costs already include what it pays per operator")
     return Device(name=name, kind=kind, node=str(item.get("node", "n0")), memory=memory, threads=threads,
-                  batch_sizes=sizes, scale=float(scale))
+                  batch_sizes=sizes, scale=float(scale), op_overhead=float(overhead))
 
 
 def _positive(value: Any, where: str, key: str) -> float:

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from opsched.cost.devices import DERIVED
+from opsched.cost.devices import CPUS
 from opsched.graph.ir import Graph
 from opsched.mapping import MappingError
 from opsched.mapping.platform import Device, Platform
@@ -131,8 +131,9 @@ def build_problem(graph: Graph, platform: Platform, objective: str = "latency", 
 
     A unit's cost on a device comes from, in order: ``device_latencies[unit][device]`` (DAG JSON latency
     objects, for the whole batch); the unit's own ``latency`` (a plain DAG JSON latency) times the device's
-    ``scale``; for a model, the device's kind: ``sim:NAME`` the simulated GPU at each piece's batch (the
-    graph's shapes, FLOPs and bytes rescaled from the captured batch), ``cpu``/``cuda:N`` ``measure(device,
+    ``scale``; for a model, the device's kind: ``sim:NAME`` the simulated GPU or host CPU at each piece's batch
+    (the graph's shapes, FLOPs and bytes rescaled from the captured batch) times ``scale``, plus the device's
+    ``op_overhead`` for each of the unit's operators, ``cpu``/``cuda:N`` ``measure(device,
     threads)`` (the units measured at the captured batch). DAG JSON and measured costs of a piece are the
     batch's cost times the piece's share (nothing is known about smaller batches there).
     """
@@ -198,12 +199,18 @@ def _device_costs(graph: Graph, device: Device, batch: int, pieces: int,
         from opsched.cost.simulate import SimulatedGPU
 
         name = device.kind[4:]
-        base, factor = DERIVED.get(name, (name, 1.0))
+        # the framework's cost per operator (what running a graph operator by operator pays, DiviML Section V)
+        # does not shrink with the batch piece
+        overheads = [device.op_overhead * max(1, len(node.ops)) for node in graph.nodes]
         out = []
         for k in range(1, pieces + 1):
             scaled = rebatched(graph, k / pieces)
-            sim = SimulatedGPU(scaled, base)
-            out.append([sim.op_latency(u) * factor * device.scale for u in range(n)])
+            if name in CPUS:
+                kernels = [CPUS[name].latency(node.flops) for node in scaled.nodes]
+            else:
+                sim = SimulatedGPU(scaled, name)
+                kernels = [sim.op_latency(u) for u in range(n)]
+            out.append([t * device.scale + o for t, o in zip(kernels, overheads)])
         return out
     if measure is None:
         raise MappingError(f"device {device.name!r} ({device.kind}) is real: its costs are measured, which needs "

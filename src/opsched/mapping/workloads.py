@@ -62,5 +62,6 @@ def _sepconv(name: str, args: tuple[str, ...], channels: int, size: int, batch: 
                 flops=2.0 * pixels * channels * (9 + channels), param_bytes=params,
                 bytes_read=len(args) * pixels * channels * FLOAT + params, bytes_written=pixels * channels * FLOAT,
                 attrs={"kernel": (3, 3), "stride": (1, 1), "padding": (1, 1), "groups": channels,
-                       "in_channels": channels, "out_channels": channels, "pre": pre})
+                       "in_channels": channels, "out_channels": channels, "pre": pre},
+                ops=(*pre, "conv2d", "conv2d"))
 
