@@ -134,3 +134,16 @@ def test_a_model_batch_is_fused_scheduled_verified_and_timed_on_the_gpu():
     ev = result.outcome.evaluation
     assert {"sequential", "hivemind", "sequential_models", "threads", "vmap"} <= set(ev.measured_ms)
     assert max(result.model_errors) <= 1e-3 and result.plan().device == "cuda"
+
+
+@needs_cuda
+def test_fused_training_on_the_gpu_matches_the_models_trained_alone():
+    from opsched.multi.train import compare_training
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                  torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)).cuda()
+              for _ in range(4)]
+    result = compare_training(models, (torch.randn(8, 3, 16, 16, device="cuda"),), steps=5, device="cuda")
+    assert result["method"] == "channels" and result["ms_per_step"]["fused"] > 0
+    assert result["max_param_diff"] <= max(4 * result["float32_noise"], 1e-5)

@@ -1,8 +1,8 @@
 """Several models at once on CUDA, on a machine without a GPU: a fused model batch (batched units, their
 member selections) runs through the CUDA executor on the stand-in (tests/cuda_standin.py), which enforces
 CUDA's rules for streams, events and memory, and on ``meta`` tensors, which catch a tensor made on the wrong
-device; the ``threads`` peer puts each model on a stream of its own. The real-GPU run is the same code under
-``torch.cuda`` (tests/test_cuda.py runs that where CUDA is)."""
+device; the ``threads`` peer puts each model on a stream of its own; fused training steps on the backend's
+stream. The real-GPU run is the same code under ``torch.cuda`` (tests/test_cuda.py runs that where CUDA is)."""
 
 import pytest
 import torch
@@ -11,6 +11,7 @@ from cuda_standin import CudaStandIn
 from opsched import peers
 from opsched.cost.simulate import SimulatedGPU
 from opsched.multi import ModelBatch, fuse_graph
+from opsched.multi.train import FusedTraining, compare_training
 from opsched.runtime import cuda
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.program import compile_program
@@ -92,3 +93,42 @@ def test_the_threads_peer_runs_each_model_on_a_stream_of_its_own():
     assert standin.calls["wait"] >= len(batch.models)  # every stream waited for the inputs
     with torch.inference_mode():
         assert all(torch.allclose(o, m(x), atol=1e-6) for o, m in zip(outputs, batch.models))
+
+
+def _trainable(device: str = "cpu", count: int = 3) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    return [small_cnn(device).train() for _ in range(count)]
+
+
+@pytest.mark.parametrize("method", ["channels", "vmap"])
+def test_on_meta_fused_training_makes_no_tensor_on_another_device(method):
+    """A training step (forward, summed loss, backward, SGD with a rate per model) of the fused models, watched
+    on ``meta``: a tensor the step made on the host (the learning rates once were) is caught."""
+    models = _trainable("meta")
+    x = torch.randn(2, 3, 8, 8, device="meta")
+    labels = torch.zeros(2, dtype=torch.long, device="meta")
+    standin = CudaStandIn("meta")
+    with cuda.use_api(standin), standin.use_stream(standin.current_stream()):
+        standin.made_on_current(x, labels)
+        fused = FusedTraining(models, (x,), method=method)
+        assert fused.method == method
+        for _ in range(2):
+            fused.summed_loss(fused.stacked_forward(x), labels).backward()
+            fused.step([0.1, 0.2, 0.3])
+    assert all(p.device.type == "meta" and p.grad is None for p in fused.stacked)
+    standin.check()
+
+
+def test_training_on_the_cuda_backend_syncs_each_step_and_matches_the_models_alone():
+    """compare_training(device="cuda") through the stand-in: every step on the backend's current stream, timed
+    between synchronisations, the fused models ending where the models trained one after another do."""
+    models = _trainable()
+    x = torch.randn(4, 3, 8, 8)
+    standin = CudaStandIn()
+    with cuda.use_api(standin):
+        standin.made_on_current(x)
+        result = compare_training(models, (x,), steps=4, lrs=[0.05, 0.1, 0.2], device="cuda")
+        standin.check()
+    assert standin.calls["synchronize"] >= 2 * 4 * 2  # before and after each timed step of both trainings
+    assert result["method"] == "channels"
+    assert result["max_param_diff"] <= max(4 * result["float32_noise"], 1e-6)

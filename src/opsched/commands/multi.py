@@ -19,8 +19,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     simulated = check_options(args.cost, args.device, args.kernels)
     device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
-    if device == "cuda" and args.train:
-        raise OpschedError("--train runs on the CPU for now: leave out --device cuda")
     plan_path, _ = output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
     if args.preprocess and args.train:
         raise OpschedError("--train trains the models on their own inputs: leave out --preprocess")
@@ -61,7 +59,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.multi.train import compare_training
 
         out["train"] = compare_training([m.model for m in loaded], [m.inputs for m in loaded], steps=args.steps,
-                                        lrs=args.lr, cores=args.threads, repeats=args.repeats)
+                                        lrs=args.lr, cores=args.threads, repeats=args.repeats, device=device)
     for warning in out.get("warnings", []):
         print(f"opsched: warning: {warning}", file=sys.stderr)
     if not args.json:

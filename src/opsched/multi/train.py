@@ -150,7 +150,8 @@ class FusedTraining(torch.nn.Module):
     @torch.no_grad()
     def step(self, lrs: Sequence[float]) -> None:
         """SGD on every model with its own learning rate, then the gradients cleared."""
-        rates = torch.tensor(_rates(lrs, self.count), dtype=self.stacked[0].dtype)
+        # made where the weights are: a CUDA kernel cannot read a host tensor of several elements
+        rates = torch.tensor(_rates(lrs, self.count), dtype=self.stacked[0].dtype, device=self.stacked[0].device)
         for p in self.stacked:
             if p.grad is not None:
                 p.sub_(p.grad * rates.view(-1, *[1] * (p.dim() - 1)))
@@ -170,7 +171,10 @@ class FusedTraining(torch.nn.Module):
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal up to rounding (a wrong rewrite rule is off by far more)."""
+    """Equal up to rounding (a wrong rewrite rule is off by far more). ``meta`` tensors have shapes, no values:
+    there the check is the shapes' alone (compared by the caller)."""
+    if a.is_meta or b.is_meta:
+        return True
     a, b = a.to(torch.float64), b.to(torch.float64)
     return torch.allclose(a, b, rtol=1e-3, atol=1e-3 * max(1.0, b.abs().max().item() if b.numel() else 0.0))
 
@@ -185,7 +189,8 @@ def _rates(lrs: Sequence[float], count: int) -> list[float]:
 
 def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: int = 20,
                      lrs: Sequence[float] = (0.01,), cores: int | None = None, repeats: int = 15,
-                     method: str = "auto", also: Sequence[str | tuple[str, dict]] = ()) -> dict[str, Any]:
+                     method: str = "auto", also: Sequence[str | tuple[str, dict]] = (),
+                     device: str = "cpu") -> dict[str, Any]:
     """Train copies of ``models`` (SGD, each with its rate; cross-entropy against fixed seeded random labels)
     one after another and fused, step by step interleaved (the order rotating every step): milliseconds per
     step (medians, the first step left out) and the largest difference between their parameters after
@@ -194,7 +199,20 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
     in the same rotation as ``fused_<label>``, with its ``max_param_diff`` in ``also``. ``float32_noise`` says
     what a ``max_param_diff`` is to be read against: how far the models trained one after another in float32 end
     from the same training in float64. ``repeats`` is accepted for the command's sake; ``steps`` are the timed
-    rounds."""
+    rounds. ``device="cuda"``: the models and inputs are on the CUDA device of the CUDA backend's interface
+    (:func:`opsched.runtime.cuda.api.current_api`), every step runs on its current stream and is timed from
+    a synchronised device to a synchronised device."""
+    if device == "cuda":
+        from opsched.runtime.cuda.api import current_api
+
+        api = current_api()
+        with api.use_stream(api.current_stream()):
+            return _compare(models, inputs, steps, lrs, cores, method, also, api)
+    return _compare(models, inputs, steps, lrs, cores, method, also, None)
+
+
+def _compare(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: int, lrs: Sequence[float],
+             cores: int | None, method: str, also: Sequence[str | tuple[str, dict]], api: Any) -> dict[str, Any]:
     torch.set_num_threads(cores or torch.get_num_threads())
     rates = _rates(lrs, len(models))
     apart = [copy.deepcopy(m).train() for m in models]
@@ -207,6 +225,8 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
     with torch.no_grad():
         classes = copy.deepcopy(apart[0])(*args).shape[-1]
     labels = torch.randint(classes, (args[0].shape[0],), generator=torch.Generator().manual_seed(0))
+    if api is not None:
+        labels = api.to(labels, args[0].device.index or 0)
     optimizers = [torch.optim.SGD(m.parameters(), lr=r) for m, r in zip(apart, rates)]
     loss = torch.nn.functional.cross_entropy
 
@@ -224,10 +244,13 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
 
     runs = [("sequential_models", step_apart), *((name, stepper(t)) for name, t in fused.items())]
     times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    synchronize = api.synchronize if api is not None else (lambda: None)
     for i in range(steps):
         for name, run in runs[i % len(runs):] + runs[:i % len(runs)]:
+            synchronize()
             started = time.perf_counter()
             run()
+            synchronize()
             times[name].append((time.perf_counter() - started) * 1e3)
 
     def diff(trainer: FusedTraining) -> float:
