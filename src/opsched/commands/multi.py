@@ -20,6 +20,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     simulated = check_options(args.cost, args.device, args.kernels)
     device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
     plan_path, _ = output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
+    if args.train and simulated and args.device == "cuda":
+        raise OpschedError("--train --device cuda needs measured costs: with simulated ones everything runs on the CPU")
     if args.preprocess and args.train:
         raise OpschedError("--train trains the models on their own inputs: leave out --preprocess")
     names, loaded, inputs, preprocess = load_command_batch(args, device)

@@ -68,6 +68,7 @@ class FusedTraining(torch.nn.Module):
         self.buffers_ = [b.clone() for b in buffers.values()]
         self.fallback: str | None = None  # why the channel-stacked rewrite was not used, when it was not
         self._programs: dict[bool, Any] = {}
+        self._rates: tuple[tuple[float, ...], torch.Tensor] | None = None  # step's learning rates, on the device
         if method != "vmap":
             try:
                 self._programs = self._channel_stacked(batch, channels_last)
@@ -150,8 +151,12 @@ class FusedTraining(torch.nn.Module):
     @torch.no_grad()
     def step(self, lrs: Sequence[float]) -> None:
         """SGD on every model with its own learning rate, then the gradients cleared."""
-        # made where the weights are: a CUDA kernel cannot read a host tensor of several elements
-        rates = torch.tensor(_rates(lrs, self.count), dtype=self.stacked[0].dtype, device=self.stacked[0].device)
+        # made where the weights are (a CUDA kernel cannot read a host tensor of several elements), once per set of
+        # rates: a tensor made from host values on a GPU waits for the device
+        key = tuple(_rates(lrs, self.count))
+        if self._rates is None or self._rates[0] != key:
+            self._rates = (key, torch.tensor(key, dtype=self.stacked[0].dtype, device=self.stacked[0].device))
+        rates = self._rates[1]
         for p in self.stacked:
             if p.grad is not None:
                 p.sub_(p.grad * rates.view(-1, *[1] * (p.dim() - 1)))
@@ -222,6 +227,8 @@ def _compare(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: in
         fused[f"fused_{label}"] = FusedTraining([copy.deepcopy(m).train() for m in models], inputs, **options)
     batch = model_batch(apart, inputs)
     args = batch.inputs
+    if api is not None and not all(a.device.type == api.device.type for a in args if isinstance(a, torch.Tensor)):
+        raise MultiError(f"training on the CUDA backend needs the models and inputs on {api.device.type}")
     with torch.no_grad():
         classes = copy.deepcopy(apart[0])(*args).shape[-1]
     labels = torch.randint(classes, (args[0].shape[0],), generator=torch.Generator().manual_seed(0))
