@@ -6,11 +6,12 @@ PLATFORM.json::
      "links": {"default": {"bandwidth": 2.5e7, "latency": 0.01}, "gpu0-cpu": {...}}}
 
 ``kind`` is ``cpu``, ``cuda:N`` (real devices) or ``sim:NAME`` (a simulated GPU of ``opsched.cost.devices``, or
-``sim:xeon``, a host CPU of that catalogue). Optional per device: ``memory`` (bytes; default unlimited), ``threads`` (intra-op
-threads of a CPU device; default 1), ``batch_sizes`` (the batch pieces it accepts; default any), ``scale`` (its
-simulated cost is the kind's times this), ``op_overhead`` (ms a simulated device adds per operator of a unit: what
-a framework running the graph operator by operator pays, as in DiviML's measurements; default 0). A device may have no ``kind`` when the DAG JSON gives every unit's
-latency on it. A transfer takes ``latency + bytes / bandwidth`` on the link between two devices: the link named
+``sim:xeon``, a host CPU of that catalogue). Optional per device: ``memory`` (bytes; default unlimited),
+``threads`` (intra-op threads of a CPU device; default 1), ``batch_sizes`` (the batch pieces it accepts; default
+any), ``scale`` (its simulated kernels cost the kind's times this), ``op_overhead`` (ms a simulated device adds,
+unscaled, per operator of a model's unit: what a framework running the graph operator by operator pays, as in
+DiviML's measurements; default 0; DAG JSON latencies are taken as given). A device may have no ``kind`` when the
+DAG JSON gives every unit's latency on it. A transfer takes ``latency + bytes / bandwidth`` on the link between two devices: the link named
 ``"a-b"`` (either order), else ``"intra-node"`` for two devices on one node or ``"inter-node"`` for two on
 different nodes, else ``"default"``; two devices with none of these are not connected, which is an error.
 Times are in the graph's unit (ms for models), so bandwidth is bytes per that unit.
@@ -321,32 +322,44 @@ def _device(item: Any, k: int, where: str) -> Device:
                 isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
             raise MappingError(f"{at}: batch_sizes must be a list of positive integers")
         sizes = tuple(sorted(set(sizes)))
-    scale = item.get("scale", 1.0)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        raise MappingError(f"{at}: scale must be a finite positive number, got {json.dumps(scale)}")
-    overhead = item.get("op_overhead", 0.0)
-    if isinstance(overhead, bool) or not isinstance(overhead, (int, float)) or not 0 <= overhead < math.inf:
-        raise MappingError(f"{at}: op_overhead must be a finite number of ms, 0 or more, got {json.dumps(overhead)}")
+    scale = _float(item.get("scale", 1.0))
+    if scale is None or not 0 < scale < math.inf:
+        raise MappingError(f"{at}: scale must be a finite positive number, got {json.dumps(item['scale'])}")
+    overhead = _float(item.get("op_overhead", 0.0))
+    if overhead is None or not 0 <= overhead < math.inf:
+        raise MappingError(f"{at}: op_overhead must be a finite number of ms, 0 or more, got "
+                           f"{json.dumps(item['op_overhead'])}")
     if overhead and not (kind or "").startswith("sim:"):
         raise MappingError(f"{at}: op_overhead applies to simulated devices (sim:NAME); a real device's measured "
                            "costs already include what it pays per operator")
     return Device(name=name, kind=kind, node=str(item.get("node", "n0")), memory=memory, threads=threads,
-                  batch_sizes=sizes, scale=float(scale), op_overhead=float(overhead))
+                  batch_sizes=sizes, scale=scale, op_overhead=overhead)
+
+
+def _float(value: Any) -> float | None:
+    """``value`` as a float when it is a JSON number a float holds (an integer too large for one is None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def _positive(value: Any, where: str, key: str) -> float:
     if value == "inf":
         return math.inf
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    number = _float(value)
+    if number is None or not number > 0:
         raise MappingError(f"{where}: {key} must be a positive number, got {json.dumps(value)}")
-    return float(value)
+    return number
 
 
 def _link(value: Any, where: str) -> Link:
     if not isinstance(value, dict) or "bandwidth" not in value:
         raise MappingError(f"{where}: expected {{\"bandwidth\": bytes per time unit, \"latency\": t}}")
     bandwidth = _positive(value["bandwidth"], where, "bandwidth")
-    latency = value.get("latency", 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < math.inf:
-        raise MappingError(f"{where}: latency must be a finite number >= 0, got {json.dumps(latency)}")
-    return Link(bandwidth, float(latency))
+    latency = _float(value.get("latency", 0.0))
+    if latency is None or not 0 <= latency < math.inf:
+        raise MappingError(f"{where}: latency must be a finite number >= 0, got {json.dumps(value['latency'])}")
+    return Link(bandwidth, latency)
