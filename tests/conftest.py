@@ -21,6 +21,26 @@ def make_dag():
     return random_dag
 
 
+@pytest.fixture(scope="session")
+def zoo_captured():
+    """``get(spec, batch, image_size)``: a zoo model loaded and captured once for the whole session, as
+    ``(loaded, graph)`` (capturing NASNet-A takes about 10 s here; test_zoo and test_runtime both use it). Tests
+    must not change either."""
+    from opsched.graph.capture import capture
+    from opsched.models import load_model
+
+    cache: dict[tuple, tuple] = {}
+
+    def get(spec: str, batch: int, image_size: int | None) -> tuple:
+        key = (spec, batch, image_size)
+        if key not in cache:
+            loaded = load_model(spec, batch=batch, image_size=image_size)
+            cache[key] = (loaded, capture(loaded.model, loaded.inputs, name=spec))
+        return cache[key]
+
+    return get
+
+
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     """Measurements in tests go to a fresh cache, never the user's."""

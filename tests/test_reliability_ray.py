@@ -49,8 +49,8 @@ def test_soak_gives_eager_outputs_keeps_memory_flat_and_ends_the_actors(ray_sess
     from opsched.runtime.ray import RayModule
 
     model, graph, inputs, plan, _ = case
-    result = process_watch.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=200,
-                                warmup=100, reference=model, processes=ray_trials.actor_pids)
+    result = process_watch.soak(functools.partial(RayModule, graph, plan, compiled=compiled), inputs, calls=120,
+                                warmup=60, reference=model, processes=ray_trials.actor_pids)
     assert result["wrong"] == 0 and result["processes"] == 2, result
     assert result["rss_growth_mb"] < 20 and max(result["processes_rss_growth_mb"]) < 20, result
     assert result["processes_after_close"] == result["processes_after_collect"] == 0, result

@@ -15,7 +15,6 @@ from opsched.errors import OpschedError, VerificationError
 from opsched.evaluation import verify
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
-from opsched.models import load_model
 from opsched.runtime import make_executor
 from opsched.runtime.cpu import CPUExecutor, Gate, UnitFailed
 from opsched.runtime.kernels import unit_operator
@@ -223,12 +222,8 @@ def test_merge_folds_batch_norm_pads_kernels_and_matches_the_units():
 
 
 @pytest.fixture(scope="module")
-def zoo_small():
-    graphs = {}
-    for name, size in ZOO_SMALL:
-        m = load_model(name, batch=1, image_size=size)
-        graphs[name] = (m, capture(m.model, m.inputs))
-    return graphs
+def zoo_small(zoo_captured):
+    return {name: zoo_captured(name, 1, size) for name, size in ZOO_SMALL}
 
 
 @pytest.mark.parametrize("name", [n for n, _ in ZOO_SMALL])
