@@ -807,3 +807,45 @@ def test_with_compiled_regions_the_batched_graph_is_kept_only_when_its_regions_a
     assert fusion.whole == {"batched_ms": 2.0 if apart_faster else 1.0, "apart_ms": 1.0 if apart_faster else 2.0}
     assert fusion.fused["same_input"] == (0 if apart_faster else 1)
     assert len(fusion.graph) == (3 if apart_faster else 4) and fusion.batched == ([] if apart_faster else ["m0-2/linear"])
+
+
+class _RenamedCNN(torch.nn.Module):
+    """_train_cnn's layers under other names (a fine-tuned copy whose layers were renamed)."""
+
+    def __init__(self, swap: bool = False):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(4)
+        self.mix = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.again = torch.nn.Conv2d(4, 4, 3, padding=1)
+        self.head = torch.nn.Linear(4, 3)
+        self.swap = swap  # runs its two 4-channel convolutions the other way round: the same weights, not the same model
+
+    def forward(self, x):
+        y = torch.relu(self.norm(self.stem(x)))
+        first, second = (self.again, self.mix) if self.swap else (self.mix, self.again)
+        y = torch.relu(second(torch.relu(first(y))))
+        return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(y, 1), 1))
+
+
+def _train_cnn() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                               torch.nn.Conv2d(4, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3, padding=1),
+                               torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 3))
+
+
+def test_renamed_and_wrapped_copies_train_fused_and_keep_their_own_names():
+    torch.manual_seed(0)
+    models = [_train_cnn().train(), _RenamedCNN().train(), _Wrapped(_train_cnn()).train()]
+    x = torch.randn(4, 3, 8, 8)
+    result = compare_training(models, (x,), steps=5, lrs=[0.05, 0.1, 0.2])
+    assert result["max_param_diff"] <= _noise_bound(result), result
+    fused = FusedTraining(models, (x,))
+    for k, model in enumerate(models):
+        state = fused.state_of(k)
+        assert set(state) == set(model.state_dict())
+        assert all(torch.equal(state[name], t) for name, t in model.state_dict().items())
+    with pytest.raises(MultiError, match="computes something else"):
+        FusedTraining([_train_cnn(), _RenamedCNN(swap=True)], (x,))
+    with pytest.raises(MultiError, match="number, shape or order"):
+        FusedTraining([_train_cnn(), torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())], (x,))

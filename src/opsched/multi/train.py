@@ -58,10 +58,14 @@ class FusedTraining(torch.nn.Module):
         if method not in METHODS:
             raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
         batch = model_batch(models, example_inputs)
-        if not batch.same_architecture:
+        if not batch.shared_input:
             raise MultiError("fused training needs models of one architecture reading one input (a sweep)")
         self.count = len(batch.models)
-        params, buffers = torch.func.stack_module_state(list(batch.models))
+        first = batch.models[0]
+        aligned = [first, *(_aligned(first, m, batch.inputs, k) for k, m in enumerate(batch.models[1:], 1))]
+        # each model's own name of every tensor, for state_of (a renamed copy keeps its names)
+        self._own_names = [dict(zip(first.state_dict(), m.state_dict())) for m in batch.models]
+        params, buffers = torch.func.stack_module_state(aligned)
         self.names = list(params)
         self.buffer_names = list(buffers)
         self.stacked = torch.nn.ParameterList(torch.nn.Parameter(p.detach().clone()) for p in params.values())
@@ -93,10 +97,7 @@ class FusedTraining(torch.nn.Module):
         # batch statistics and running-statistics update; dropout off, its masks are random), exact or refused
         check = channel_stacked(traced, self.count, self.names, self.buffer_names, training=True, dropout=False,
                                 channels_last=channels_last)
-        single = copy.deepcopy(batch.models[0]).train()
-        for m in single.modules():
-            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
-                m.eval()
+        single = _training_copy(batch.models[0])
         buffers = [b.clone() for b in self.buffers_]
         with torch.no_grad():
             got = check(list(self.stacked), buffers, *batch.inputs)
@@ -163,16 +164,54 @@ class FusedTraining(torch.nn.Module):
                 p.grad = None
 
     def parameters_of(self, k: int) -> dict[str, torch.Tensor]:
-        """Model ``k``'s parameters by name."""
+        """Model ``k``'s parameters by the first model's names."""
         return {name: p[k] for name, p in zip(self.names, self.stacked)}
 
     def buffers_of(self, k: int) -> dict[str, torch.Tensor]:
-        """Model ``k``'s buffers by name (batch norm's running statistics, as training updated them)."""
+        """Model ``k``'s buffers (batch norm's running statistics, as training updated them) by the first model's
+        names."""
         return {name: b[k] for name, b in zip(self.buffer_names, self.buffers_)}
 
     def state_of(self, k: int) -> dict[str, torch.Tensor]:
-        """Model ``k``'s parameters and buffers, for ``model.load_state_dict`` (copies)."""
-        return {name: t.detach().clone() for name, t in {**self.parameters_of(k), **self.buffers_of(k)}.items()}
+        """Model ``k``'s parameters and buffers by its own names, for its ``load_state_dict`` (copies)."""
+        names = self._own_names[k]
+        return {names.get(name, name): t.detach().clone()
+                for name, t in {**self.parameters_of(k), **self.buffers_of(k)}.items()}
+
+
+def _aligned(first: torch.nn.Module, model: torch.nn.Module, inputs: Sequence[Any], k: int) -> torch.nn.Module:
+    """``model`` as the first model's architecture: itself when it is of the first model's class and their tensors
+    have the same names and shapes; otherwise (a copy whose layers were renamed or wrapped, another library's
+    build of the architecture) a copy of ``first`` holding ``model``'s tensors by position, kept only when the two
+    hold tensors of the same shapes in the same order and compute the same in training mode on the example inputs
+    (outputs, and batch norm's statistics after the step)."""
+    mine, theirs = first.state_dict(), model.state_dict()
+    if type(model) is type(first) and ([(n, t.shape, t.dtype) for n, t in mine.items()]
+                                       == [(n, t.shape, t.dtype) for n, t in theirs.items()]):
+        return model
+    if [(t.shape, t.dtype) for t in mine.values()] != [(t.shape, t.dtype) for t in theirs.values()]:
+        raise MultiError(f"fused training needs models of one architecture: model {k}'s weights differ from the "
+                         "first model's in number, shape or order")
+    clone = copy.deepcopy(first)
+    clone.load_state_dict(dict(zip(mine, theirs.values())))
+    tried, want = _training_copy(clone), _training_copy(model)
+    with torch.no_grad():
+        got, expected = tried(*inputs), want(*inputs)
+    pairs = [(got, expected), *zip(tried.state_dict().values(), want.state_dict().values())]
+    if not all(isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and _close(a, b)
+               for a, b in pairs):
+        raise MultiError(f"fused training needs models of one architecture: model {k} holds the first model's "
+                         "weights by position but computes something else")
+    return clone
+
+
+def _training_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` in training mode with dropout off (its masks are random)."""
+    trained = copy.deepcopy(model).train()
+    for m in trained.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.eval()
+    return trained
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -261,7 +300,7 @@ def _compare(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: in
             times[name].append((time.perf_counter() - started) * 1e3)
 
     def diff(trainer: FusedTraining) -> float:
-        return max((trainer.parameters_of(k)[name] - p).abs().max().item()
+        return max((trainer.state_of(k)[name] - p).abs().max().item()
                    for k, m in enumerate(apart) for name, p in m.named_parameters())
 
     ms = {name: statistics.median(t[1:] or t) for name, t in times.items()}  # the first step warms up
