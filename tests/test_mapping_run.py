@@ -85,7 +85,9 @@ def test_map_on_real_devices_verifies_times_and_chooses_like_optimize(capsys, tm
     assert result["chosen"] == min(result["measured_ms"], key=result["measured_ms"].get)
     assert result["max_abs_error"] <= 1e-3
     # the units' costs as they run beside the other device, and a value crossing devices a thread's wake-up
-    assert 1.0 <= result["co_running"] < 3.0 and 0.0 < result["handoff_ms"] < 1.0
+    beside = result["co_running"]  # empty when the mapping keeps to one device
+    assert set(beside) <= {"cpu0", "cpu1"} and all(1.0 <= f < 3.0 for f in beside.values())
+    assert 0.0 < result["handoff_ms"] < 1.0
     written = json.loads(plan.read_text())
     assert written["options"]["chosen"]["name"] == result["chosen"] and "devices" in written
     assert written["method"] == result["plan_method"]
@@ -135,27 +137,28 @@ def test_co_running_costs_apply_to_cpu_devices_beside_each_other_and_not_to_one_
     platform = platform_from_dict({"devices": [{"name": "x", "kind": "cpu"}, {"name": "y", "kind": "cpu"}],
                                    "links": {"default": {"bandwidth": "inf", "latency": 0.5}}})
     problem = build_problem(g, platform, device_latencies={n.name: {"x": n.latency, "y": n.latency} for n in g.nodes})
-    problem.co_running, problem.handoff = 1.25, 0.1
+    problem.co_running, problem.handoff = {0: 1.25, 1: 1.5}, 0.1
     assert problem.comm(0, 1, 0, 1) == pytest.approx(0.6) and problem.comm(0, 1, 0, 0) == 0.0
     spread = Mapping.from_devices(3, [0, 0, 1], [0, 1, 2], 2)
     assert replay(problem, spread).makespan == pytest.approx(2 + 0.6 + 3)  # what the search compares
-    assert replay(problem.beside(), spread).makespan == pytest.approx(1.25 * 2 + 0.6 + 1.25 * 3)
+    assert replay(problem.beside(), spread).makespan == pytest.approx(1.25 * 2 + 0.6 + 1.5 * 3)
     assert replay(problem, Mapping.from_devices(3, [0, 0, 0], [0, 1, 2], 2)).makespan == pytest.approx(8.0)
     part = problem.sub([0, 2])
-    assert (part.co_running, part.handoff) == (1.25, 0.1)
+    assert (part.co_running, part.handoff) == ({0: 1.25, 1: 1.5}, 0.1)
 
 
 def test_measuring_co_running_keeps_the_callers_thread_count():
     # read after the other devices had set theirs, the caller's count came back as 1: map then timed eager there
-    from opsched.cost.corun import co_running_factor
+    from opsched.cost.corun import co_running_factors
     from opsched.graph.capture import capture
 
-    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()).eval()
-    x = torch.randn(4, 32)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32)).eval()
+    x = torch.randn(4, 32)  # two units
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        assert co_running_factor(capture(model, (x,)), (x,), threads=1, repeats=2) >= 1.0
+        factors = co_running_factors(capture(model, (x,)), (x,), [([0], 1), ([1], 1)], repeats=2)
+        assert len(factors) == 2 and min(factors) >= 1.0
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -174,13 +174,7 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
         measure = UnitCosts(graph, _flat(example_inputs), cache)
         problem = build_problem(graph, platform, objective, batch or int(_flat(example_inputs)[0].shape[0]),
                                 measure=measure)
-        cpus = [d for d, device in enumerate(platform.devices) if device.kind == "cpu"]
-        if len(cpus) > 1:  # devices that run as threads of one process, beside each other
-            from opsched.cost.corun import co_running_factor
-
-            say("measuring the units with the other CPU devices busy ...")
-            threads = max(platform.devices[d].threads for d in cpus)
-            problem.co_running = co_running_factor(graph, tuple(example_inputs), threads, others=len(cpus) - 1)
+        if sum(device.kind == "cpu" for device in platform.devices) > 1:  # threads of one process, side by side
             problem.handoff = measure.handoff
     else:
         graph = model
@@ -189,9 +183,16 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
         notes(note)
     solved = solve(problem, method, time_limit=time_limit, seed=seed, symmetry=symmetry, progress=progress)
     timeline = solved.timeline
-    if sum(1 for d in {job.device for job in solved.mapping.jobs()} if platform.devices[d].kind == "cpu") > 1:
-        # Several CPU devices busy together: their units cost what they do beside each other. The search
-        # compared mappings on the units alone; its bound and optimum hold for those, and so below this.
+    cpus = sorted({job.device for job in solved.mapping.jobs() if platform.devices[job.device].kind == "cpu"})
+    if runnable and len(cpus) > 1:
+        # Several CPU devices busy together: each device's units cost what they do beside the others' (measured
+        # for this mapping). The search compared mappings on the units alone; its bound and optimum hold for
+        # those, and so below this.
+        from opsched.cost.corun import co_running_factors
+
+        say("measuring each device's units beside the other devices' ...")
+        devices = [([job.unit for job in solved.mapping.order[d]], platform.devices[d].threads) for d in cpus]
+        problem.co_running = dict(zip(cpus, co_running_factors(graph, tuple(example_inputs), devices)))
         timeline = replay(problem.beside(), solved.mapping)
     plan = to_schedule(problem, solved.mapping, timeline, method, solved.lower_bound, solved.optimal,
                        solved.stats)

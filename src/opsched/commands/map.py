@@ -4,9 +4,10 @@ per time unit for throughput), ``lower_bound``, ``optimal``, ``solve_seconds``, 
 ``transfers``; plus ``makespan``, ``batch``, ``unit``, ``simulated``, ``devices`` (units per device), ``stats``
 and ``plan``. On a platform whose devices are all real, also what ``opsched optimize`` reports of its
 measured run: ``measured_ms`` (the mapping, each device alone and eager), ``chosen``, ``max_abs_error``; and,
-with several CPU devices, ``co_running`` (how much slower their units run beside each other than alone: a
-mapping using several of them is predicted with it; the search and its bound use the units alone) and
-``handoff_ms`` (what a value crossing them costs, searched with)."""
+with several CPU devices, ``co_running`` (by device the mapping uses, how much slower its units run beside
+the other devices' than alone, measured for this mapping: its prediction uses it; the search and its bound use
+the units alone; empty when it uses one device) and ``handoff_ms`` (what a value crossing them costs, searched
+with)."""
 
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if problem.objective == "throughput":
         result["throughput_bound"] = problem.objective_value(solved.lower_bound)
-    if problem.co_running != 1.0 or problem.handoff:  # several CPU devices of this machine, measured
-        result["co_running"] = problem.co_running
+    if problem.co_running or problem.handoff:  # several CPU devices of this machine, measured
+        result["co_running"] = {problem.platform.devices[d].name: f for d, f in sorted(problem.co_running.items())}
         result["handoff_ms"] = problem.handoff
     if outcome.measured:
         result.update(measured_fields(outcome, plan))
@@ -120,8 +121,9 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
           + ("  (optimal)" if result["optimal"] else ""))
     print(f"solved in   {result['solve_seconds']:.2f} s")
     if "co_running" in result:
-        print(f"costs       units {result['co_running']:.3g}x their time alone beside the other CPU devices; a value "
-              f"crossing them {result['handoff_ms']:.3g} ms (measured)")
+        beside = ", ".join(f"{name} {f:.3g}x" for name, f in result["co_running"].items())
+        print("costs       " + (f"each device's units beside the others', against alone: {beside}; " if beside else "")
+              + f"a value crossing CPU devices {result['handoff_ms']:.3g} ms (measured)")
     ran = result["stats"].get("heuristics")
     if ran is not None:  # MILP-SPLIT: the heuristics it ran on the whole graph, and which mapping it returns
         print("heuristics  " + (", ".join(f"{name} {h['makespan']:.6g} ({h['seconds']:.2f} s)" for name, h in ran.items())

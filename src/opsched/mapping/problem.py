@@ -49,9 +49,10 @@ class Problem:
     # devices as threads of one process, and the device waiting for the value has its thread woken (measured
     # with the units; 0 where nothing runs, and for other devices).
     handoff: float = 0.0
-    # How much slower the CPU devices' units run beside each other than alone (measured; 1 where it was not):
-    # see :mod:`opsched.cost.corun` and :meth:`beside`. ``times`` are the units alone.
-    co_running: float = 1.0
+    # By device index, how much slower its units run beside the other CPU devices' than alone (measured for a
+    # mapping; a device not named: 1): see :mod:`opsched.cost.corun` and :meth:`beside`. ``times`` are the units
+    # alone.
+    co_running: Mapping[int, float] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -99,10 +100,9 @@ class Problem:
     def beside(self) -> Problem:
         """The problem with the CPU devices' units at their cost beside each other: what a mapping keeping
         several of them busy costs (a device alone costs ``times``)."""
-        if self.co_running == 1.0:
+        if not self.co_running:
             return self
-        cpu = [d.kind == "cpu" for d in self.platform.devices]
-        times = [[[t * self.co_running for t in row] if cpu[d] else row for d, row in enumerate(per_device)]
+        times = [[[t * self.co_running.get(d, 1.0) for t in row] for d, row in enumerate(per_device)]
                  for per_device in self.times]
         return replace(self, times=times)
 
