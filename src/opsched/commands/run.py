@@ -159,7 +159,8 @@ def _print(result: dict[str, Any], ev: Any, plan: Any, label: str, baseline: str
         if ray_summary is not None:
             actors = "1 actor for the node's " + count(used, "device") if ray_summary["actor_per"] == "node" \
                 else count(used, "actor")
-            how = (f"{actors} on {ray_summary['cluster']}, {count(ray_summary['calls'], 'call')} per inference" + (" in a Ray Compiled Graph" if ray_summary["compiled_graph"] else ""))
+            how = (f"{actors} on {ray_summary['cluster']}, {count(ray_summary['calls'], 'call')} per inference"
+                   + (" in a Ray Compiled Graph" if ray_summary["compiled_graph"] else ""))
         else:
             how = f"{count(used, 'device')} as threads"
         print(f"engine        {result['engine']}: {how}")

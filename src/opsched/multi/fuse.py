@@ -140,13 +140,7 @@ class CostLatencies:
         from opsched.schedulers import make_schedule
 
         cost = self.cost(graph)
-        plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
-        if getattr(cost, "kernels", "eager") == "eager" or getattr(cost, "region_error", None):
+        if getattr(cost, "kernels", "eager") == "eager":  # a simulated cost model has no kernels either
             return None
-        return plan.predicted_latency
-
-
-def cost_latencies(spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
-                   cache: bool = True, progress: Any = None, device: str = "cpu") -> CostLatencies:
-    """Each unit's predicted milliseconds under the cost model ``spec`` (see :class:`CostLatencies`)."""
-    return CostLatencies(spec, inputs, kernels, cores, cache, progress, device)
+        plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
+        return None if cost.region_error else plan.predicted_latency

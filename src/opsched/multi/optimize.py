@@ -13,7 +13,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from opsched.multi.combine import ModelBatch, MultiError
-from opsched.multi.fuse import REWRITES, Fusion, cost_latencies, fuse_graph
+from opsched.multi.fuse import REWRITES, CostLatencies, Fusion, fuse_graph
 
 MULTI_PEERS = ("sequential_models", "threads", "vmap")
 DEFAULT_METHODS = ("sequential", "ios", "lios", "hivemind")
@@ -94,9 +94,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     simulated = cost.startswith("sim:")
     say("combining the models and choosing the fusions that pay ...")
     device = "cpu" if simulated else batch.device
-    latencies = cost_latencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
-    fusion = fuse_graph(batch, rewrites, latencies,
-                        whole=latencies.regions_ms if kernels != "eager" and not simulated else None)
+    latencies = CostLatencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
+    fusion = fuse_graph(batch, rewrites, latencies, whole=latencies.regions_ms)
     sequential_ms = sum(latencies(fusion.combined))
     default_streams = 8 if simulated or device == "cuda" else cores
     jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
@@ -148,7 +147,7 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
         m.eval()
     cores = cores or torch.get_num_threads()
     device = batch.device
-    fusion = fuse_graph(batch, rewrites, cost_latencies(cost, batch.inputs, cores=cores, cache=cache, device=device))
+    fusion = fuse_graph(batch, rewrites, CostLatencies(cost, batch.inputs, cores=cores, cache=cache, device=device))
     model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, device=device, cores=cores,
                           cache=cache)
     streams = 8 if device == "cuda" else cores

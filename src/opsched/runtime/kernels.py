@@ -133,7 +133,6 @@ class OnnxRuntimeOperator(CompiledOperator):
         self.eager_units: list[str] = []
 
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
-
         import torch.utils._pytree as pytree
 
         base = unit_operator(nodes)
@@ -226,17 +225,17 @@ def onnx_bytes(module: Any, args: Sequence[Any], **options: Any) -> bytes:
     and tracer warnings, and the graph it logs when an export fails, are the exporter's notes to itself. That log
     went to standard output whatever its setting (PyTorch 2.14 tests the setting's function, not its value) and
     broke the JSON of ``opsched multi --json --kernels onnxruntime`` (a batched unit of MobileNetV3-small does not
-    export); it is sent to standard error, which is closed meanwhile. Raises what the exporter raises."""
+    export); it is sent to standard error, which points at /dev/null meanwhile. Raises what the exporter raises."""
     buffer = io.BytesIO()
     torch._C._jit_set_onnx_log_output_stream("stderr")
-    with warnings.catch_warnings(), _stderr_closed():
+    with warnings.catch_warnings(), _stderr_to_devnull():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, tuple(args), buffer, dynamo=False, **options)
     return buffer.getvalue()
 
 
 @contextlib.contextmanager
-def _stderr_closed() -> Iterator[None]:
+def _stderr_to_devnull() -> Iterator[None]:
     """File descriptor 2 on /dev/null: what C++ writes there is dropped."""
     sys.stderr.flush()
     saved = os.dup(2)
