@@ -49,8 +49,8 @@ def test_a_sequential_plan_is_one_region_and_a_concurrent_stage_cuts_the_runs():
     validate(plan, fused)
     assert [len(g) for st in plan.stages for g in st.groups] == [1, 1, 1, 1]  # stem alone: both branches read it
     assert "stem" in fused.index and "left" in fused.index
-    with torch.inference_mode():
-        assert torch.equal(OptimizedModule(fused, plan, 2)(x), model(x))
+    with torch.inference_mode():  # eager units' convolutions reorder their weights: the same sums, another order
+        torch.testing.assert_close(OptimizedModule(fused, plan, 2)(x), model(x))
 
 
 @pytest.fixture(scope="module")

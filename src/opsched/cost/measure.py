@@ -67,7 +67,8 @@ CACHE_DISAGREEMENT = 2.0  # cached unit timings summing to more than this times 
 
 
 def cpu_fingerprint(cores: int) -> str:
-    """What makes CPU timings comparable: the processor, the cores used, PyTorch and its backends."""
+    """What makes CPU timings comparable: the processor, the cores used, PyTorch and its backends, and how
+    eager units run their convolutions (see :mod:`opsched.runtime.packed`)."""
     model = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -75,7 +76,7 @@ def cpu_fingerprint(cores: int) -> str:
     except OSError:
         pass
     return (f"cpu|{model}|{os.cpu_count()} logical|{cores} threads|torch {torch.__version__}|"
-            f"mkldnn {torch.backends.mkldnn.is_available()}")
+            f"mkldnn {torch.backends.mkldnn.is_available()}|convolution weights reordered once")
 
 
 def cuda_fingerprint() -> str:

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from opsched.runtime.kernels import Operator
+from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
 from opsched.runtime.lowered import Call, LoweredProgram, Record, Remaining, StreamFailed, UnitFailed, lower
 from opsched.runtime.program import StreamProgram
 
@@ -46,9 +46,13 @@ class CPUExecutor:
     """Execute ``program``; ``operator(nodes, threads)`` gives the callable for the units of a run step
     (see :mod:`opsched.runtime.kernels`): called with the values the first unit reads, it returns one
     value, or one per unit for a merge. A program already lowered (its callables made elsewhere: the Ray
-    engine's actor running every device of a node) is run as it is, with no ``operator``."""
+    engine's actor running every device of a node) is run as it is, with no ``operator``. Eager units
+    (:func:`~opsched.runtime.kernels.unit_operator`) run as :func:`~opsched.runtime.kernels.cpu_unit_operator`
+    makes them: their convolutions with weights reordered once."""
 
     def __init__(self, program: StreamProgram | LoweredProgram, operator: Operator | None = None):
+        if operator is unit_operator:
+            operator = cpu_unit_operator
         self.program = program
         self.lowered = program if isinstance(program, LoweredProgram) else lower(program, operator)
         self._lock = threading.Lock()

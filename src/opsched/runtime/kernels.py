@@ -1,7 +1,8 @@
 """How a run step's units execute (``--kernels``): an *operator* maps the units of a run step and the
 intra-op threads it gets to a callable.
 
-- ``eager``: the unit's own FX graph, ATen operator by operator; a merge stage runs the merged convolution.
+- ``eager``: the unit's own FX graph, ATen operator by operator (on the CPU, convolutions with their weights
+  reordered for oneDNN once: :func:`cpu_unit_operator`); a merge stage runs the merged convolution.
 - ``inductor``: the same graph compiled by TorchInductor into C++/OpenMP kernels. The FX graph is handed to
   ``compile_fx`` directly instead of going through ``torch.compile``: dynamo would see every unit as the
   same ``GraphModule.forward`` code object and, after 8 recompiles, silently run the rest eagerly.
@@ -38,6 +39,7 @@ from opsched.errors import OpschedError
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.runtime.merge import merged_operator
+from opsched.runtime.packed import packed_unit, packs
 
 Operator = Callable[[Sequence[Node], int], Callable[..., Any]]
 
@@ -47,11 +49,19 @@ KERNELS = ("eager", "inductor", "onnxruntime")
 def unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]:
     """Eager: the unit's own operator, or the merged convolution of a merge stage. A unit's GraphModule is
     called through its ``forward``: ``nn.Module.__call__`` adds hook handling that units never use, a few
-    microseconds on every unit of every call."""
+    microseconds on every unit of every call. On the CPU, :func:`cpu_unit_operator` runs them instead."""
     if len(nodes) > 1:
         return merged_operator(nodes)
     run = nodes[0].run
     return run.forward if isinstance(run, torch.fx.GraphModule) else run
+
+
+def cpu_unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]:
+    """Eager on the CPU: :func:`unit_operator`, a unit's convolutions with their weights reordered for oneDNN
+    once (:mod:`opsched.runtime.packed`). The CPU executors run eager units through it."""
+    if len(nodes) == 1 and packs(nodes[0].run):
+        return packed_unit(nodes[0].run)
+    return unit_operator(nodes, threads)
 
 
 @contextlib.contextmanager
@@ -135,14 +145,15 @@ class OnnxRuntimeOperator(CompiledOperator):
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
         import torch.utils._pytree as pytree
 
-        base = unit_operator(nodes)
+        run = nodes[0].run if len(nodes) == 1 else merged_operator(nodes)
+        # what runs where ONNX cannot: the unit as it is, so that values reach the sessions in eager's layout
+        base = run.forward if isinstance(run, torch.fx.GraphModule) else run
         args = [self.example(a) for a in nodes[0].args]
         began = time.perf_counter()
         try:
             with torch.no_grad():
                 _, out_spec = pytree.tree_flatten(base(*args))
-                module = base.__self__ if isinstance(getattr(base, "__self__", None), torch.fx.GraphModule) else \
-                    _trace(base, nodes, self.example)
+                module = run if isinstance(run, torch.fx.GraphModule) else _trace(base, nodes, self.example)
                 module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
                 # named by position among the arguments' tensors: the exporter drops those the unit does not
                 # use (one of the list chunk made), and the names say which are left

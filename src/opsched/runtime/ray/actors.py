@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError
 from opsched.runtime.cpu import CPUExecutor
-from opsched.runtime.kernels import unit_operator
+from opsched.runtime.kernels import cpu_unit_operator
 from opsched.runtime.lowered import Call, LoweredProgram, UnitFailed, lower
 from opsched.runtime.program import compile_program
 from opsched.runtime.ray.cluster import (
@@ -82,7 +82,7 @@ class _Shipped:
 class ShippedUnits:
     """A run step's units as the lowered step's callable on its way to an actor: pickled, its units' GraphModules
     travel as :class:`_Shipped`; in the actor, :meth:`load` makes the local engine's operator of them
-    (:func:`opsched.runtime.kernels.unit_operator`), which a call then runs."""
+    (:func:`opsched.runtime.kernels.cpu_unit_operator`: actors run on CPUs), which a call then runs."""
 
     def __init__(self, nodes: Sequence[Any], threads: int):
         self.nodes = tuple(dataclasses.replace(n, run=_Shipped(n.run)) if isinstance(n.run, torch.fx.GraphModule)
@@ -95,7 +95,7 @@ class ShippedUnits:
 
     def load(self) -> None:
         if self.fn is None:
-            self.fn = unit_operator(list(self.nodes), self.threads)
+            self.fn = cpu_unit_operator(list(self.nodes), self.threads)
 
     def __call__(self, *args: Any) -> Any:
         self.load()

@@ -1,0 +1,133 @@
+"""Eager CPU units with reordered convolution weights (opsched.runtime.packed): the same values as the model, in
+its layout, to float32's own noise, whatever the convolutions and whatever reads their outputs."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsched.cost.table import TableCost
+from opsched.graph.capture import capture
+from opsched.runtime import packed
+from opsched.runtime.module import OptimizedModule
+from opsched.schedulers import make_schedule
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+
+
+def sequential_plan(model, *inputs):
+    graph = capture(model.eval(), inputs)
+    for n in graph.nodes:
+        n.latency = 1.0
+    return graph, OptimizedModule(graph, make_schedule("sequential", graph, TableCost(graph)), 2)
+
+
+def float64_noise(model, inputs, got):
+    """How far ``got`` and the model's own float32 outputs are from the model's float64 outputs (the largest
+    difference over every output), and the float64 outputs' largest magnitude."""
+    flat = (lambda out: torch.cat([t.flatten() for t in (out if isinstance(out, tuple) else (out,))]))
+    with torch.no_grad():
+        exact = flat(copy.deepcopy(model).double()(*(x.double() for x in inputs))).float()
+        own = flat(model(*inputs))
+    got = flat(got)
+    return (got - exact).abs().max().item(), (own - exact).abs().max().item(), exact.abs().max().item()
+
+
+class ConvNet(torch.nn.Module):
+    """Convolutions of every kind the rewrite takes (grouped, strided, dilated, 1x1, no bias, depthwise), each
+    read by a ReLU, a residual add, a pooling or a view."""
+
+    def __init__(self, groups, stride, dilation, bias, width):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, width, 3, stride=stride, padding=1, bias=bias)
+        self.grouped = torch.nn.Conv2d(width, width, 3, padding=dilation, dilation=dilation, groups=groups)
+        self.depthwise = torch.nn.Conv2d(width, width, 3, padding=1, groups=width, bias=False)
+        self.point = torch.nn.Conv2d(width, 2 * width, 1)
+        self.head = torch.nn.Linear(2 * width * 4, 5)
+
+    def forward(self, x):
+        y = self.stem(x).relu()
+        y = y + self.grouped(y)
+        y = torch.nn.functional.max_pool2d(self.depthwise(y).relu(), 2)
+        y = torch.nn.functional.adaptive_avg_pool2d(self.point(y), 2)
+        return self.head(y.view(y.shape[0], -1)), y
+
+
+@settings(max_examples=25, deadline=None)
+@given(groups=st.sampled_from([1, 2, 4]), stride=st.sampled_from([1, 2]), dilation=st.sampled_from([1, 2]),
+       bias=st.booleans(), batch=st.sampled_from([1, 3]), size=st.sampled_from([8, 13]), seed=st.integers(0, 99))
+def test_a_plan_with_reordered_convolutions_agrees_with_the_model_to_float32_noise(groups, stride, dilation, bias,
+                                                                                   batch, size, seed):
+    torch.manual_seed(seed)
+    model = ConvNet(groups, stride, dilation, bias, width=8)
+    x = torch.randn(batch, 3, size, size)
+    graph, plan = sequential_plan(model, x)
+    outputs = plan(x)
+    assert outputs[1].is_contiguous()  # the model's layout, although the convolutions left it channels_last
+    assert any(packed.packed_unit(n.run).convolutions for n in graph.nodes if packed.packs(n.run))
+    ours, own, scale = float64_noise(model, [x], outputs)
+    # float32's noise on these sums, measured: the model's own float32 error against float64; the reordered
+    # convolutions sum in another order, so allow a few times it (and a floor for when the model's is 0)
+    assert ours <= 8 * own + 1e-6 * scale
+
+
+def test_a_view_of_a_convolution_output_runs_on_the_channels_last_value():
+    """A patch embedding (ViT): the captured graph views the convolution's output as contiguous."""
+
+    class Patches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Conv2d(3, 16, 4, stride=4)
+
+        def forward(self, x):
+            y = self.proj(x)
+            return y.view(y.shape[0], 16, -1).transpose(1, 2)
+
+    model = Patches()
+    x = torch.randn(2, 3, 16, 16)
+    _, plan = sequential_plan(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(plan(x), model.eval()(x), rtol=1e-4, atol=1e-5)
+
+
+def test_weights_changed_in_place_are_reordered_again():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 9, 9)
+    _, plan = sequential_plan(model, x)
+    before = plan(x)
+    with torch.no_grad():
+        model[0].weight.mul_(-1)  # the unit holds the model's own weight
+        torch.testing.assert_close(plan(x), model(x), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(before, plan(x))
+
+
+def test_where_autograd_records_the_unit_runs_as_it_is():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    x = torch.randn(1, 3, 9, 9, requires_grad=True)
+    unit = capture(model.eval(), (x.detach(),)).nodes[0].run
+    run = packed.packed_unit(unit)
+    run(x).sum().backward()  # no backward through oneDNN's reordered convolution: it was not used
+    assert x.grad is not None and run.convolutions == 0
+
+
+def test_units_off_the_cpu_and_units_without_convolutions_are_not_rewritten():
+    x = torch.randn(1, 3, 8, 8)
+    conv = capture(torch.nn.Conv2d(3, 4, 3).eval(), (x,)).nodes[0].run
+    assert packed.packs(conv)
+    assert not packed.packs(conv.to("meta"))
+    assert not packed.packs(capture(torch.nn.ReLU(), (x,)).nodes[0].run)
+
+
+def test_a_rewritten_unit_does_not_outlive_its_graph():
+    x = torch.randn(1, 3, 8, 8)
+    unit = capture(torch.nn.Conv2d(3, 4, 3).eval(), (x,)).nodes[0].run
+    with torch.inference_mode():
+        packed.packed_unit(unit)(x)
+    gone = weakref.ref(unit)
+    del unit
+    gc.collect()
+    assert gone() is None
