@@ -131,3 +131,36 @@ def test_a_rewritten_unit_does_not_outlive_its_graph():
     del unit
     gc.collect()
     assert gone() is None
+
+
+def test_outputs_have_the_models_strides_whatever_reads_the_channels_last_values():
+    """Views the reordered convolution's channels_last output cannot take as they are (view_as, a flatten),
+    and outputs that are views of it (a slice, a transpose), are the model's in values and in strides."""
+
+    class Views(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3)
+
+        def forward(self, x, like):
+            y = self.conv(x).relu()
+            return (y + 1).view_as(like), y.flatten(2), y[:, :4], y.transpose(2, 3)
+
+    model = Views().eval()
+    x, like = torch.randn(2, 3, 10, 10), torch.randn(2, 512)
+    graph, plan = sequential_plan(model, x, like)
+    assert any(packed.packs(n.run) for n in graph.nodes)
+    with torch.no_grad():
+        for got, want in zip(plan(x, like), model(x, like)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            assert got.stride() == want.stride()
+
+
+def test_weights_replaced_or_retyped_are_seen():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 9, 9)
+    _, plan = sequential_plan(model, x)
+    plan(x)
+    model[0].weight.data = torch.randn_like(model[0].weight)  # other storage, no in-place write
+    with torch.no_grad():
+        torch.testing.assert_close(plan(x), model(x), rtol=1e-4, atol=1e-5)

@@ -25,8 +25,8 @@ import torch.utils._pytree as pytree
 from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
 from opsched.runtime import DEVICES, make_executor
-from opsched.runtime.kernels import Operator, unit_operator
-from opsched.runtime.packed import eager_layout, packs
+from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
+from opsched.runtime.packed import eager_layout, eager_strides, packs
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
 
@@ -66,16 +66,17 @@ class OptimizedModule(torch.nn.Module):
             where = [on[d].cuda_index for d in sorted({op.stream for op in schedule.ops})]
         self.executor = make_executor(self.program, operator, where, cuda_graph)
         # reordered convolutions leave values channels_last (see opsched.runtime.packed); outputs go back as eager's
-        self.relayout = operator is unit_operator and all(w in ("cpu", None) for w in (
-            [where] if isinstance(where, str) else where)) and any(packs(n.run) for n in graph.nodes)
+        on_cpu = all(w in ("cpu", None) for w in ([where] if isinstance(where, str) else where))
+        self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu and any(
+            packs(n.run) for n in graph.nodes) else None
 
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)
         if len(flat) != len(self.graph.inputs):
             raise GraphError(f"{self.graph.name} takes {len(self.graph.inputs)} input tensors, got {len(flat)}")
         outputs = self.executor(*flat)
-        if self.relayout:
-            outputs = eager_layout(outputs)
+        if self.relayout is not None:
+            outputs = eager_layout(outputs, self.relayout)
         if self.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, self.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)

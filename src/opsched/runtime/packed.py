@@ -20,15 +20,19 @@ convolution saves on large images (last row), so values stay ``channels_last`` f
 convolution on. :func:`packed_unit` gives a unit's callable that runs every 2-D float32 convolution whose
 weight is the unit's own through ``mkldnn._convolution_pointwise`` with the weight reordered, its input
 ``channels_last`` (the ReLU that follows, when it alone reads the convolution, fused in as oneDNN's
-post-op), and every view as a reshape (a view the captured graph made of a contiguous value may not exist of
-a ``channels_last`` one; a reshape is that view wherever it exists). The same oneDNN convolution computes
+post-op), and every view that changes the shape as a reshape (a view the captured graph made of a contiguous
+value may not exist of a ``channels_last`` one; a reshape is that view wherever it exists); ``as_strided`` and
+a view as another dtype read their input made contiguous. Units without a convolution are rewritten so too
+where they hold such a view. The same oneDNN convolution computes
 the same sums in another order: outputs agree to float32's rounding, not bit for bit. A plan's outputs are
-made contiguous again where the unit gave them ``channels_last`` (:func:`eager_layout`).
+given the model's own strides again (:func:`eager_layout`).
 
 The reorder needs the input's shape, so the unit is rewritten at its first call, from the shapes of that
-call. Each call then checks that the weights were not changed in place (their version counters) and
-rewrites the unit again if they were. Where autograd records, the unit runs as it is (oneDNN's reordered
-convolution has no backward).
+call (other shapes still compute right, reordering again inside oneDNN). Each call then checks that the
+weights were not changed (their version counters, storage, type and shape; a write through ``.data`` in
+place is not seen) and rewrites the unit again if they were. Where autograd records or autocast is on, the
+unit runs as it is (oneDNN's reordered convolution has no backward and ignores autocast); the executors run
+units in inference mode.
 
 >>> import torch
 >>> from opsched.graph.capture import capture
@@ -43,6 +47,7 @@ convolution has no backward).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -52,7 +57,11 @@ from torch import fx
 
 from opsched.graph.ops import get_attr_value
 
-_VIEWS = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}
+_RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}  # reshape takes their arguments
+_VIEW_AS = torch.ops.aten.view_as.default
+# views that exist only for some strides and are not reshapes: they read their input made contiguous
+_CONTIGUOUS_INPUT = {torch.ops.aten.as_strided.default, torch.ops.aten.view.dtype}
+_LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_CONTIGUOUS_INPUT}
 _CONV2D = torch.ops.aten.conv2d.default
 _CONVOLUTION = torch.ops.aten.convolution.default
 _RELUS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.relu, torch.nn.functional.relu}
@@ -69,43 +78,57 @@ class PackedUnit:
 
     def __init__(self, unit: fx.GraphModule):
         self._unit = weakref.ref(unit)  # not the unit itself: the table of PackedUnits would keep every unit alive
-        self.convolutions = 0
-        self.weights: list[tuple[torch.Tensor, int]] = []  # each reordered weight and its version then
-        self.rewritten: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+        # the rewritten unit, what each reordered weight was then, and how many convolutions it reorders: one
+        # tuple, replaced whole, so that a stream never runs one rewrite checked against another's weights
+        self._state: tuple[Callable[..., Any], list[tuple], int] | None = None
 
     @property
     def unit(self) -> fx.GraphModule:
         return self._unit()
 
-    def __call__(self, *args: Any) -> Any:
-        if torch.is_grad_enabled() and (any(p.requires_grad for p in self.unit.parameters())
-                                        or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)):
-            return self.unit.forward(*args)  # mkldnn's reordered convolution has no backward
-        rewritten = self.rewritten
-        if rewritten is None or any(w._version != v for w, v in self.weights):
-            rewritten = self._rewrite(args)
-        return rewritten(*args)
+    @property
+    def convolutions(self) -> int:
+        return self._state[2] if self._state is not None else 0
 
-    def _rewrite(self, args: tuple) -> Callable[..., Any]:
+    def __call__(self, *args: Any) -> Any:
+        if (torch.is_grad_enabled() and (any(p.requires_grad for p in self.unit.parameters())
+                                         or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))) \
+                or torch.is_autocast_enabled("cpu"):
+            return self.unit.forward(*args)  # oneDNN's reordered convolution has no backward and ignores autocast
+        state = self._state
+        if state is None or any(_changed(*w) for w in state[1]):
+            with self._lock:
+                state = self._state
+                if state is None or any(_changed(*w) for w in state[1]):
+                    state = self._state = self._rewrite(args)
+        return state[0](*args)
+
+    def _rewrite(self, args: tuple) -> tuple[Callable[..., Any], list[tuple], int]:
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.unit.graph, {}))
-        views = [n for n in graph.nodes if n.op == "call_function" and n.target in _VIEWS]
-        for view in views:
-            view.target = torch.ops.aten.reshape.default
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LAYOUT_BOUND]:
+            if node.target in _RESHAPES:
+                node.target = torch.ops.aten.reshape.default
+            elif node.target is _VIEW_AS:
+                node.op, node.target = "call_method", "reshape_as"
+            else:
+                with graph.inserting_before(node):
+                    node.update_arg(0, graph.call_method("contiguous", (node.args[0],)))
         module = fx.GraphModule(self.unit, graph, class_name="PackedUnit")
         # run on copies: a unit may write into its inputs, and the call this rewrite is for still has to run
         shapes = _TensorShapes(module)
         shapes.run(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        weights, self.convolutions = [], 0
+        weights: list[tuple] = []
         for conv in [n for n in graph.nodes if n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION)]:
             options = _convolution_options(conv, module, shapes.of)
             if options is None:
                 continue
             x, weight, bias, padding, stride, dilation, groups = options
-            packed_name = f"_packed_{self.convolutions}"
+            packed_name = f"_packed_{len(weights)}"
             with torch.no_grad():
                 module.register_buffer(packed_name, _REORDER(weight, padding, stride, dilation, groups,
-                                                      list(shapes.of[x][0])))
+                                                             list(shapes.of[x][0])))
             relu = next(iter(conv.users)) if len(conv.users) == 1 else None
             fused = relu is not None and relu.op == "call_function" and relu.target in _RELUS \
                 and len(relu.args) == 1 and not relu.kwargs
@@ -121,14 +144,20 @@ class PackedUnit:
             graph.erase_node(last)
             if fused:
                 graph.erase_node(conv)
-            if not weight.is_inference():  # an inference tensor has no version counter and cannot change
-                weights.append((weight, weight._version))
-            self.convolutions += 1
+            # an inference tensor has no version counter: its storage, type and shape are checked still
+            weights.append((weight, None if weight.is_inference() else weight._version, weight.data_ptr(),
+                            weight.dtype, weight.shape))
         graph.lint()
         module.recompile()
-        self.weights = weights
-        self.rewritten = module.forward
-        return self.rewritten
+        return module.forward, weights, len(weights)
+
+
+def _changed(weight: torch.Tensor, version: int | None, data: int, dtype: torch.dtype, shape: torch.Size) -> bool:
+    """Whether a reordered weight was changed since: written in place (its version counter), or given other
+    storage, type or shape (``module.double()``, ``p.data = ...``). A write through ``p.data`` in place
+    changes none of these, and is not seen."""
+    return ((version is not None and weight._version != version) or weight.data_ptr() != data
+            or weight.dtype != dtype or weight.shape != shape)
 
 
 def packed_unit(unit: fx.GraphModule) -> PackedUnit:
@@ -140,20 +169,42 @@ def packed_unit(unit: fx.GraphModule) -> PackedUnit:
 
 
 def packs(unit: Any) -> bool:
-    """Whether :func:`packed_unit` may rewrite ``unit``: a GraphModule with a convolution or a view, its
-    weights on the CPU, where oneDNN is."""
+    """Whether :func:`packed_unit` may rewrite ``unit``: a GraphModule with a convolution or an operator
+    bound to a layout (a view), its weights on the CPU, where oneDNN is."""
     if _POINTWISE is None or not isinstance(unit, fx.GraphModule):
         return False
-    if not any(n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION, *_VIEWS) for n in unit.graph.nodes):
+    if not any(n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION, *_LAYOUT_BOUND)
+               for n in unit.graph.nodes):
         return False
     return all(t.device.type == "cpu" for t in (*unit.parameters(), *unit.buffers()))
 
 
-def eager_layout(outputs: list[Any]) -> list[Any]:
-    """A plan's outputs as eager gives them: a 4-D tensor that reordered convolutions left ``channels_last``
-    (and not also contiguous) made contiguous."""
-    return [o.contiguous() if isinstance(o, torch.Tensor) and o.dim() == 4 and not o.is_contiguous()
-            and o.is_contiguous(memory_format=torch.channels_last) else o for o in outputs]
+def eager_strides(graph: Any) -> list[tuple | None]:
+    """For each output of ``graph`` (a :class:`~opsched.graph.ir.Graph`), the shape and strides the model gave
+    it at capture, and whether that was contiguous; None where capture did not record them."""
+    strides: list[tuple | None] = []
+    for name in graph.outputs:
+        run = graph.nodes[graph.index[name]].run if name in graph.index else None
+        value = run.graph.output_node().args[0] if isinstance(run, fx.GraphModule) else None
+        example = value.meta.get("val") if isinstance(value, fx.Node) else None
+        strides.append((example.shape, example.stride(), example.is_contiguous())
+                       if isinstance(example, torch.Tensor) else None)
+    return strides
+
+
+def eager_layout(outputs: list[Any], strides: list[tuple | None]) -> list[Any]:
+    """A plan's outputs laid out as eager gives them (``strides`` from :func:`eager_strides`): values that
+    ``channels_last`` convolutions left with other strides, copied into the model's own; at another shape than
+    capture's, made contiguous where the model's were."""
+    laid = []
+    for out, eager in zip(outputs, strides):
+        if eager is not None and isinstance(out, torch.Tensor) and out.stride() != eager[1]:
+            if out.shape == eager[0]:
+                out = torch.empty_strided(out.shape, eager[1], dtype=out.dtype, device=out.device).copy_(out)
+            elif eager[2]:
+                out = out.contiguous()
+        laid.append(out)
+    return laid
 
 
 class _TensorShapes(fx.Interpreter):
