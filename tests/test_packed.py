@@ -164,3 +164,17 @@ def test_weights_replaced_or_retyped_are_seen():
     model[0].weight.data = torch.randn_like(model[0].weight)  # other storage, no in-place write
     with torch.no_grad():
         torch.testing.assert_close(plan(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_convolution_onednn_cannot_run_reordered_runs_as_captured(monkeypatch):
+    x = torch.randn(1, 3, 8, 8)
+    unit = capture(torch.nn.Conv2d(3, 4, 3).eval(), (x,)).nodes[0].run
+
+    def unsupported(*args):
+        raise RuntimeError("no oneDNN kernel for this")
+
+    monkeypatch.setattr(packed, "_POINTWISE", unsupported)
+    run = packed.packed_unit(unit)
+    with torch.inference_mode():
+        torch.testing.assert_close(run(x), unit(x))
+    assert run.convolutions == 0

@@ -149,6 +149,11 @@ class PackedUnit:
                             weight.dtype, weight.shape))
         graph.lint()
         module.recompile()
+        if weights:
+            try:  # once, on copies: a oneDNN build that lacks a kernel for this convolution fails here, not later
+                module(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
+            except RuntimeError:
+                return self.unit.forward, [], 0
         return module.forward, weights, len(weights)
 
 
