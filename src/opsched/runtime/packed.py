@@ -153,7 +153,7 @@ class PackedUnit:
             try:  # once, on copies: a oneDNN build that lacks a kernel for this convolution fails here, not later
                 module(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
             except RuntimeError:
-                return self.unit.forward, [], 0
+                return (lambda *values: self.unit.forward(*values)), [], 0  # through the weak reference
         return module.forward, weights, len(weights)
 
 
@@ -186,14 +186,16 @@ def packs(unit: Any) -> bool:
 
 def eager_strides(graph: Any) -> list[tuple | None]:
     """For each output of ``graph`` (a :class:`~opsched.graph.ir.Graph`), the shape and strides the model gave
-    it at capture, and whether that was contiguous; None where capture did not record them."""
+    it at capture, and whether that was contiguous; None where capture did not record them (or recorded them
+    symbolic)."""
     strides: list[tuple | None] = []
     for name in graph.outputs:
         run = graph.nodes[graph.index[name]].run if name in graph.index else None
         value = run.graph.output_node().args[0] if isinstance(run, fx.GraphModule) else None
         example = value.meta.get("val") if isinstance(value, fx.Node) else None
-        strides.append((example.shape, example.stride(), example.is_contiguous())
-                       if isinstance(example, torch.Tensor) else None)
+        known = isinstance(example, torch.Tensor) and all(isinstance(v, int) for v in (*example.shape,
+                                                                                      *example.stride()))
+        strides.append((example.shape, example.stride(), example.is_contiguous()) if known else None)
     return strides
 
 
