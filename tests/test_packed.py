@@ -3,6 +3,7 @@ its layout, to float32's own noise, whatever the convolutions and whatever reads
 
 import copy
 import gc
+import operator
 import weakref
 
 import pytest
@@ -178,3 +179,90 @@ def test_a_convolution_onednn_cannot_run_reordered_runs_as_captured(monkeypatch)
     with torch.inference_mode():
         torch.testing.assert_close(run(x), unit(x))
     assert run.convolutions == 0
+
+
+class Addressing(torch.nn.Module):
+    """Operators that read memory through strides and offsets, on views of a convolution's output: what they
+    read must be the model's, not the channels_last layout's."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, (3, 2))
+
+    def forward(self, x):
+        y = self.conv(x)                                                   # 1 x 4 x 4 x 2
+        transposed = y.transpose(2, 3).as_strided((1, 2, 2, 2), (32, 8, 2, 1))
+        offset = y[:, 1:].as_strided((1, 2, 2, 2), (32, 8, 2, 1), 10)     # an offset into the whole storage
+        return transposed, offset, torch.view_as_complex(y).abs(), y.view(torch.int16), y + 1
+
+
+def test_operators_that_address_memory_read_the_models_layout():
+    model = Addressing().eval()
+    x = torch.randn(1, 3, 6, 3)
+    graph, plan = sequential_plan(model, x)
+    assert packed.packs_graph(graph)
+    with torch.no_grad():
+        for got, want in zip(plan(x), model(x)):
+            if want.dtype == torch.int16:  # float32's bits in halves: compared as the floats they are
+                got, want = got.view(torch.float32), want.view(torch.float32)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_an_expanded_output_keeps_the_plans_strides():
+    class Expand(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return self.conv(x).expand(2, -1, -1, -1)
+
+    model = Expand().eval()
+    x = torch.randn(1, 3, 6, 6)
+    _, plan = sequential_plan(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(plan(x), model(x), rtol=1e-4, atol=1e-5)
+
+
+def unit_addressing(example: torch.Tensor) -> torch.fx.GraphModule:
+    """A unit without a convolution that addresses its input's memory, the input's value at capture being ``example``."""
+    graph = torch.fx.Graph()
+    value = graph.placeholder("x")
+    value.meta["val"] = example
+    addressed = graph.call_function(torch.ops.aten.as_strided.default, (value, (2, 2), (2, 1), 1))
+    graph.output(addressed)
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+def test_a_graph_whose_units_address_memory_they_cannot_lay_out_is_not_packed():
+    """A unit addressing a value that was a view of another unit's value at capture cannot make that value's
+    memory again: no unit of its graph packs, so no value reaches it channels_last."""
+    from opsched.graph.ir import Graph, Node
+
+    conv = capture(torch.nn.Conv2d(3, 4, 3).eval(), (torch.randn(1, 3, 8, 8),)).nodes[0].run
+    owned, viewed = unit_addressing(torch.randn(3, 3)), unit_addressing(torch.randn(4, 3)[1:])
+    assert packed.packs(owned) and not packed.packs(viewed)
+
+    def graph(addressing):
+        return Graph([Node("c", args=("x",), run=conv), Node("a", args=("c",), run=addressing)], inputs=["x"],
+                     outputs=["a"])
+
+    assert packed.packs_graph(graph(owned)) and not packed.packs_graph(graph(viewed))
+    assert not packed.packs_graph(graph(owned), examples=False)  # pickled units lose the examples
+    assert not packed.packs_graph(graph(lambda v: v))  # a unit of Python code the rewrite cannot read
+
+
+def test_a_unit_reading_a_list_of_tensors_that_need_gradients_runs_as_captured():
+    x = torch.randn(1, 3, 8, 8)
+    graph = torch.fx.Graph()
+    values = graph.placeholder("xs")
+    weight = graph.get_attr("weight")
+    graph.output(graph.call_function(torch.ops.aten.conv2d.default,
+                                     (graph.call_function(operator.getitem, (values, 0)), weight)))
+    holder = torch.nn.Module()
+    holder.weight = torch.nn.Parameter(torch.randn(4, 3, 3, 3), requires_grad=False)
+    unit = torch.fx.GraphModule(holder, graph)
+    run = packed.packed_unit(unit)
+    leaf = x.clone().requires_grad_()
+    run([leaf]).sum().backward()
+    assert leaf.grad is not None and run.convolutions == 0

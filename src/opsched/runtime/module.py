@@ -26,7 +26,7 @@ from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
 from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
-from opsched.runtime.packed import eager_layout, eager_strides, packs
+from opsched.runtime.packed import eager_layout, eager_strides, packs_graph
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
 
@@ -67,8 +67,8 @@ class OptimizedModule(torch.nn.Module):
         self.executor = make_executor(self.program, operator, where, cuda_graph)
         # reordered convolutions leave values channels_last (see opsched.runtime.packed); outputs go back as eager's
         on_cpu = all(w in ("cpu", None) for w in ([where] if isinstance(where, str) else where))
-        self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu and any(
-            packs(n.run) for n in graph.nodes) else None
+        self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu \
+            and packs_graph(graph) else None
 
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)

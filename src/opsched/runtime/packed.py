@@ -21,11 +21,14 @@ convolution on. :func:`packed_unit` gives a unit's callable that runs every 2-D 
 weight is the unit's own through ``mkldnn._convolution_pointwise`` with the weight reordered, its input
 ``channels_last`` (the ReLU that follows, when it alone reads the convolution, fused in as oneDNN's
 post-op), and every view that changes the shape as a reshape (a view the captured graph made of a contiguous
-value may not exist of a ``channels_last`` one; a reshape is that view wherever it exists); ``as_strided`` and
-a view as another dtype read their input made contiguous. Units without a convolution are rewritten so too
-where they hold such a view. The same oneDNN convolution computes
-the same sums in another order: outputs agree to float32's rounding, not bit for bit. A plan's outputs are
-given the model's own strides again (:func:`eager_layout`).
+value may not exist of a ``channels_last`` one; a reshape is that view wherever it exists). Operators that
+address memory through strides and offsets (``as_strided``, a view as another dtype, ``view_as_complex``) read
+the value they address laid out as it was at capture: the value itself, or the one it views within the unit,
+copied into capture's layout where it is not in it. Units without a convolution are rewritten so too where
+they hold such operators; where such a value did not own its storage at capture (a view of another unit's
+value), no unit of the graph is rewritten (:func:`packs_graph`). The same oneDNN convolution computes the
+same sums in another order: outputs agree to float32's rounding, not bit for bit. A plan's outputs are given
+the model's own strides again (:func:`eager_layout`), except outputs whose elements overlap (an ``expand``).
 
 The reorder needs the input's shape, so the unit is rewritten at its first call, from the shapes of that
 call (other shapes still compute right, reordering again inside oneDNN). Each call then checks that the
@@ -47,6 +50,7 @@ units in inference mode.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from collections.abc import Callable
@@ -54,14 +58,17 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from opsched.graph.ops import get_attr_value
 
 _RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}  # reshape takes their arguments
 _VIEW_AS = torch.ops.aten.view_as.default
-# views that exist only for some strides and are not reshapes: they read their input made contiguous
-_CONTIGUOUS_INPUT = {torch.ops.aten.as_strided.default, torch.ops.aten.view.dtype}
-_LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_CONTIGUOUS_INPUT}
+# operators that read their input's memory through its strides and offset, not only its values: they read the
+# value they address laid out as it was at capture (see _addressed_value)
+_ADDRESSING = {torch.ops.aten.as_strided.default, torch.ops.aten._reshape_alias.default, torch.ops.aten.view.dtype,
+               torch.ops.aten.view_as_complex.default}
+_LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_ADDRESSING}
 _CONV2D = torch.ops.aten.conv2d.default
 _CONVOLUTION = torch.ops.aten.convolution.default
 _RELUS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.relu, torch.nn.functional.relu}
@@ -69,6 +76,7 @@ _POINTWISE = torch.ops.mkldnn._convolution_pointwise.default if torch.backends.m
 _REORDER = torch.ops.mkldnn._reorder_convolution_weight.default if _POINTWISE is not None else None
 
 _units: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one PackedUnit per unit: the reorder is paid once
+_units_lock = threading.Lock()
 
 
 class PackedUnit:
@@ -92,8 +100,8 @@ class PackedUnit:
         return self._state[2] if self._state is not None else 0
 
     def __call__(self, *args: Any) -> Any:
-        if (torch.is_grad_enabled() and (any(p.requires_grad for p in self.unit.parameters())
-                                         or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args))) \
+        if (torch.is_grad_enabled() and (any(p.requires_grad for p in self.unit.parameters()) or any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in pytree.tree_leaves(args)))) \
                 or torch.is_autocast_enabled("cpu"):
             return self.unit.forward(*args)  # oneDNN's reordered convolution has no backward and ignores autocast
         state = self._state
@@ -105,21 +113,44 @@ class PackedUnit:
         return state[0](*args)
 
     def _rewrite(self, args: tuple) -> tuple[Callable[..., Any], list[tuple], int]:
+        module, weights = self._rewritten(args, convolutions=True)
+        if weights:
+            try:  # once, on copies: a oneDNN build that lacks a kernel for this convolution fails here, not later
+                module(*_copies(args))
+            except RuntimeError:
+                module, weights = self._rewritten(args, convolutions=False)
+        return module.forward, weights, len(weights)
+
+    def _rewritten(self, args: tuple, convolutions: bool) -> tuple[fx.GraphModule, list[tuple]]:
+        """The unit rewritten for ``channels_last`` values (views as reshapes, addressed values laid out as
+        at capture) and, with ``convolutions``, its convolutions reordered for the shapes of ``args``; and
+        what each reordered weight was then."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.unit.graph, {}))
+        restored: set[fx.Node] = set()
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LAYOUT_BOUND]:
             if node.target in _RESHAPES:
                 node.target = torch.ops.aten.reshape.default
             elif node.target is _VIEW_AS:
                 node.op, node.target = "call_method", "reshape_as"
             else:
-                with graph.inserting_before(node):
-                    node.update_arg(0, graph.call_method("contiguous", (node.args[0],)))
+                value = _addressed_value(node)
+                if value is None:
+                    raise ValueError(f"{node.format_node()} addresses a value that did not own its storage at "
+                                     "capture: see packs()")
+                if value not in restored:
+                    restored.add(value)
+                    with graph.inserting_after(value):
+                        laid = graph.call_function(_laid_out, (value, _dim_order(value.meta["val"])))
+                    value.replace_all_uses_with(laid, delete_user_cb=lambda user, laid=laid: user is not laid)
         module = fx.GraphModule(self.unit, graph, class_name="PackedUnit")
+        weights: list[tuple] = []
+        if not convolutions:
+            module.recompile()
+            return module, weights
         # run on copies: a unit may write into its inputs, and the call this rewrite is for still has to run
         shapes = _TensorShapes(module)
-        shapes.run(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-        weights: list[tuple] = []
+        shapes.run(*_copies(args))
         for conv in [n for n in graph.nodes if n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION)]:
             options = _convolution_options(conv, module, shapes.of)
             if options is None:
@@ -149,12 +180,65 @@ class PackedUnit:
                             weight.dtype, weight.shape))
         graph.lint()
         module.recompile()
-        if weights:
-            try:  # once, on copies: a oneDNN build that lacks a kernel for this convolution fails here, not later
-                module(*(a.clone() if isinstance(a, torch.Tensor) else a for a in args))
-            except RuntimeError:
-                return (lambda *values: self.unit.forward(*values)), [], 0  # through the weak reference
-        return module.forward, weights, len(weights)
+        return module, weights
+
+
+def _copies(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _owns_storage(value: Any) -> bool:
+    """Whether ``value`` (a tensor, or a node's example of one) is dense, with its storage to itself from its
+    start: its memory is then fixed by its shape and the order of its strides."""
+    return (isinstance(value, torch.Tensor) and all(isinstance(v, int) for v in (*value.shape, *value.stride()))
+            and value.storage_offset() == 0 and _dense(value)
+            and value.untyped_storage().nbytes() == value.numel() * value.element_size())
+
+
+def _addressed_value(node: fx.Node) -> fx.Node | None:
+    """The value whose memory the addressing operator ``node`` reads: its input, or what that input views
+    within the unit, back to the first value that owned its storage at capture; None where none did. Laid
+    out as at capture, that value makes every view of it, and so what ``node`` reads, what it was then."""
+    value = node.args[0]
+    while isinstance(value, fx.Node):
+        if _owns_storage(value.meta.get("val")):
+            return value
+        schema = getattr(value.target, "_schema", None) if value.op == "call_function" else None
+        views = value.target is operator.getitem or (
+            schema is not None and bool(schema.arguments) and schema.arguments[0].alias_info is not None
+            and bool(schema.returns) and schema.returns[0].alias_info is not None
+            and not schema.returns[0].alias_info.is_write)
+        if not views:
+            return None
+        value = value.args[0]
+    return None
+
+
+def _laid_out(value: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``value`` dense in its own storage with its dimensions in ``order`` (outermost first), as capture laid
+    it out; copied only where it is not so already."""
+    if _owns_storage(value) and _dim_order(value) == order:
+        return value
+    return torch.empty_permuted(value.shape, order, dtype=value.dtype, device=value.device).copy_(value)
+
+
+def _dense(value: torch.Tensor, gaps: bool = False) -> bool:
+    """Whether the tensor's elements fill a block of memory once each: its strides, innermost first, are the
+    products of the sizes inside them (dimensions of size 1 do not count). With ``gaps``, whether no two
+    elements share memory: each stride at least that product."""
+    step = 1
+    for d in reversed(_dim_order(value)):
+        if value.shape[d] != 1:
+            if value.stride()[d] < step or (value.stride()[d] != step and not gaps):
+                return False
+            step = value.stride()[d] * value.shape[d]
+    return True
+
+
+def _dim_order(value: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's dimensions from outermost (largest stride) to innermost in memory."""
+    stride = value.stride()
+    return tuple(sorted(range(value.dim()), key=lambda d: -stride[d]))
 
 
 def _changed(weight: torch.Tensor, version: int | None, data: int, dtype: torch.dtype, shape: torch.Size) -> bool:
@@ -168,20 +252,41 @@ def _changed(weight: torch.Tensor, version: int | None, data: int, dtype: torch.
 def packed_unit(unit: fx.GraphModule) -> PackedUnit:
     """The unit's callable with its convolutions' weights reordered once (see the module docstring); the
     same object for the same unit, so that every plan run on it shares one reorder."""
-    if unit not in _units:
-        _units[unit] = PackedUnit(unit)
-    return _units[unit]
+    with _units_lock:  # executors may be made on several threads
+        if unit not in _units:
+            _units[unit] = PackedUnit(unit)
+        return _units[unit]
 
 
 def packs(unit: Any) -> bool:
     """Whether :func:`packed_unit` may rewrite ``unit``: a GraphModule with a convolution or an operator
-    bound to a layout (a view), its weights on the CPU, where oneDNN is."""
+    bound to a layout (a view), its weights on the CPU, where oneDNN is, and every value it addresses
+    (``as_strided``, a view as another dtype) one it can lay out as at capture."""
     if _POINTWISE is None or not isinstance(unit, fx.GraphModule):
         return False
     if not any(n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION, *_LAYOUT_BOUND)
                for n in unit.graph.nodes):
         return False
-    return all(t.device.type == "cpu" for t in (*unit.parameters(), *unit.buffers()))
+    return _restorable(unit) and all(t.device.type == "cpu" for t in (*unit.parameters(), *unit.buffers()))
+
+
+def packs_graph(graph: Any, examples: bool = True) -> bool:
+    """Whether the CPU executors run the eager units of ``graph`` (a :class:`~opsched.graph.ir.Graph`) through
+    :func:`packed_unit`: some unit packs, and every unit is a GraphModule of ATen operators (the rewrite knows
+    how each reads a ``channels_last`` value) whose addressed values it can lay out as at capture. Values
+    leave a packed unit ``channels_last``: one unit that could not read them so keeps the whole graph as
+    captured. Without ``examples`` (units pickled for another process lose the example values capture
+    recorded), a graph holding an operator that addresses memory is kept as captured."""
+    runs = [n.run for n in graph.nodes]
+    return any(packs(run) for run in runs) and all(
+        isinstance(run, fx.GraphModule) and _restorable(run, examples)
+        and all(n.op in ("placeholder", "get_attr", "call_function", "output") for n in run.graph.nodes)
+        for run in runs)
+
+
+def _restorable(unit: fx.GraphModule, examples: bool = True) -> bool:
+    return all(examples and _addressed_value(n) is not None for n in unit.graph.nodes
+               if n.op == "call_function" and n.target in _ADDRESSING)
 
 
 def eager_strides(graph: Any) -> list[tuple | None]:
@@ -193,8 +298,10 @@ def eager_strides(graph: Any) -> list[tuple | None]:
         run = graph.nodes[graph.index[name]].run if name in graph.index else None
         value = run.graph.output_node().args[0] if isinstance(run, fx.GraphModule) else None
         example = value.meta.get("val") if isinstance(value, fx.Node) else None
+        # an expanded or overlapping output cannot be copied into: it keeps the strides the plan gave it
         known = isinstance(example, torch.Tensor) and all(isinstance(v, int) for v in (*example.shape,
-                                                                                      *example.stride()))
+                                                                                      *example.stride())) \
+            and _dense(example, gaps=True)
         strides.append((example.shape, example.stride(), example.is_contiguous()) if known else None)
     return strides
 

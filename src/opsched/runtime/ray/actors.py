@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -20,8 +21,9 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError
 from opsched.runtime.cpu import CPUExecutor
-from opsched.runtime.kernels import cpu_unit_operator
+from opsched.runtime.kernels import cpu_unit_operator, unit_operator
 from opsched.runtime.lowered import Call, LoweredProgram, UnitFailed, lower
+from opsched.runtime.packed import packs_graph
 from opsched.runtime.program import compile_program
 from opsched.runtime.ray.cluster import (
     NODE_RESOURCE,
@@ -84,18 +86,19 @@ class ShippedUnits:
     travel as :class:`_Shipped`; in the actor, :meth:`load` makes the local engine's operator of them
     (:func:`opsched.runtime.kernels.cpu_unit_operator`: actors run on CPUs), which a call then runs."""
 
-    def __init__(self, nodes: Sequence[Any], threads: int):
+    def __init__(self, nodes: Sequence[Any], threads: int, packed: bool = True):
         self.nodes = tuple(dataclasses.replace(n, run=_Shipped(n.run)) if isinstance(n.run, torch.fx.GraphModule)
                            else n for n in nodes)
         self.threads = threads
+        self.packed = packed  # packs_graph of the whole graph, before pickling: one actor's units cannot tell
         self.fn: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "threads": self.threads, "fn": None}
+        return {"nodes": self.nodes, "threads": self.threads, "packed": self.packed, "fn": None}
 
     def load(self) -> None:
         if self.fn is None:
-            self.fn = cpu_unit_operator(list(self.nodes), self.threads)
+            self.fn = (cpu_unit_operator if self.packed else unit_operator)(list(self.nodes), self.threads)
 
     def __call__(self, *args: Any) -> Any:
         self.load()
@@ -226,7 +229,8 @@ class RayModule:
                                f"plan's are on {', '.join(nodes)}), a segment per call" if len(nodes) > 1 else
                                "one actor for the node makes one call per inference, not one per unit")
         check_nodes(ray.cluster_resources(), nodes, "the connected Ray cluster")
-        lowered = lower(compile_program(schedule, graph, max(d.threads for d in self.devices)), ShippedUnits)
+        lowered = lower(compile_program(schedule, graph, max(d.threads for d in self.devices)),
+                        functools.partial(ShippedUnits, packed=packs_graph(graph, examples=False)))
         self.inputs = lowered.inputs
         self.outputs = lowered.outputs
         # what the actors return: each output a unit makes, once (an output may be a graph input, or repeated)
