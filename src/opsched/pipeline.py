@@ -57,7 +57,7 @@ def search(graph: Graph, cost: CostModel, method: str, **options: Any) -> Schedu
     if not isinstance(cost, MeasuredCost):
         return schedule
     if schedule.stages is None:
-        return _measured_stream_schedule(schedule, graph, cost)
+        return _measured_stream_schedule(schedule, graph, cost, method, options)
     searched = schedule.stats["search_seconds"]
     rounds = 0
     converged = False
@@ -74,22 +74,45 @@ def search(graph: Graph, cost: CostModel, method: str, **options: Any) -> Schedu
     return schedule
 
 
-def _measured_stream_schedule(schedule: Schedule, graph: Graph, cost: Any) -> Schedule:
+# stream schedulers that choose among their schedules by predicted latency (hivemind: how many streams), and so
+# may choose another once streams were measured; the others would return the schedule they returned
+CHOOSE_BY_PREDICTION = ("hivemind",)
+
+
+def _measured_stream_schedule(schedule: Schedule, graph: Graph, cost: Any, method: str,
+                              options: dict[str, Any]) -> Schedule:
     """A stream schedule's prediction replaced by its run measured in place (its timeline, scaled to it):
     built from units timed alone, it would promise what streams sharing the cores cannot deliver (LIOS on
     Inception V3 was predicted at 110 ms and measured at 164 ms), and beside the staged schedules, whose
-    stages are measured, it would not be comparable."""
+    stages are measured, it would not be comparable. A scheduler that chooses by predicted latency searches
+    again with what the run taught the cost model (:meth:`~opsched.cost.measure.MeasuredCost.measure_streams`)
+    until it returns a schedule already measured; the fastest measured is kept."""
     from opsched.runtime.program import compile_program
     from opsched.schedule import OpTiming
 
-    measured = cost.measure_program(compile_program(schedule, graph, cost.cores))
-    end = max((o.finish for o in schedule.ops), default=0.0)
-    scale = measured / end if end > 0 else 1.0
-    schedule.stats["predicted_from_units"] = schedule.predicted_latency
-    schedule.stats["refinements"] = 1
-    schedule.ops = [OpTiming(o.name, o.stream, o.start * scale, o.finish * scale) for o in schedule.ops]
-    schedule.predicted_latency = measured
-    return schedule
+    runs: dict[tuple[tuple[int, ...], ...], Schedule] = {}
+    searched = schedule.stats.get("search_seconds", 0.0)
+    while True:
+        streams = tuple(tuple(graph.index[name] for name in names) for names in schedule.streams() if names)
+        if streams in runs:
+            break
+        measured = cost.measure_streams(streams, compile_program(schedule, graph, cost.cores),
+                                        schedule.predicted_latency)
+        end = max((o.finish for o in schedule.ops), default=0.0)
+        scale = measured / end if end > 0 else 1.0
+        schedule.stats["predicted_from_units"] = schedule.predicted_latency
+        schedule.ops = [OpTiming(o.name, o.stream, o.start * scale, o.finish * scale) for o in schedule.ops]
+        schedule.predicted_latency = measured
+        runs[streams] = schedule
+        if method not in CHOOSE_BY_PREDICTION or len(runs) >= MAX_REFINEMENTS:
+            break
+        schedule = make_schedule(method, graph, cost, **options)
+        searched += schedule.stats.get("search_seconds", 0.0)
+    fastest = min(runs.values(), key=lambda s: s.predicted_latency)
+    fastest.stats["refinements"] = len(runs)
+    if "search_seconds" in fastest.stats:
+        fastest.stats["search_seconds"] = searched
+    return fastest
 
 
 def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
