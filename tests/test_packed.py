@@ -196,16 +196,20 @@ class Addressing(torch.nn.Module):
         return transposed, offset, torch.view_as_complex(y).abs(), y.view(torch.int16), y + 1
 
 
-def test_operators_that_address_memory_read_the_models_layout():
-    model = Addressing().eval()
-    x = torch.randn(1, 3, 6, 3)
-    graph, plan = sequential_plan(model, x)
+def assert_packed_plan_agrees(model, x):
+    """The model's packed sequential plan gives the model's outputs (integer views of float32 bits compared as
+    the floats they are)."""
+    graph, plan = sequential_plan(model.eval(), x)
     assert packed.packs_graph(graph)
     with torch.no_grad():
         for got, want in zip(plan(x), model(x)):
-            if want.dtype == torch.int16:  # float32's bits in halves: compared as the floats they are
+            if want.dtype == torch.int16:
                 got, want = got.view(torch.float32), want.view(torch.float32)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_operators_that_address_memory_read_the_models_layout():
+    assert_packed_plan_agrees(Addressing(), torch.randn(1, 3, 6, 3))
 
 
 def test_an_expanded_output_keeps_the_plans_strides():
@@ -266,3 +270,32 @@ def test_a_unit_reading_a_list_of_tensors_that_need_gradients_runs_as_captured()
     leaf = x.clone().requires_grad_()
     run([leaf]).sum().backward()
     assert leaf.grad is not None and run.convolutions == 0
+
+
+class AddressingChained(torch.nn.Module):
+    """Addressing operators reading each other's outputs and one value twice, in one unit."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)                                                   # 1 x 4 x 4 x 4
+        chained = torch.view_as_complex(y.as_strided((1, 4, 4, 2), (64, 16, 4, 1)))
+        twice = torch.cat([y.as_strided((1, 2, 2, 2), (64, 16, 4, 1)), y.as_strided((1, 2, 2, 2), (64, 8, 4, 2), 3)])
+        return chained.abs(), twice
+
+
+def test_addressing_operators_reading_each_other_or_one_value_twice():
+    assert_packed_plan_agrees(AddressingChained(), torch.randn(1, 3, 6, 6))
+
+
+def test_a_model_batchs_member_selection_keeps_the_graph_packed():
+    """The unit that takes one model's output from a batched unit calls ``contiguous`` as a method."""
+    from opsched.graph.ir import Graph, Node
+    from opsched.multi.stack import _select_module
+
+    conv = capture(torch.nn.Conv2d(3, 4, 3).eval(), (torch.randn(1, 3, 8, 8),)).nodes[0].run
+    graph = Graph([Node("c", args=("x",), run=conv), Node("s", args=("c",), run=_select_module(0))], inputs=["x"],
+                  outputs=["s"])
+    assert packed.packs_graph(graph)

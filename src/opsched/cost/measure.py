@@ -327,7 +327,7 @@ class MeasuredCost:
         six streams were predicted 57 ms and ran 89, slower than one stream (71): the search sees it so."""
         ms = self.measure_program(program)
         busy = tuple(tuple(units) for units in streams if units)
-        if len(busy) > 1:
+        if len(busy) > 1 and not self.gpu:  # a GPU's streams are priced by the SMs they fill, not scaled
             if busy not in self.measured_streams:
                 self._stream_ratios.append(ms / (predicted / self.stream_factor))
                 self.stream_factor = statistics.median(self._stream_ratios)

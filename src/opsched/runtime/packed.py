@@ -127,22 +127,20 @@ class PackedUnit:
         what each reordered weight was then."""
         graph = fx.Graph()
         graph.output(graph.graph_copy(self.unit.graph, {}))
-        restored: set[fx.Node] = set()
-        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _LAYOUT_BOUND]:
-            if node.target in _RESHAPES:
-                node.target = torch.ops.aten.reshape.default
-            elif node.target is _VIEW_AS:
+        # every addressed value found on the graph as captured, before any rewrite changes what views what
+        addressed = {node: _addressed_value(node) for node in graph.nodes
+                     if node.op == "call_function" and node.target in _ADDRESSING}
+        if None in addressed.values():
+            raise ValueError("the unit addresses a value that did not own its storage at capture: see packs()")
+        for value in dict.fromkeys(addressed.values()):
+            with graph.inserting_after(value):
+                laid = graph.call_function(_laid_out, (value, _dim_order(value.meta["val"])))
+            value.replace_all_uses_with(laid, delete_user_cb=lambda user, laid=laid: user is not laid)
+        for node in [n for n in graph.nodes if n.op == "call_function" and n.target in (*_RESHAPES, _VIEW_AS)]:
+            if node.target is _VIEW_AS:
                 node.op, node.target = "call_method", "reshape_as"
             else:
-                value = _addressed_value(node)
-                if value is None:
-                    raise ValueError(f"{node.format_node()} addresses a value that did not own its storage at "
-                                     "capture: see packs()")
-                if value not in restored:
-                    restored.add(value)
-                    with graph.inserting_after(value):
-                        laid = graph.call_function(_laid_out, (value, _dim_order(value.meta["val"])))
-                    value.replace_all_uses_with(laid, delete_user_cb=lambda user, laid=laid: user is not laid)
+                node.target = torch.ops.aten.reshape.default
         module = fx.GraphModule(self.unit, graph, class_name="PackedUnit")
         weights: list[tuple] = []
         if not convolutions:
@@ -217,7 +215,8 @@ def _addressed_value(node: fx.Node) -> fx.Node | None:
 def _laid_out(value: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """``value`` dense in its own storage with its dimensions in ``order`` (outermost first), as capture laid
     it out; copied only where it is not so already."""
-    if _owns_storage(value) and _dim_order(value) == order:
+    if _owns_storage(value) and [d for d in _dim_order(value) if value.shape[d] != 1] == [
+            d for d in order if value.shape[d] != 1]:  # dimensions of size 1 may sit anywhere
         return value
     return torch.empty_permuted(value.shape, order, dtype=value.dtype, device=value.device).copy_(value)
 
@@ -272,16 +271,32 @@ def packs(unit: Any) -> bool:
 
 def packs_graph(graph: Any, examples: bool = True) -> bool:
     """Whether the CPU executors run the eager units of ``graph`` (a :class:`~opsched.graph.ir.Graph`) through
-    :func:`packed_unit`: some unit packs, and every unit is a GraphModule of ATen operators (the rewrite knows
-    how each reads a ``channels_last`` value) whose addressed values it can lay out as at capture. Values
+    :func:`packed_unit`: some unit packs, and every unit is a GraphModule of operators the rewrite knows to
+    read a ``channels_last`` value right, whose addressed values it can lay out as at capture. Values
     leave a packed unit ``channels_last``: one unit that could not read them so keeps the whole graph as
     captured. Without ``examples`` (units pickled for another process lose the example values capture
     recorded), a graph holding an operator that addresses memory is kept as captured."""
     runs = [n.run for n in graph.nodes]
     return any(packs(run) for run in runs) and all(
-        isinstance(run, fx.GraphModule) and _restorable(run, examples)
-        and all(n.op in ("placeholder", "get_attr", "call_function", "output") for n in run.graph.nodes)
+        isinstance(run, fx.GraphModule) and _restorable(run, examples) and all(map(_reads_any_layout, run.graph.nodes))
         for run in runs)
+
+
+# Tensor methods that compute the same values whatever their input's strides (the model batch's units call them)
+_ANY_LAYOUT_METHODS = frozenset({"contiguous", "reshape", "reshape_as", "flatten", "unflatten", "transpose",
+                                 "permute", "unsqueeze", "squeeze", "expand", "expand_as", "repeat", "size", "relu",
+                                 "relu_", "add_", "clone", "select", "narrow", "chunk", "split"})
+
+
+def _reads_any_layout(node: fx.Node) -> bool:
+    """Whether the rewrite knows that ``node`` computes the same from a ``channels_last`` value: ATen
+    operators (the rewrite handles the views among them), Python functions other than views, the methods
+    above; not modules, whose code it does not see."""
+    if node.op == "call_method":
+        return node.target in _ANY_LAYOUT_METHODS
+    if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload):
+        return getattr(node.target, "__name__", "") not in ("view", "view_as", "as_strided", "view_as_complex")
+    return node.op in ("placeholder", "get_attr", "call_function", "output")
 
 
 def _restorable(unit: fx.GraphModule, examples: bool = True) -> bool:
