@@ -125,6 +125,7 @@ class InductorOperator(CompiledOperator):
         torch.set_num_threads(threads)
         try:
             with inductor_config.patch(freezing=True), torch.no_grad(), without_cuda_home_warning():
+                gm, args, nested = _flat(gm, args)
                 compiled = compile_fx(gm, args)
         except Exception as e:  # noqa: BLE001 - inductor raises many kinds; one line for the user
             raise OpschedError(f"inductor could not compile unit {nodes[0].name!r}: "
@@ -132,7 +133,7 @@ class InductorOperator(CompiledOperator):
         finally:
             torch.set_num_threads(saved)
         self.compile_seconds += time.perf_counter() - began
-        return compiled
+        return compiled if nested is None else nested(compiled)
 
 
 class OnnxRuntimeOperator(CompiledOperator):
@@ -181,6 +182,31 @@ class OnnxRuntimeOperator(CompiledOperator):
             return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
 
         return call
+
+
+def _flat(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[torch.fx.GraphModule, list[Any], Any]:
+    """A unit that reads or returns a list of tensors (what ``chunk`` makes: ShuffleNet V2), as inductor takes
+    it: traced again as a function of the tensors alone returning a tuple of tensors; with, to call the
+    compiled flat function as the unit, a wrapper of it (None where the unit was flat already)."""
+    import torch.utils._pytree as pytree
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves, in_spec = pytree.tree_flatten(args)
+    out = gm(*args)
+    if all(isinstance(a, torch.Tensor) for a in args) and (
+            isinstance(out, torch.Tensor) or isinstance(out, tuple) and all(isinstance(o, torch.Tensor) for o in out)):
+        return gm, args, None
+    out_spec = pytree.tree_structure(out)
+
+    def flat(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(pytree.tree_leaves(gm(*pytree.tree_unflatten(list(tensors), in_spec))))
+
+    def nested(compiled: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*values: Any) -> Any:
+            return pytree.tree_unflatten(list(compiled(*pytree.tree_leaves(values))), out_spec)
+        return call
+
+    return make_fx(flat)(*leaves), leaves, nested
 
 
 def _trace(fn: Callable[..., Any], nodes: Sequence[Node], example: Callable[[str], Any]) -> torch.fx.GraphModule:
