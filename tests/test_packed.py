@@ -283,7 +283,8 @@ class AddressingChained(torch.nn.Module):
         y = self.conv(x)                                                   # 1 x 4 x 4 x 4
         chained = torch.view_as_complex(y.as_strided((1, 4, 4, 2), (64, 16, 4, 1)))
         twice = torch.cat([y.as_strided((1, 2, 2, 2), (64, 16, 4, 1)), y.as_strided((1, 2, 2, 2), (64, 8, 4, 2), 3)])
-        return chained.abs(), twice
+        scattered = torch.as_strided_scatter(y, torch.ones(1, 2, 2, 2), (1, 2, 2, 2), (64, 8, 4, 2), 3)
+        return chained.abs(), twice, scattered
 
 
 def test_addressing_operators_reading_each_other_or_one_value_twice():

@@ -22,9 +22,9 @@ weight is the unit's own through ``mkldnn._convolution_pointwise`` with the weig
 ``channels_last`` (the ReLU that follows, when it alone reads the convolution, fused in as oneDNN's
 post-op), and every view that changes the shape as a reshape (a view the captured graph made of a contiguous
 value may not exist of a ``channels_last`` one; a reshape is that view wherever it exists). Operators that
-address memory through strides and offsets (``as_strided``, a view as another dtype, ``view_as_complex``) read
-the value they address laid out as it was at capture: the value itself, or the one it views within the unit,
-copied into capture's layout where it is not in it. Units without a convolution are rewritten so too where
+address memory through strides and offsets (``as_strided`` and its copy and scatter, a view as another dtype,
+``view_as_complex``) read the value they address laid out as it was at capture: the value itself, or the one
+it views within the unit, copied into capture's layout where it is not in it. Units without a convolution are rewritten so too where
 they hold such operators; where such a value did not own its storage at capture (a view of another unit's
 value), no unit of the graph is rewritten (:func:`packs_graph`). The same oneDNN convolution computes the
 same sums in another order: outputs agree to float32's rounding, not bit for bit. A plan's outputs are given
@@ -66,8 +66,9 @@ _RESHAPES = {torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default}  
 _VIEW_AS = torch.ops.aten.view_as.default
 # operators that read their input's memory through its strides and offset, not only its values: they read the
 # value they address laid out as it was at capture (see _addressed_value)
-_ADDRESSING = {torch.ops.aten.as_strided.default, torch.ops.aten._reshape_alias.default, torch.ops.aten.view.dtype,
-               torch.ops.aten.view_as_complex.default}
+_ADDRESSING = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
+               torch.ops.aten.as_strided_scatter.default, torch.ops.aten._reshape_alias.default,
+               torch.ops.aten.view.dtype, torch.ops.aten.view_as_complex.default}
 _LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_ADDRESSING}
 _CONV2D = torch.ops.aten.conv2d.default
 _CONVOLUTION = torch.ops.aten.convolution.default
