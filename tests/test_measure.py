@@ -155,3 +155,23 @@ def test_a_stream_schedule_slower_than_predicted_makes_hivemind_search_again(sma
     # the streams that ran are costed what they measured, the others by their units times the factor
     (streams, ms), = cost.measured_streams.items()
     assert cost.stream_latency(0.0, [list(s) for s in streams]) == ms
+
+
+def test_streams_run_unit_by_unit_teach_nothing_when_kernels_are_compiled(small, monkeypatch):
+    """Compiled kernels run a stream schedule as regions, measured as such: the unit-by-unit run of its
+    streams (LIOS's, say) must not scale another scheduler's predictions."""
+    from opsched.runtime.program import compile_program
+    from opsched.schedulers import make_schedule
+
+    m, g = small
+    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    schedule = make_schedule("lios", g, cost, streams=2)
+    streams = [[g.index[name] for name in names] for names in schedule.streams() if names]
+    assert len(streams) == 2
+    monkeypatch.setattr(cost, "measure_program", lambda program: 10 * schedule.predicted_latency)
+    cost.kernels = "onnxruntime"
+    cost.measure_streams(streams, compile_program(schedule, g, 2), schedule.predicted_latency)
+    assert cost.stream_factor == 1.0 and not cost.measured_streams
+    cost.kernels = "eager"
+    cost.measure_streams(streams, compile_program(schedule, g, 2), schedule.predicted_latency)
+    assert cost.stream_factor == pytest.approx(10) and len(cost.measured_streams) == 1
