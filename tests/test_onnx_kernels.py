@@ -4,6 +4,7 @@ step's threads."""
 
 import pytest
 import torch
+from support.small_models import ChannelSplit
 from torch import nn
 
 from opsched.cost.table import TableCost
@@ -150,18 +151,6 @@ def test_eager_kernels_price_no_regions():
     cost = MeasuredCost(graph, [x], cores=2, cache=False, repeats=2)
     assert cost.region_latencies([list(range(len(graph)))]) is None
     assert "regions" not in make_schedule("ios", graph, cost).options
-
-
-class ChannelSplit(nn.Module):
-    """ShuffleNet V2's unit: a unit reads one tensor of the list ``chunk`` made."""
-
-    def __init__(self):
-        super().__init__()
-        self.branch = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU())
-
-    def forward(self, x):
-        kept, changed = x.chunk(2, dim=1)
-        return torch.cat([kept, self.branch(changed)], 1)
 
 
 def test_a_unit_reading_a_list_or_part_of_one_runs_on_its_session():

@@ -104,9 +104,8 @@ def _measured_stream_schedule(schedule: Schedule, graph: Graph, cost: Any, metho
         schedule.ops = [OpTiming(o.name, o.stream, o.start * scale, o.finish * scale) for o in schedule.ops]
         schedule.predicted_latency = measured
         runs[streams] = schedule
-        # with compiled kernels the streams run as compiled regions (the "+regions" plan, measured as such);
-        # these runs, unit by unit, say nothing about that plan's streams
-        if method not in CHOOSE_BY_PREDICTION or cost.kernels != "eager" or len(runs) >= MAX_REFINEMENTS:
+        # searched again only where the run taught the cost model (see MeasuredCost.measure_streams)
+        if method not in CHOOSE_BY_PREDICTION or streams not in cost.measured_streams or len(runs) >= MAX_REFINEMENTS:
             break
         schedule = make_schedule(method, graph, cost, **options)
         searched += schedule.stats.get("search_seconds", 0.0)

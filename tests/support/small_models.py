@@ -237,3 +237,15 @@ def fused_batch(count: int = 4) -> tuple[Any, Any]:
         models.append(copy_k.eval())
     module = fuse(models, inputs, method="lios", cost="sim:v100", cache=False)
     return module, model_batch(models, inputs)
+
+
+class ChannelSplit(torch.nn.Module):
+    """ShuffleNet V2's block: a unit returns the list ``chunk`` makes, and units read one tensor of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.branch = torch.nn.Sequential(torch.nn.Conv2d(4, 4, 1), torch.nn.ReLU())
+
+    def forward(self, x):
+        kept, changed = x.chunk(2, dim=1)
+        return torch.cat([kept, self.branch(changed)], 1)
