@@ -2,8 +2,8 @@
 and 8, pairs and quartets of different architectures, at two image sizes. Each row is ``opsched multi`` run as a
 user would (``--peers``, and by default ``--kernels onnxruntime``), in a process of its own: every model verified
 against its own forward, opsched's plans and every peer (the models one after another, threads, vmap where the
-models allow it, torch.compile of the loop, ONNX Runtime sessions one after another) timed interleaved. Every
-figure is measured on this machine.
+models allow it, torch.compile of the loop, ONNX Runtime sessions one after another and at the same time) timed
+interleaved. Every figure is measured on this machine.
 
     python benchmarks/ensemble_sweep.py [--kernels onnxruntime] [--only TEXT] [--timeout 1800] [--out docs/ensembles]
 
@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from opsched.multi.optimize import MULTI_PEERS
+from opsched.multi.optimize import COMPILED_PEERS, MULTI_PEERS
 
-PEERS = (*MULTI_PEERS, "torch_compile", "onnxruntime_models")
+PEERS = (*MULTI_PEERS, *COMPILED_PEERS)
 
 # (label, models, copies, batch, image size)
 ENSEMBLES = [

@@ -44,7 +44,7 @@ def one(model_name: str, batch: int, repeats: int, kernels: str, max_block_size:
                                                                         if s.strategy == "concurrent"),
             "ios_merges": sum(s.strategy == "merge" for s in ios.stages),
             "refinements": ios.stats.get("refinements"), "profile_search_and_timing_seconds": seconds,
-            "max_abs_error": max(ev.errors.values()), "dropped": ev.dropped, "warnings": ev.warnings,
+            "max_abs_error": max(ev.abs_errors.values()), "dropped": ev.dropped, "warnings": ev.warnings,
             "contention": cost.contention, "merge_factor": cost.merge_factor}
 
 

@@ -3,6 +3,7 @@ eager forward; the hivemind scheduler's schedules valid; the command's bad input
 
 import copy
 import json
+import threading
 
 import pytest
 import torch
@@ -446,23 +447,73 @@ class _Bessel(torch.nn.Module):
         return torch.special.i0(self.conv(x))
 
 
-def test_onnx_runtime_sessions_one_after_another_are_a_peer_of_different_architectures():
+def test_onnx_runtime_sessions_one_after_another_and_at_once_are_peers_of_different_architectures():
     pytest.importorskip("onnxruntime")
     models = [_randomised(Residual(), 0), torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), torch.nn.ReLU())]
     result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
-                      peers=(*MULTI_PEERS, "onnxruntime_models"))
+                      peers=(*MULTI_PEERS, "onnxruntime_models", "onnxruntime_concurrent"))
     evaluation = result.outcome.evaluation
-    assert "onnxruntime_models" in evaluation.measured_ms, (evaluation.dropped, result.outcome.notes)
+    assert {"onnxruntime_models", "onnxruntime_concurrent"} <= set(evaluation.measured_ms), (
+        evaluation.dropped, result.outcome.notes)
 
 
-def test_a_model_onnx_cannot_export_leaves_only_the_onnx_peer_out_with_a_note_naming_it():
+class _RecordingSession:
+    """An ONNX Runtime session whose ``run`` records the thread it runs on, then waits at ``together`` until
+    every other session's run has started too: sessions run one after another break the barrier (its timeout)
+    instead of passing."""
+
+    def __init__(self, session, ran, together):
+        self.session, self.ran, self.together = session, ran, together
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+    def run(self, *args):
+        self.ran.append(threading.get_ident())
+        self.together.wait(timeout=60)
+        return self.session.run(*args)
+
+
+@pytest.mark.parametrize("cores, threads", [(7, [1, 2]), (2, [1])])
+def test_onnx_runtime_sessions_at_once_run_together_on_threads_of_their_own_sharing_the_cores(monkeypatch, cores,
+                                                                                               threads):
+    pytest.importorskip("onnxruntime")
+    from opsched import peers
+    from opsched.runtime import kernels
+
+    models = [_randomised(Residual(), k) for k in range(3)]
+    batch = ModelBatch(models, [(torch.randn(1, 3, 8, 8),)] * 3)
+    opened, ran, together = [], [], threading.Barrier(len(models))
+    open_session = kernels.onnx_session
+
+    def recording(exported, count):
+        session = open_session(exported, count)
+        opened.append(session.get_session_options().intra_op_num_threads)
+        return _RecordingSession(session, ran, together)
+
+    monkeypatch.setattr(kernels, "onnx_session", recording)
+    candidates, note = peers.onnxruntime_concurrent(batch, batch.inputs, cores)
+    assert note is None
+    # cores // models each, as opsched's concurrent streams get them (7 // 3 = 2), and 1 each
+    assert [c.threads for c in candidates] == threads
+    assert opened == [t for t in threads for _ in models]
+    for candidate in candidates:
+        ran.clear()
+        got = candidate.run()
+        assert len(set(ran)) == len(models) and threading.get_ident() not in ran
+        with torch.inference_mode():
+            _outputs_match([[torch.from_numpy(y) for y in out] for out in got], models, batch.per_model)
+
+
+def test_a_model_onnx_cannot_export_leaves_only_the_onnx_peers_out_with_a_note_naming_it():
     pytest.importorskip("onnxruntime")
     models = [_randomised(Residual(), 0), _Bessel().eval()]
     result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
-                      peers=(*MULTI_PEERS, "onnxruntime_models"))
-    notes = [n for n in result.outcome.notes if n.startswith("onnxruntime_models")]
-    assert len(notes) == 1 and "model 1: the ONNX export failed (UnsupportedOperatorError" in notes[0], notes
-    assert "\n" not in notes[0]
+                      peers=(*MULTI_PEERS, "onnxruntime_models", "onnxruntime_concurrent"))
+    for peer in ("onnxruntime_models", "onnxruntime_concurrent"):
+        notes = [n for n in result.outcome.notes if n.startswith(f"{peer} ")]
+        assert len(notes) == 1 and "model 1: the ONNX export failed (UnsupportedOperatorError" in notes[0], notes
+        assert "\n" not in notes[0]
     assert {"sequential", "sequential_models", "threads"} <= set(result.outcome.evaluation.measured_ms)
 
 

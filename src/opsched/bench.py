@@ -190,7 +190,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     seq_ms = ev.measured_ms.get(sequential)
     for r, label in zip(rows, labels):
         if label in ev.measured_ms:
-            r.update(measured_ms=ev.measured_ms[label], max_abs_error=ev.errors[label],
+            r.update(measured_ms=ev.measured_ms[label], max_abs_error=ev.abs_errors[label],
                      measured_speedup=seq_ms / ev.measured_ms[label] if seq_ms else "")
         else:
             r["note"] = f"dropped: {ev.dropped.get(label, 'not measured')}"

@@ -110,8 +110,9 @@ def _add_run_options(p: argparse.ArgumentParser, reference: str = "eager", cuda_
                    help="intra-op threads to share between streams (default: PyTorch's count)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds for the final measurements (default 15)")
-    p.add_argument("--tolerance", type=_non_negative_float, default=1e-3, metavar="TOL",
-                   help=f"largest absolute difference from {reference} accepted (default 1e-3)")
+    p.add_argument("--tolerance", type=_non_negative_float, default=None, metavar="TOL",
+                   help=f"largest difference from {reference} accepted, as a fraction of each output's largest "
+                        "magnitude (default: from the output's dtype, 3*sqrt(eps): 1.04e-3 for float32)")
     if cuda_graph:
         p.add_argument("--cuda-graph", action="store_true",
                        help="on a CUDA device, replay each schedule as one CUDA graph (optimize records it in the "
@@ -289,7 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
                         "threads) and, when onnxruntime is installed, every model in an ONNX Runtime session of its "
-                        "own, one after another (on with --kernels inductor)")
+                        "own, one after another and all at once (on with --kernels inductor)")
     _add_run_options(p, reference="each model's own forward", cuda_graph=False)
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "

@@ -67,7 +67,7 @@ def _unschedulable(example_inputs: Sequence[Any]) -> str | None:
 
 def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) -> Callable[..., Any]:
     from opsched.errors import VerificationError
-    from opsched.evaluation import output_error
+    from opsched.compare import compare_outputs
     from opsched.graph.capture import capture
     from opsched.pipeline import cost_model, method_options, search
     from opsched.runtime.kernels import unit_operator
@@ -80,9 +80,9 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     module = OptimizedModule(graph, schedule, operator=operator or unit_operator, device=device)
     if options["verify"]:
         with torch.inference_mode():
-            error, _ = output_error(module(*inputs), gm(*inputs))
-        if not error <= 1e-3:
-            raise VerificationError(f"the schedule's outputs differ from the graph's by up to {error:.3g}")
+            verdict = compare_outputs(module(*inputs), gm(*inputs))
+        if not verdict.ok:
+            raise VerificationError(f"the schedule's outputs differ from the graph's: {verdict.why}")
 
     def run(*args: Any) -> Any:
         with torch.inference_mode():

@@ -9,7 +9,7 @@ This module imports nothing of opsched's above it: :mod:`opsched.peers` makes ca
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +26,9 @@ class Candidate:
     configuration, taking the model's inputs (``run`` is it bound to the job's inputs). ``prepare()`` and
     ``settle()``, when given, are called before and after each call, untimed: what the configuration needs
     ready and must not leave behind, because it would slow the others (the ``threads`` peer's pool, whose
-    threads' OpenMP pools slow every parallel region in the process while they live)."""
+    threads' OpenMP pools slow every parallel region in the process while they live). ``program``, when
+    given, says what runs: candidates with equal programs run the same steps with the same kernels, so only
+    the first of them is timed and the others are reported with it."""
 
     name: str
     run: Callable[[], Any]
@@ -36,6 +38,7 @@ class Candidate:
     module: Callable[..., Any] | None = None
     prepare: Callable[[], Any] | None = None
     settle: Callable[[], Any] | None = None
+    program: Hashable | None = None
 
     @property
     def label(self) -> str:
@@ -45,24 +48,57 @@ class Candidate:
 @dataclass
 class Evaluation:
     """What :func:`evaluate` found: per candidate name the median milliseconds at its best thread count and
-    that count, the largest output error, the candidates dropped (name -> why), the fastest verified
-    name (``chosen``), warnings (unsteady timings, dropped candidates) and each verified candidate's
-    ``module`` and ``run`` (at its best thread count)."""
+    that count, the largest output error scaled to each output's magnitude (``errors``, see
+    :mod:`opsched.compare`) and the largest absolute difference (``abs_errors``), the candidates dropped
+    (name -> why), warnings (unsteady timings, dropped candidates) and each verified candidate's ``module`` and
+    ``run`` (at its best thread count).
+
+    ``chosen`` is the configuration to use: the simplest one that the fastest is not faster than above the
+    run's noise (:mod:`opsched.noise`): peers before plans (the model itself first), plans in the order given.
+    ``tie`` lists every configuration within that noise of the fastest; ``same_program`` maps a candidate to
+    the one it was timed as (they compile to the same program); ``noise_floor`` is the same-program spread
+    measured in this run (``noise_control`` timed twice) and ``samples`` the timed rounds of each name."""
 
     measured_ms: dict[str, float] = field(default_factory=dict)
     threads: dict[str, int | None] = field(default_factory=dict)
     errors: dict[str, float] = field(default_factory=dict)
+    abs_errors: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, str] = field(default_factory=dict)
     chosen: str | None = None
     warnings: list[str] = field(default_factory=list)
     kinds: dict[str, str] = field(default_factory=dict)
     modules: dict[str, Callable[..., Any] | None] = field(default_factory=dict)
     runs: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    tie: list[str] = field(default_factory=list)
+    same_program: dict[str, str] = field(default_factory=dict)
+    noise_floor: float | None = None
+    noise_control: str | None = None
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
 
     def fastest(self, kind: str) -> str | None:
-        """The fastest verified candidate of ``kind`` (``schedule`` or ``peer``)."""
-        names = [n for n in self.measured_ms if self.kinds[n] == kind]
-        return min(names, key=self.measured_ms.__getitem__) if names else None
+        """The configuration of ``kind`` (``schedule`` or ``peer``) to use: the simplest of that kind that the
+        fastest of that kind does not beat above the run's noise (see :func:`opsched.noise.choose`)."""
+        from opsched.noise import choose
+
+        names = [n for n in self.order if self.kinds[n] == kind]
+        return choose(self.samples, names, self.noise_floor or 0.0)[0] if names else None
+
+    def ratio(self, name: str, than: str) -> dict[str, float]:
+        """``name``'s median over ``than``'s, with its bootstrap interval over this run's rounds."""
+        from opsched.noise import ratio_interval
+
+        ratio, low, high = ratio_interval(self.samples[name], self.samples[than])
+        return {"ratio": round(ratio, 4), "low": round(low, 4), "high": round(high, 4)}
+
+    def noise(self) -> dict[str, Any]:
+        """The run's noise as reported beside its figures: the same-program spread and what was timed twice,
+        the names tied with the fastest, and the chosen configuration's ratio to every other verified name,
+        with its interval."""
+        return {"same_program_spread": None if self.noise_floor is None else round(self.noise_floor, 4),
+                "timed_twice": self.noise_control, "tie": list(self.tie), "same_program": dict(self.same_program),
+                "chosen_over": {n: self.ratio(self.chosen, n) for n in self.order if n != self.chosen}
+                if self.chosen else {}}
 
 
 UNSTEADY_SPREAD = 2.0     # a median more than this times the fastest sample is re-measured
@@ -70,11 +106,17 @@ UNEXPECTED_FACTOR = 3.0   # a median more than this times the prediction is re-m
 MAX_RETIMINGS = 2
 
 
-def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float = 1e-3, repeats: int = 15,
+def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float | None = None, repeats: int = 15,
              progress: Callable[[], Any] | None = None) -> Evaluation:
     """Verify every candidate against ``reference`` (the outputs the model itself gives, any structure of
-    tensors), drop those that raise or differ by more than ``tolerance`` (saying why), time the rest
-    interleaved (medians of ``repeats`` rounds) and choose the fastest.
+    tensors) with :func:`opsched.compare.compare_outputs` (each output at its own scale; ``tolerance``
+    default: each output dtype's), drop those that raise or differ (saying why), time the rest interleaved
+    (medians of ``repeats`` rounds) and choose (see :class:`Evaluation`).
+
+    Candidates with the same ``program`` are timed once. One candidate (the first verified) is timed twice,
+    the second time as a control: how far its two medians land apart is the run's noise floor, and no
+    configuration is chosen over a simpler one for a gain below it or below the bootstrap interval of the
+    ratio.
 
     Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
     so that no configuration pays page faults for what another allocated before it.
@@ -88,9 +130,11 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
     >>> x = torch.ones(3)
     >>> ev = evaluate([Candidate("double", lambda: x * 2), Candidate("wrong", lambda: x * 3, "peer")],
     ...               reference=x * 2, repeats=3)
-    >>> ev.chosen, sorted(ev.measured_ms), ev.dropped["wrong"]
-    ('double', ['double'], 'outputs differ from the reference by up to 1 (tolerance 0.001)')
+    >>> ev.chosen, sorted(ev.measured_ms), ev.dropped["wrong"]  # doctest: +ELLIPSIS
+    ('double', ['double'], "output 0: differs from the model's by up to 1, 0.5 of its largest magnitude 2 ...")
     """
+    from opsched.compare import compare_outputs
+    from opsched.noise import choose, same_program_spread
     from opsched.timing import interleaved_samples, steady_allocator, unsteady
 
     steady_allocator()
@@ -100,7 +144,7 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
         try:
             if c.prepare is not None:
                 c.prepare()
-            error, _ = output_error(c.run(), reference)
+            verdict = compare_outputs(c.run(), reference, tolerance)
         except Exception as e:  # noqa: BLE001 - a failing candidate is reported and left out, never fatal
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             result.dropped.setdefault(c.name, f"failed: {type(e).__name__}: {first}")
@@ -108,32 +152,39 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
         finally:
             if c.settle is not None:  # dropped or not, what its call left behind must not slow the others
                 c.settle()
-        if not error <= tolerance:
-            result.dropped.setdefault(c.name, f"outputs differ from the reference by up to {error:.3g} "
-                                              f"(tolerance {tolerance:g})")
+        if not verdict.ok:
+            result.dropped.setdefault(c.name, verdict.why)
             continue
         verified.append(c)
-        result.errors[c.name] = max(error, result.errors.get(c.name, 0.0))
+        result.errors[c.name] = max(verdict.error, result.errors.get(c.name, 0.0))
+        result.abs_errors[c.name] = max(verdict.abs_error, result.abs_errors.get(c.name, 0.0))
     for name, why in result.dropped.items():
         if name not in result.errors:
             result.warnings.append(f"{name} dropped: {why}")
     if not verified:
         return result
-    around = [(c.prepare, c.settle) for c in verified]
-    samples = interleaved_samples([c.run for c in verified], repeats, warmup=2, after_each=progress, around=around)
+    timed, alias = _distinct_programs(verified)
+    # the control: the first configuration again, as one more in every round (see opsched.noise)
+    runners = [c.run for c in timed] + [timed[0].run]
+    around = [(c.prepare, c.settle) for c in timed] + [(timed[0].prepare, timed[0].settle)]
+    samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around)
     for _ in range(MAX_RETIMINGS):
-        if not _suspect(verified, samples):
+        if not _suspect(timed, samples):
             break
-        samples = interleaved_samples([c.run for c in verified], repeats, warmup=1, after_each=progress,
-                                      around=around)
-    for c, s in zip(verified, samples):
+        samples = interleaved_samples(runners, repeats, warmup=1, after_each=progress, around=around)
+    *samples, again = samples
+    for c, s in zip(timed, samples):
         if unsteady(s, UNSTEADY_SPREAD):
             result.warnings.append(f"{c.label}: timings stayed unsteady over {1 + MAX_RETIMINGS} measurements "
                                    "(the machine is busy); its figure is not reliable")
         elif c.expected_ms and statistics.median(s) > UNEXPECTED_FACTOR * c.expected_ms:
             result.warnings.append(f"{c.label}: measured {statistics.median(s) / c.expected_ms:.1f}x its "
                                    "prediction in every measurement")
-    for c, s in zip(verified, samples):
+    result.noise_floor = same_program_spread(samples[0], again)
+    result.noise_control = timed[0].label
+    by_label = {c.label: s for c, s in zip(timed, samples)}
+    for c in verified:
+        s = by_label[alias[c.label].label if c.label in alias else c.label]
         ms = statistics.median(s)
         if c.name not in result.measured_ms or ms < result.measured_ms[c.name]:
             result.measured_ms[c.name] = ms
@@ -141,8 +192,29 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float =
             result.kinds[c.name] = c.kind
             result.modules[c.name] = c.module
             result.runs[c.name] = c.run
-    result.chosen = min(result.measured_ms, key=result.measured_ms.__getitem__)
+            result.samples[c.name] = list(s)
+            if c.label in alias:
+                result.same_program[c.name] = alias[c.label].name
+            else:
+                result.same_program.pop(c.name, None)
+    result.order = [n for kind in ("peer", "schedule") for n in result.measured_ms if result.kinds[n] == kind]
+    result.chosen, result.tie = choose(result.samples, result.order, result.noise_floor)
     return result
+
+
+def _distinct_programs(candidates: Sequence[Candidate]) -> tuple[list[Candidate], dict[str, Candidate]]:
+    """The candidates to time (the first of each ``program`` at each thread count) and, by label, the
+    candidate each other one is timed as."""
+    timed, alias, first = [], {}, {}
+    for c in candidates:
+        key = None if c.program is None else (c.program, c.threads)
+        if key is not None and key in first:
+            alias[c.label] = first[key]
+            continue
+        if key is not None:
+            first[key] = c
+        timed.append(c)
+    return timed, alias
 
 
 def _suspect(candidates: Sequence[Candidate], samples: Sequence[Sequence[float]]) -> bool:
@@ -179,47 +251,30 @@ def reference_outputs(model: Any, inputs: Sequence[Any], cores: int) -> Any:
 
 @dataclass
 class Verification:
+    """The verdict of :func:`verify`: ``max_error`` is scaled to each output's magnitude (see
+    :mod:`opsched.compare`), ``max_abs_error`` the largest absolute difference, ``why`` the first mismatch."""
+
     max_abs_error: float
-    max_rel_error: float
+    max_error: float
     tolerance: float
     ok: bool
+    why: str = ""
 
 
 def verify(module: Callable[..., Any], reference: Callable[..., Any], inputs: Sequence[Any],
-           tolerance: float = 1e-3, strict: bool = False) -> Verification:
-    """Run both on ``inputs`` and compare every output tensor. With ``strict``, raise
-    :class:`VerificationError` when the largest absolute difference exceeds ``tolerance``."""
+           tolerance: float | None = None, strict: bool = False) -> Verification:
+    """Run both on ``inputs`` and compare every output with :func:`opsched.compare.compare_outputs` (each at
+    its own scale; ``tolerance`` default: each output dtype's). With ``strict``, raise
+    :class:`VerificationError` naming the first mismatch."""
     import torch
+
+    from opsched.compare import compare_outputs
 
     with torch.inference_mode():
         got = module(*inputs)
         want = reference(*inputs)
-    abs_error, rel_error = output_error(got, want)
-    result = Verification(abs_error, rel_error, tolerance, abs_error <= tolerance)
+    verdict = compare_outputs(got, want, tolerance)
+    result = Verification(verdict.abs_error, verdict.error, verdict.tolerance, verdict.ok, verdict.why)
     if strict and not result.ok:
-        raise VerificationError(f"outputs differ from the model's by up to {abs_error:.3g} "
-                                f"(tolerance {tolerance:g}); the schedule is not used")
+        raise VerificationError(f"{verdict.why}; the schedule is not used")
     return result
-
-
-def output_error(got: Any, want: Any) -> tuple[float, float]:
-    """The largest absolute and relative differences between two structures of outputs (tensors, or
-    arrays such as ONNX Runtime returns); raises :class:`VerificationError` when they do not correspond."""
-    import torch
-    import torch.utils._pytree as pytree
-
-    got, want = pytree.tree_leaves(got), pytree.tree_leaves(want)
-    if len(got) != len(want):
-        raise VerificationError(f"the schedule returns {len(got)} outputs, the model {len(want)}")
-    abs_error = rel_error = 0.0
-    for a, b in zip(got, want):
-        if not isinstance(b, torch.Tensor):
-            continue
-        a = torch.as_tensor(a)
-        if a.shape != b.shape:
-            raise VerificationError(f"an output has shape {tuple(a.shape)}, the model's {tuple(b.shape)}")
-        diff = (a.double().to(b.device) - b.double()).abs()
-        if diff.numel():
-            abs_error = max(abs_error, diff.max().item())
-            rel_error = max(rel_error, (diff / b.double().abs().clamp_min(1e-6)).max().item())
-    return abs_error, rel_error

@@ -62,7 +62,7 @@ def check_options(cost: str, device: str = "cpu", kernels: str = "eager", cuda_g
 def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", cost: str = "measured",
              device: str = "cpu", kernels: str = "eager", peers: bool = False, threads: int | None = None,
              streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
-             max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float = 1e-3, repeats: int = 15,
+             max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
              cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
              say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> Outcome:
     """Capture ``model`` (in eval mode, with its inputs, on ``device``) unless its ``graph`` is given, schedule
@@ -139,7 +139,7 @@ class Mapped(Outcome):
 def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: Any, method: str,
         objective: str = "latency", batch: int | None = None, time_limit: float = 30.0, seed: int = 0,
         symmetry: str = "none", latencies: Any = None, edge_bytes: Any = None, threads: int | None = None,
-        tolerance: float = 1e-3, repeats: int = 15, cache: bool = True, name: str | None = None,
+        tolerance: float | None = None, repeats: int = 15, cache: bool = True, name: str | None = None,
         graph: Any = None, say: Callable[[str], Any] = lambda text: None, progress: Any = None,
         notes: Callable[[str], Any] = lambda text: None) -> Mapped:
     """Map ``model`` onto ``platform`` (a :class:`~opsched.mapping.platform.Platform`, or a built-in's name

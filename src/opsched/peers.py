@@ -23,7 +23,10 @@ For a model batch (:mod:`opsched.multi`), the ways a user runs several models to
   the same architecture and they read one input; its stacked outputs are split back into one per model;
 - ``onnxruntime_models`` (when installed): each model exported to ONNX once and run in a session of its
   own, with ``onnxruntime``'s settings, one after another, with 1 and all intra-op threads; a model that
-  cannot be exported leaves the peer out, with a note naming it.
+  cannot be exported leaves the peer out, with a note naming it;
+- ``onnxruntime_concurrent`` (when installed): the same sessions called at the same time, one thread per
+  model (ONNX Runtime's ``run`` is thread-safe and releases the GIL), each session on 1 intra-op thread
+  and on its share of the cores as opsched's concurrent streams get theirs (:func:`session_threads`).
 
 Each peer is a list of :class:`opsched.evaluation.Candidate` (one per thread count) for
 :func:`opsched.evaluation.evaluate`.
@@ -31,12 +34,14 @@ Each peer is a list of :class:`opsched.evaluation.Candidate` (one per thread cou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from opsched.evaluation import Candidate
 
-PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap", "onnxruntime_models")
+PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap", "onnxruntime_models",
+         "onnxruntime_concurrent")
 
 
 def thread_counts(cores: int) -> list[int]:
@@ -109,6 +114,70 @@ def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[l
     """Each model of ``batch`` exported once and run in an ONNX Runtime session of its own (the settings of
     :func:`onnxruntime`), one after another, with 1 and ``cores`` intra-op threads; or no candidate and a note
     naming the first model that cannot be exported."""
+    sessions_at, note = _model_sessions(batch, inputs)
+    if sessions_at is None:
+        return [], note
+    candidates = []
+    for threads in thread_counts(cores):
+        runs = sessions_at(threads)
+
+        def run(runs=runs) -> Any:
+            return tuple(run_model() for run_model in runs)
+
+        candidates.append(Candidate("onnxruntime_models", run, "peer", threads))
+    return candidates, None
+
+
+def onnxruntime_concurrent(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:
+    """The sessions of :func:`onnxruntime_models`, all called at the same time from a thread pool, one thread
+    per model, each session on 1 intra-op thread and on :func:`session_threads` of ``cores``; or no candidate
+    and a note naming the first model that cannot be exported.
+
+    One thread per model, not per core, because that is what a user writes (``pool.map`` over the sessions):
+    a session's ``run`` holds its thread for the whole model, so fewer threads than models would run some
+    models one after another, and the cores are shared out through each session's intra-op threads instead.
+    The pool is made once, its threads started, and lives as long as ``batch``, with no ``prepare`` and
+    ``settle`` around each call: unlike the ``threads`` peer's, its threads run only ONNX Runtime, which keeps
+    no OpenMP pool in them (the PyPI wheel links no OpenMP library) and whose intra-op threads do not spin
+    (:func:`opsched.runtime.kernels.onnx_session`). Measured here: with two SqueezeNets' pool and sessions idle
+    after 40 calls, the process used 0.1 ms of CPU in a second."""
+    import weakref
+
+    sessions_at, note = _model_sessions(batch, inputs)
+    if sessions_at is None:
+        return [], note
+    pool = _started_pool(len(batch.models))
+    weakref.finalize(batch, pool.shutdown, wait=False)
+    candidates = []
+    for threads in sorted({1, session_threads(cores, len(batch.models))}):
+        runs = sessions_at(threads)
+
+        def run(runs=runs) -> Any:
+            futures = [pool.submit(run_model) for run_model in runs]
+            return tuple(f.result() for f in futures)
+
+        candidates.append(Candidate("onnxruntime_concurrent", run, "peer", threads))
+    return candidates, None
+
+
+def session_threads(cores: int, sessions: int) -> int:
+    """The intra-op threads each of ``sessions`` sessions running at the same time gets: ``cores`` split
+    evenly, at least one each, the split opsched gives its own streams that run at the same time
+    (:mod:`opsched.runtime.program`, :mod:`opsched.cost.measure`), so that neither side has more cores.
+
+    >>> session_threads(16, 3), session_threads(2, 2), session_threads(2, 4)
+    (5, 1, 1)
+    """
+    return max(1, cores // sessions)
+
+
+def _model_sessions(batch: Any, inputs: Sequence[Any]) -> tuple[Callable[[int], list[Callable[[], Any]]] | None,
+                                                                 str | None]:
+    """Each model of ``batch`` exported to ONNX once, and what opens its sessions: given an intra-op thread
+    count, one call per model, running that model's session (:func:`opsched.runtime.kernels.onnx_session`) on
+    its share of ``inputs``. Or None and a note naming the first model that cannot be exported. Each ONNX
+    Runtime peer exports the models itself: under a second a model for torchvision's CNNs, and an export kept
+    between peers would outlive a change of the weights."""
     from opsched.runtime.kernels import onnx_session
 
     per_model = batch.split(inputs)
@@ -116,18 +185,15 @@ def onnxruntime_models(batch: Any, inputs: Sequence[Any], cores: int) -> tuple[l
     for k, (model, args) in enumerate(zip(batch.models, per_model)):
         onnx, note = _onnx_export(model, args)
         if onnx is None:
-            return [], f"model {k}: {note}"
+            return None, f"model {k}: {note}"
         exported.append(onnx)
-    candidates = []
-    for threads in thread_counts(cores):
+
+    def sessions_at(threads: int) -> list[Callable[[], Any]]:
         sessions = [onnx_session(onnx, threads) for onnx in exported]
-        feeds = [_onnx_feed(session, args) for session, args in zip(sessions, per_model)]
+        return [functools.partial(session.run, None, _onnx_feed(session, args))
+                for session, args in zip(sessions, per_model)]
 
-        def run(sessions=sessions, feeds=feeds) -> Any:
-            return tuple(session.run(None, feed) for session, feed in zip(sessions, feeds))
-
-        candidates.append(Candidate("onnxruntime_models", run, "peer", threads))
-    return candidates, None
+    return sessions_at, None
 
 
 def _onnx_export(model: Any, inputs: Sequence[Any]) -> tuple[bytes | None, str | None]:
@@ -186,7 +252,7 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
         def run() -> Any:
             _use_threads(count)
             if count not in pools:
-                pools[count] = _started_pool(len(batch.models), count)
+                pools[count] = _started_pool(len(batch.models), _with_openmp_pool(count))
             if streams:
                 streams.fork()
             futures = [pools[count].submit(one, k, m, a, count)
@@ -203,7 +269,7 @@ def threads(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], An
     def make(count: int) -> Callable[[], Any]:
         def prepare() -> None:
             if count not in pools:
-                pools[count] = _started_pool(len(batch.models), count)
+                pools[count] = _started_pool(len(batch.models), _with_openmp_pool(count))
         return prepare
 
     def end(count: int) -> Callable[[], Any]:
@@ -228,26 +294,34 @@ def _use_threads(count: int) -> None:
         torch.set_num_threads(count)
 
 
-def _started_pool(size: int, count: int) -> Any:
-    """A thread pool whose ``size`` threads all run, each at ``count`` intra-op threads with its OpenMP pool
-    made (a pool starts its threads one task at a time, and OpenMP its own at a thread's first parallel
-    region)."""
+def _started_pool(size: int, start: Callable[[], Any] = lambda: None) -> Any:
+    """A thread pool whose ``size`` threads all run, each having called ``start`` (a pool starts its threads
+    one task at a time)."""
     import threading
     from concurrent.futures import ThreadPoolExecutor
-
-    import torch
 
     pool = ThreadPoolExecutor(size, thread_name_prefix="opsched-peer")
     everyone = threading.Barrier(size)
 
+    def started() -> None:
+        start()
+        everyone.wait()
+
+    for future in [pool.submit(started) for _ in range(size)]:
+        future.result()
+    return pool
+
+
+def _with_openmp_pool(count: int) -> Callable[[], None]:
+    """What starts a thread at ``count`` intra-op threads with its OpenMP pool made (OpenMP makes a thread's
+    pool at its first parallel region)."""
+    import torch
+
     def start() -> None:
         _use_threads(count)
         torch.ones(1 << 16).exp_()  # above ATen's grain: a parallel region on ``count`` threads
-        everyone.wait()
 
-    for future in [pool.submit(start) for _ in range(size)]:
-        future.result()
-    return pool
+    return start
 
 
 def vmap(batch: Any, inputs: Sequence[Any], cores: int, sync: Callable[[], Any] = lambda: None) -> list[Candidate]:

@@ -179,9 +179,9 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
             candidates += peer_runners.torch_compile(model, inputs, cores, sync)
         except Exception as e:  # noqa: BLE001 - a peer that cannot compile is reported, not fatal
             notes.append(f"torch_compile left out: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
-    for name in ("onnxruntime", "onnxruntime_models"):
+    for name in ("onnxruntime", "onnxruntime_models", "onnxruntime_concurrent"):
         if name in peers:
-            say("ONNX Runtime sessions for 1 and all threads ...")
+            say(f"ONNX Runtime sessions ({name}) ...")
             found, note = getattr(peer_runners, name)(model, inputs, cores)
             candidates += found
             if note:
@@ -208,7 +208,7 @@ def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: 
             continue
         expected = schedule.predicted_latency if schedule.cost == "measured" else None
         candidates.append(Candidate(name, module_runner(modules[name], inputs, cores, sync), "schedule",
-                                    expected_ms=expected, module=modules[name]))
+                                    expected_ms=expected, module=modules[name], program=modules[name].program_key))
     return candidates, modules
 
 
@@ -232,7 +232,7 @@ class Workload:
     kernels: str = "eager"
     cores: int | None = None
     peers: Sequence[str] = ("eager",)
-    tolerance: float = 1e-3
+    tolerance: float | None = None
     repeats: int = 15
     cache: bool = True
     cuda_graph: bool = False
@@ -330,7 +330,7 @@ def run_workload(job: Workload) -> Outcome:
 
 
 def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[Any], *, cores: int,
-                   device: str = "cpu", peers: Sequence[str] = ("eager",), tolerance: float = 1e-3,
+                   device: str = "cpu", peers: Sequence[str] = ("eager",), tolerance: float | None = None,
                    repeats: int = 15, cuda_graph: bool = False, extra: Sequence[Candidate] = (),
                    say: Callable[[str], Any] = lambda text: None) -> Outcome:
     """The end of every job: compile ``outcome``'s schedules, verify them and the ``peers`` (and ``extra``

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from opsched.evaluation import output_error
+from opsched.compare import compare_outputs
 from opsched.graph.ir import Graph, Node
 from opsched.runtime.cpu import UnitFailed
 from opsched.runtime.kernels import unit_operator
@@ -71,7 +71,7 @@ def fault_trial(model: torch.nn.Module, graph: Graph, inputs: tuple, method: str
             except Exception:  # noqa: BLE001 - counted
                 other += 1
                 continue
-            wrong += not output_error(got, want)[0] <= 1e-4
+            wrong += not compare_outputs(got, want).ok
         workers_busy = stream_threads()
     finally:
         module.close()

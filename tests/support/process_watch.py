@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from opsched.evaluation import output_error
+from opsched.compare import compare_outputs
 
 
 def resident_mb(pid: int | str = "self") -> float:
@@ -55,7 +55,7 @@ def soak(make_module: Callable[[], Any], inputs: tuple, calls: int = 2000, warmu
         for k in range(calls):
             got = module(*inputs)
             if expected is not None:
-                wrong += not output_error(got, expected)[0] <= 1e-4
+                wrong += not compare_outputs(got, expected).ok
             if k % max(1, calls // 10) == 0:
                 samples.append(round(resident_mb(), 1))
         seconds = time.perf_counter() - started

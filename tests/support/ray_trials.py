@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from opsched.evaluation import output_error
+from opsched.compare import compare_outputs
 from opsched.graph.ir import Graph
 from support.fault_trials import MODEL_FILE, is_json
 from support.map_trials import mapped_module_plan
@@ -170,7 +170,7 @@ def ray_fault_trial(model: torch.nn.Module, graph: Graph, inputs: tuple, plan: A
     started = time.perf_counter()
     try:
         for _ in range(on_call):
-            right += output_error(call_with_deadline(module, inputs), want)[0] <= 1e-4
+            right += compare_outputs(call_with_deadline(module, inputs), want).ok
     except DeviceFailed as e:
         error = e
     failed_after = time.perf_counter() - started
@@ -181,7 +181,7 @@ def ray_fault_trial(model: torch.nn.Module, graph: Graph, inputs: tuple, plan: A
         again = "DeviceFailed" if str(e) == str(error) else f"DeviceFailed: {e}"
     module.close()
     with RayModule(graph, plan, compiled=compiled) as fresh:
-        fresh_right = output_error(call_with_deadline(fresh, inputs), want)[0] <= 1e-4
+        fresh_right = compare_outputs(call_with_deadline(fresh, inputs), want).ok
     return {"form": "compiled-graph" if compiled else "remote-calls", "unit": unit, "device": device,
             "right_before": right, "error": None if error is None else str(error),
             "named": error is not None and error.device == device and f"unit {unit!r}" in str(error)

@@ -80,8 +80,9 @@ def refuse_existing(*paths: str | None, force: bool = False) -> None:
 
 
 def timeline_title(plan, name: str) -> str:
-    if plan.cost.startswith("sim:"):
-        what = f"SIMULATED on {plan.cost[4:]} (predicted, not measured)"
+    if plan.simulated:
+        on = plan.devices.platform["name"] if plan.devices is not None else plan.cost[4:]
+        what = f"SIMULATED on {on} (predicted, not measured)"
     else:
         what = f"predicted by the {plan.cost} cost model"
     # a DAG JSON file's latencies have no unit; a mapping says which it has
@@ -96,6 +97,19 @@ def time_unit(plan: Any) -> str:
     if plan.devices is not None:
         return plan.devices.time_unit
     return "" if plan.cost == "table" else "ms"
+
+
+def choice_text(result: dict[str, Any]) -> str:
+    """Why ``chosen`` was chosen, in words: faster than the rest above the run's noise, or tied with the
+    fastest and kept as the simpler, with the noise floor measured in the run."""
+    noise = result["noise"]
+    floor = noise["same_program_spread"]
+    floor_text = f"one program timed twice differed by {100 * floor:.1f}%" if floor is not None else ""
+    others = [n for n in result["tie"] if n != result["chosen"]]
+    if others:
+        return (f"tied with {', '.join(others)} within this run's noise ({floor_text}; a gain must clear that "
+                "and the bootstrap interval of the ratio), kept as the simpler")
+    return f"faster than every other configuration above this run's noise ({floor_text})"
 
 
 def count(n: int, noun: str) -> str:
@@ -133,9 +147,10 @@ def measured_fields(outcome: Any, plan: Any) -> dict[str, Any]:
     ev = outcome.evaluation
     out: dict[str, Any] = {
         "measured_ms": dict(ev.measured_ms), "threads": {n: t for n, t in ev.threads.items() if t is not None},
-        "chosen": ev.chosen, "plan_method": plan.options["measured_as"],
-        "max_abs_error": ev.errors[plan.options["measured_as"]],
-        "max_abs_errors": dict(ev.errors), "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes,
+        "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(), "plan_method": plan.options["measured_as"],
+        "max_error": ev.errors[plan.options["measured_as"]], "max_abs_error": ev.abs_errors[plan.options["measured_as"]],
+        "max_errors": dict(ev.errors), "max_abs_errors": dict(ev.abs_errors), "dropped": dict(ev.dropped),
+        "warnings": ev.warnings + outcome.notes,
     }
     if outcome.cost is not None:
         out["cost_model"] = outcome.cost.describe()

@@ -1,9 +1,10 @@
 """``opsched map``: map a model or a DAG JSON graph onto a platform's devices (see :func:`opsched.jobs.map`) and
 report the plan: the design's ``method``, ``objective``, ``platform``, ``predicted`` (the latency, or inputs
 per time unit for throughput), ``lower_bound``, ``optimal``, ``solve_seconds``, ``placements`` and
-``transfers``; plus ``makespan``, ``batch``, ``unit``, ``simulated``, ``devices`` (units per device), ``stats``
-and ``plan``. On a platform whose devices are all real, also what ``opsched optimize`` reports of its
-measured run: ``measured_ms`` (the mapping, each device alone and eager), ``chosen``, ``max_abs_error``; and,
+``transfers``; plus ``makespan``, ``batch``, ``unit``, ``simulated`` (true when any device is simulated or the
+costs are a DAG JSON file's: :func:`opsched.mapping.platform.figures_simulated`), ``devices`` (units per device),
+``stats`` and ``plan``. On a platform whose devices are all real, also what ``opsched optimize`` reports of its
+measured run: ``measured_ms`` (the mapping, each device alone and eager), ``chosen``, ``max_error``; and,
 with several CPU devices, ``co_running`` (by device the mapping uses, how much slower its units run beside
 the other devices' than alone, measured for this mapping: its prediction uses it; the search and its bound use
 the units alone; empty when it uses one device) and ``handoff_ms`` (what a value crossing them costs, searched
@@ -15,7 +16,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from opsched.commands.common import load_and_capture, measured_fields, refuse_existing
+from opsched.commands.common import choice_text, load_and_capture, measured_fields, refuse_existing
 from opsched.progress import say
 
 if TYPE_CHECKING:
@@ -142,8 +143,8 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
         for name, ms in sorted(measured.items(), key=lambda item: item[1]):
             mark = "*" if name == result["chosen"] else " "
             print(f"  {mark} {name:<16} {ms:8.3f} ms  {eager / ms:5.2f}x eager")
-        print(f"chosen      {result['chosen']}; the plan written is {result['plan_method']}'s (max abs error "
-              f"{result['max_abs_error']:.3g})")
+        print(f"chosen      {result['chosen']}: {choice_text(result)}; the plan written is {result['plan_method']}'s "
+              f"(largest error {result['max_error']:.3g} of each output's magnitude)")
     elif result.get("warnings"):
         print("measured    not run (see the warnings)")
     if result["plan"]:

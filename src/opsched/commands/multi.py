@@ -7,7 +7,7 @@ import argparse
 import sys
 from typing import Any
 
-from opsched.commands.common import output_paths, run_progress
+from opsched.commands.common import choice_text, output_paths, run_progress
 from opsched.errors import OpschedError
 from opsched.progress import say
 
@@ -15,7 +15,7 @@ from opsched.progress import say
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.jobs import check_options, optimize_batch
     from opsched.multi.load import load_command_batch, load_record
-    from opsched.multi.optimize import MULTI_PEERS
+    from opsched.multi.optimize import COMPILED_PEERS, MULTI_PEERS
 
     simulated = check_options(args.cost, args.device, args.kernels)
     device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
@@ -27,8 +27,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names, loaded, inputs, preprocess = load_command_batch(args, device)
     say(f"loaded {len(args.models)} model(s) x {args.copies}")
     methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
-    peers = MULTI_PEERS + (("torch_compile", "onnxruntime_models") if args.peers or args.kernels != "eager"
-                           else ())
+    peers = MULTI_PEERS + (COMPILED_PEERS if args.peers or args.kernels != "eager" else ())
     result = optimize_batch([m.model for m in loaded], inputs, methods=methods, cost=args.cost,
                             preprocess=preprocess, kernels=args.kernels,
                             rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
@@ -52,8 +51,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ev = outcome.evaluation
         out.update({"measured_ms": dict(ev.measured_ms),
                     "threads": {n: t for n, t in ev.threads.items() if t is not None},
-                    "chosen": ev.chosen, "plan_method": plan.options["measured_as"],
-                    "max_abs_error": max(result.model_errors), "model_errors": result.model_errors,
+                    "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(),
+                    "plan_method": plan.options["measured_as"], "max_error": max(result.model_errors),
+                    "max_abs_error": ev.abs_errors[plan.options["measured_as"]], "model_errors": result.model_errors,
                     "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes})
     plan.save(plan_path)
     out["plan"] = str(plan_path)
@@ -97,7 +97,8 @@ def _print(out: dict[str, Any]) -> None:
             line += f" {f'{ms:.3f}' if ms else 'dropped':>12} {f'{base / ms:.2f}x' if ms and base else '':>14}"
         print(line)
     if measured:
-        print(f"\nchosen     {out['chosen']}; every model within {out['max_abs_error']:.2g} of its own forward")
+        print(f"\nchosen     {out['chosen']}: {choice_text(out)}; every model within {out['max_error']:.2g} of its "
+              "own forward (scaled to each output's magnitude)")
     if "train" in out:
         t = out["train"]
         print(f"training   {t['steps']} steps: {t['ms_per_step']['sequential_models']:.2f} ms/step one after "

@@ -7,7 +7,8 @@ import argparse
 import sys
 from typing import Any
 
-from opsched.commands.common import count, load_and_capture, measured_fields, output_paths, run_progress, timeline_title
+from opsched.commands.common import (choice_text, count, load_and_capture, measured_fields, output_paths, run_progress,
+                                     timeline_title)
 from opsched.progress import say
 
 
@@ -114,14 +115,16 @@ def _print(result: dict[str, Any], schedules) -> None:
         peer_names = [p for p in peers if p in measured]
         best_peer = min(peer_names, key=measured.__getitem__)
         print(f"chosen     {chosen} (*): {measured[best_peer] / measured[chosen]:.2f}x the fastest peer "
-              f"({best_peer}); the plan written is {result['plan_method']}'s schedule and records the choice")
+              f"({best_peer}); {choice_text(result)}; the plan written is {result['plan_method']}'s schedule and "
+              "records the choice")
     print(f"reason     {result['method']}: {result['reason']}")
     requested = schedules[result["method"]]
     stats = requested.stats
     print(f"search     {result['method']}: {stats['search_seconds']:.2f} s"
           + (f", {stats['states']} states, {stats['transitions']} transitions" if stats.get("states") else ""))
     if "max_abs_error" in result:
-        print(f"verified   max abs error {result['max_abs_error']:.3g} against eager ({result['plan_method']})")
+        print(f"verified   against eager ({result['plan_method']}): largest error {result['max_error']:.3g} of each "
+              f"output's magnitude (max abs {result['max_abs_error']:.3g})")
     if "cost_model" in result:
         c = result["cost_model"]
         print(f"profiling  {c['profile_seconds']:.1f} s ({c['units_measured']} unit timings measured, "

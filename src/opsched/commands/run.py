@@ -106,7 +106,8 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
-              "predicted_ms": plan.predicted_latency, "max_abs_error": ev.errors[ran],
+              "predicted_ms": plan.predicted_latency, "max_error": ev.errors[ran], "max_abs_error": ev.abs_errors[ran],
+              "tie": list(ev.tie), "noise": ev.noise(),
               "warnings": ev.warnings + outcome.notes, "engine": engine}
     if names is not None:  # each model's outputs under what ran, against its own forward, as opsched multi does
         from opsched.multi.optimize import model_errors
@@ -164,7 +165,7 @@ def _print(result: dict[str, Any], ev: Any, plan: Any, label: str, baseline: str
         else:
             how = f"{count(used, 'device')} as threads"
         print(f"engine        {result['engine']}: {how}")
-    print(f"verified      max abs error {ev.errors[label]:.3g}"
+    print(f"verified      largest error {ev.errors[label]:.3g} of each output's magnitude"
           + (f"; every model within {max(result['model_errors']):.2g} of its own forward ({ran})"
              if "models" in result else ""))
     width = max(13, len(baseline), len(label), len(ran))

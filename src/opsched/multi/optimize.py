@@ -16,6 +16,9 @@ from opsched.multi.combine import ModelBatch, MultiError
 from opsched.multi.fuse import REWRITES, CostLatencies, Fusion, fuse_graph
 
 MULTI_PEERS = ("sequential_models", "threads", "vmap")
+# The peers that compile or export every model first, slower to make (``opsched multi --peers``): torch.compile of
+# the loop, and ONNX Runtime sessions both one after another and at the same time, whichever a user would find faster.
+COMPILED_PEERS = ("torch_compile", "onnxruntime_models", "onnxruntime_concurrent")
 DEFAULT_METHODS = ("sequential", "ios", "lios", "hivemind")
 
 
@@ -69,14 +72,15 @@ class MultiOutcome:
 
 def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequence[str] = DEFAULT_METHODS,
              cost: str = "measured", kernels: str = "eager", rewrites: Sequence[str] = REWRITES,
-             cores: int | None = None, tolerance: float = 1e-3, repeats: int = 15, cache: bool = True,
+             cores: int | None = None, tolerance: float | None = None, repeats: int = 15, cache: bool = True,
              peers: Sequence[str] = MULTI_PEERS, preprocess: torch.nn.Module | None = None,
              say: Callable[[str], Any] = lambda text: None, progress: Any = None,
              requested: str | None = None) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
-    ``torch_compile`` for torch.compile of the loop over the models). ``preprocess`` runs once on
-    ``inputs`` and every model reads its result (see :class:`ModelBatch`). The batch runs where its models
-    and inputs are: on the CPU, or with them moved to ``cuda``, on the GPU's streams (costs measured there).
+    :data:`COMPILED_PEERS` for torch.compile of the loop over the models and ONNX Runtime's sessions, one after
+    another and at the same time). ``preprocess`` runs once on ``inputs`` and every model reads its result (see
+    :class:`ModelBatch`). The batch runs where its models and inputs are: on the CPU, or with them moved to
+    ``cuda``, on the GPU's streams (costs measured there).
     With simulated costs the plan is ``requested``'s schedule (default: the last of ``methods``).
 
     >>> import torch
@@ -111,24 +115,33 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     return result
 
 
-def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> list[float]:
-    """Each model's largest absolute output difference between ``module`` and the model's own forward."""
-    from opsched.evaluation import output_error
+def model_comparisons(module: Callable[..., Any], batch: ModelBatch, cores: int,
+                      tolerance: float | None = None) -> list[Any]:
+    """Each model's outputs from ``module`` compared with the model's own forward
+    (:func:`opsched.compare.compare_outputs`, each output at its own scale)."""
+    from opsched.compare import compare_outputs
 
     torch.set_num_threads(cores)
     with torch.inference_mode():
         got = module(*batch.inputs)
         want = [m(*args) for m, args in zip(batch.models, batch.per_model)]
-    return [output_error(g, w)[0] for g, w in zip(got, want)]
+    return [compare_outputs(g, w, tolerance) for g, w in zip(got, want)]
+
+
+def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> list[float]:
+    """Each model's largest output error between ``module`` and the model's own forward, scaled to each
+    output's magnitude (see :mod:`opsched.compare`)."""
+    return [c.error for c in model_comparisons(module, batch, cores)]
 
 
 def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "sequential", cost: str = "measured",
-         rewrites: Sequence[str] = REWRITES, cores: int | None = None, tolerance: float = 1e-3,
+         rewrites: Sequence[str] = REWRITES, cores: int | None = None, tolerance: float | None = None,
          cache: bool = True, preprocess: torch.nn.Module | None = None) -> torch.nn.Module:
     """One module running every model of the batch, fused where it pays and scheduled with ``method``:
     called like the batch (the shared inputs, or every model's inputs in order), it returns a tuple with each
     model's outputs; ``preprocess`` runs once on the shared inputs and every model reads its result. Raises
-    :class:`MultiError` when some model's outputs differ from its own forward by more than ``tolerance``.
+    :class:`MultiError` when some model's outputs differ from its own forward by more than ``tolerance`` (scaled
+    to each output's magnitude; default: the output dtype's, see :mod:`opsched.compare`).
 
     >>> import torch
     >>> models = [torch.nn.Conv2d(3, 4, 3) for _ in range(4)]
@@ -153,10 +166,8 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     streams = 8 if device == "cuda" else cores
     schedule = search(fusion.graph, model, method, **method_options(method, default_streams=streams))
     module = OptimizedModule(fusion.graph, schedule, cores, unit_operator, device=device)
-    errors = model_errors(module, batch, cores)
-    worst = max(range(len(errors)), key=errors.__getitem__)
-    if not errors[worst] <= tolerance:
-        raise MultiError(f"model {worst}'s outputs differ from its own forward by {errors[worst]:.3g} "
-                         f"(tolerance {tolerance:g})")
+    for k, verdict in enumerate(model_comparisons(module, batch, cores, tolerance)):
+        if not verdict.ok:
+            raise MultiError(f"model {k}'s outputs differ from its own forward: {verdict.why}")
     module.fusion = fusion
     return module

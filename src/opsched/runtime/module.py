@@ -65,6 +65,10 @@ class OptimizedModule(torch.nn.Module):
             on = schedule.devices.devices
             where = [on[d].cuda_index for d in sorted({op.stream for op in schedule.ops})]
         self.executor = make_executor(self.program, operator, where, cuda_graph)
+        # what runs, as the evaluation compares it: two schedules that compile to these same steps, kernels and
+        # devices are one program (an IOS search that kept one unit per stage is the sequential schedule)
+        self.program_key = (tuple(tuple(steps) for steps in self.program.describe()), repr(where), cuda_graph,
+                            id(operator))
         # reordered convolutions leave values channels_last (see opsched.runtime.packed); outputs go back as eager's
         on_cpu = all(w in ("cpu", None) for w in ([where] if isinstance(where, str) else where))
         self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu \
