@@ -235,6 +235,20 @@ class Schedule:
         """``mapping`` (opsched map), ``model batch`` (opsched multi) or ``schedule`` (one model or graph)."""
         return "mapping" if self.devices is not None else "model batch" if self.models is not None else "schedule"
 
+    @property
+    def simulated(self) -> bool:
+        """Whether the plan's figures are simulated, the label every reader of a plan gives them: its cost names
+        a simulated device (``sim:NAME``) or, for a mapping, a platform whose figures are simulated
+        (``sim:PLATFORM``, by :func:`opsched.mapping.platform.figures_simulated`); a mapping onto a simulated
+        device is simulated whatever its cost says, so that a hand-edited "measured" cannot lie."""
+        if self.cost.startswith("sim:"):
+            return True
+        if self.devices is None:
+            return False
+        from opsched.mapping.platform import figures_simulated
+
+        return figures_simulated(self.devices.devices, given_latencies=False)
+
     def streams(self) -> list[list[str]]:
         """Units of each stream in the order they run (by predicted start); a mapped plan has a stream per
         device of its platform, empty ones too."""

@@ -28,8 +28,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         write_trace(args.trace, plan.ops, label)
     streams = plan.streams()
     result = {"plan": args.plan, "method": plan.method, "form": plan.form, "graph": plan.graph_name,
-              "device": plan.device, "cost": plan.cost, "batch": plan.batch, "units": len(plan.ops),
-              "streams": len(streams), "stages": len(plan.stages) if plan.stages is not None else None,
+              "device": plan.device, "cost": plan.cost, "simulated": plan.simulated, "batch": plan.batch,
+              "units": len(plan.ops), "streams": len(streams),
+              "stages": len(plan.stages) if plan.stages is not None else None,
               "predicted_latency": plan.predicted_latency, "timeline": label,
               "gantt": args.gantt, "trace": args.trace}
     result["kind"] = plan.kind

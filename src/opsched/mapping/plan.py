@@ -132,9 +132,8 @@ def to_schedule(problem: Problem, mapping: Mapping, timeline: Any, method: str, 
         problem.platform.to_dict(), problem.objective, problem.pieces, optimal, problem.time_unit,
         transfers(problem, timeline), others,
         {graph.nodes[u].name: job.pieces for u, job in by_unit.items() if others and len(job.pieces) < problem.pieces})
-    simulated = any(d.simulated for d in problem.platform.devices)
     return Schedule(method=method, graph_name=graph.name, fingerprint=graph.fingerprint, ops=ops,
                     predicted_latency=timeline.makespan, stages=None,
-                    cost="sim:" + problem.platform.name if simulated else "measured",
-                    device=f"{'sim:' if simulated else ''}platform:{problem.platform.name}",
+                    cost="sim:" + problem.platform.name if problem.simulated else "measured",
+                    device=f"{'sim:' if problem.simulated else ''}platform:{problem.platform.name}",
                     batch=problem.batch, stats=stats, bounds={"lower_bound": lower_bound}, devices=section)

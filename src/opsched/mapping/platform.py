@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,6 +207,31 @@ class Platform:
                 "links": {f"{self.devices[a].name}-{self.devices[b].name}":
                           {"bandwidth": _finite(link.bandwidth), "latency": link.latency}
                           for (a, b), link in self.links.items()}}
+
+
+def figures_simulated(devices: Iterable[Any], given_latencies: bool) -> bool:
+    """Whether a mapping's figures are simulated rather than predicted from costs measured here: the one rule
+    behind every label of a mapping (``opsched map``'s text and its JSON ``simulated``, the plan's ``cost`` and
+    ``device``, what ``opsched show``, its trace and the mapping's Gantt chart say).
+
+    ``devices``: the platform's (:class:`Device`) or a plan's (:class:`~opsched.schedule.PlanDevice`), each
+    simulated when its kind is ``sim:NAME`` or it has none (a DAG JSON file's device, which only its latencies
+    cost). The search weighs every device's costs against the others', and a figure with one simulated cost in
+    it is no measurement: so one simulated device makes every figure simulated, even beside real devices whose
+    units were measured, and even when the mapping leaves it idle.
+
+    ``given_latencies``: the costs are a DAG JSON graph's own latencies, not a model's. Nothing here measured
+    them: the figures replay numbers the file gives, so they are simulated whatever the devices' kinds (a
+    ``cpu`` device included). Figures are measured only when every unit's cost was measured on this machine's
+    real devices (``cpu``, ``cuda:N``).
+
+    >>> p = platform_from_dict({"devices": [{"name": "c", "kind": "cpu"}, {"name": "g", "kind": "sim:a100"}],
+    ...                         "links": {"default": {"bandwidth": 1}}})
+    >>> real = p.devices[:1]
+    >>> figures_simulated(p.devices, False), figures_simulated(real, False), figures_simulated(real, True)
+    (True, False, True)
+    """
+    return given_latencies or any(device.simulated for device in devices)
 
 
 @dataclass(frozen=True)

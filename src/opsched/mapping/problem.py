@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from opsched.cost.devices import CPUS
 from opsched.graph.ir import Graph
 from opsched.mapping import MappingError
-from opsched.mapping.platform import Device, Platform
+from opsched.mapping.platform import Device, Platform, figures_simulated
 
 OBJECTIVES = ("latency", "throughput")
 THROUGHPUT_PIECES = 4
@@ -43,7 +43,7 @@ class Problem:
     batch: int = 1
     pieces: int = 1
     time_unit: str = ""
-    simulated: bool = True
+    simulated: bool = True  # the figures' label: see opsched.mapping.platform.figures_simulated
     notes: list[str] = field(default_factory=list)
     # Milliseconds a value crossing between two CPU devices costs beyond its link: the local engine runs the
     # devices as threads of one process, and the device waiting for the value has its thread woken (measured
@@ -151,10 +151,8 @@ def build_problem(graph: Graph, platform: Platform, objective: str = "latency", 
     n = len(graph)
     from_model = any(node.latency is None and node.name not in (device_latencies or {}) for node in graph.nodes)
     times = [[[math.inf] * pieces for _ in platform.devices] for _ in range(n)]
-    simulated = True
     for d, device in enumerate(platform.devices):
         per_piece = _device_costs(graph, device, batch, pieces, device_latencies, from_model, measure)
-        simulated &= device.simulated or not from_model
         for u in range(n):
             for k in range(1, pieces + 1):
                 if device.accepts(batch * k // pieces):
@@ -168,7 +166,7 @@ def build_problem(graph: Graph, platform: Platform, objective: str = "latency", 
     activation = [float(max(0, node.bytes_read - node.param_bytes) + node.bytes_written) for node in graph.nodes]
     weights = [float(node.param_bytes) for node in graph.nodes]
     problem = Problem(graph, platform, times, dict(edge_bytes), activation, weights, objective, batch, pieces,
-                      "ms" if from_model else "", simulated, notes)
+                      "ms" if from_model else "", figures_simulated(platform.devices, not from_model), notes)
     check_memory(problem)
     return problem
 

@@ -41,7 +41,7 @@ def write_mapping_gantt(path: str | Path, plan: Schedule) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, min(end * 1.01, sys.float_info.max))  # a hand-edited 1e308 would make the limit infinite
     ax.set_xlabel(section.time_unit or "time")
-    simulated = "SIMULATED" if plan.device.startswith("sim:") else "predicted from measured costs"
+    simulated = "SIMULATED" if plan.simulated else "predicted from measured costs"
     predicted = section.objective_value(plan.predicted_latency, plan.batch)
     ax.set_title(f"{plan.graph_name}: {plan.method} on {section.platform['name']} ({simulated}), "
                  f"{section.objective} {predicted:.4g}; {len(moves)} transfers (arrows)", fontsize=10)
