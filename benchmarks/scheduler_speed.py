@@ -2,8 +2,8 @@
 
 IOS: one 33-unit RandWire stage (networkx WS(32, 4, 0.75), edges from lower to higher index, one exit
 unit after all sinks) per seed, searched as one block with r=3, s=8; prints states, transitions, seconds
-(median of --repeats) and microseconds per transition. The public IOS code spends about 107 us per
-transition on such a stage (goal here: at most 7). LIOS, Nimble and greedy: a 374-unit random layered
+(median of --repeats) and microseconds per transition (goal here: at most 7; the IOS paper gives no cost per
+transition to compare with, see docs/schedulers.md). LIOS, Nimble and greedy: a 374-unit random layered
 DAG (the size of NASNet-A large in IOS), median of --repeats. (IOS is not run on it: a graph of width 23
 without cut units is far outside what a DP over stages can search in minutes.)
 

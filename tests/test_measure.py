@@ -7,7 +7,8 @@ from opsched.cost.cache import LatencyCache, default_path
 from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.graph.capture import capture
 from opsched.models import load_model
-from opsched.pipeline import search
+from opsched.pipeline import MAX_REFINEMENTS, search
+from opsched.schedule import validate
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +56,16 @@ def test_refinement_measures_the_winner_until_the_search_returns_it(small):
     m, g = small
     cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
     schedule = search(g, cost, "ios", max_block_size=12)
-    assert schedule.stats["refinements"] >= 1
+    validate(schedule, g)
+    assert 1 <= schedule.stats["refinements"] <= MAX_REFINEMENTS
     stages = stages_of(schedule, g)
+    # Converging is not asserted: on a busy machine two winners can trade places round after round (here, under
+    # load, SqueezeNet took 3 to 8 rounds). What search promises holds either way: it returns the schedule it
+    # just measured, or gives up only once every round it may take was spent.
     if schedule.stats["converged"]:
         assert not cost.unmeasured(stages)
+    else:
+        assert schedule.stats["refinements"] == MAX_REFINEMENTS
     # concurrent and merge stages cost what they measured; one-unit stages what the unit was profiled at
     expected = sum(cost.measured_stages.get(s, cost.predict(s)) if len(s[1]) > 1 or s[0] == "merge"
                    else cost.op_latency(s[1][0][0]) for s in stages)

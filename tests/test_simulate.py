@@ -55,14 +55,17 @@ def test_small_convolutions_leave_the_gpu_underused(inception_b1):
     assert kernel.sm_share < 1.0
 
 
-def test_simulated_v100_inception_v3_matches_what_ios_published(inception_b1):
-    """IOS on V100, batch 1: 6.51 ms sequential, 4.03 ms IOS (speedup 1.62). Done when within 2x and a
-    speedup between 1.15x and 2.2x."""
+def test_simulated_v100_inception_v3_gives_the_figures_documented_beside_what_ios_published(inception_b1):
+    """IOS published, on a V100 at batch 1, 6.51 ms sequential and 4.03 ms IOS (1.62x); docs/cost-models.md and
+    the README give the simulated 5.54 ms, 3.40 ms and 1.63x. The simulated cost model is deterministic, so each
+    figure is held to the two decimals the docs print it with: a change that moves any of them must change the
+    docs too."""
     sim = SimulatedGPU(inception_b1, "v100")
     sequential = make_schedule("sequential", inception_b1, sim).predicted_latency
     ios = make_schedule("ios", inception_b1, sim).predicted_latency
-    assert 6.51 / 2 <= sequential <= 6.51 * 2
-    assert 1.15 <= sequential / ios <= 2.2
+    assert sequential == pytest.approx(5.54, abs=0.005)
+    assert ios == pytest.approx(3.40, abs=0.005)
+    assert sequential / ios == pytest.approx(1.63, abs=0.005)
 
 
 def test_k80_is_slower_and_batch_32_slower_than_batch_1(inception_b1):
