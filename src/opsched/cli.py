@@ -161,9 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "simulated GPU), schedule them with sequential, greedy, LIOS and --method, run "
                                    "every schedule, verify it against eager PyTorch and measure it interleaved with "
                                    "the peers (eager; with --peers or --kernels inductor also torch.compile and ONNX "
-                                   "Runtime). A schedule that does not verify is dropped with a warning. The fastest "
-                                   "verified configuration is chosen; the plan (JSON) is the fastest verified "
-                                   "schedule and records the choice, which opsched run executes. Also draws a Gantt "
+                                   "Runtime). A schedule that does not verify is dropped with a warning. The chosen "
+                                   "configuration is the simplest verified one that the fastest does not beat above "
+                                   "the run's own noise (the model itself first; a smaller gain is a tie); the plan "
+                                   "(JSON) is the schedule chosen so among the schedules and records the choice, "
+                                   "which opsched run executes. Also draws a Gantt "
                                    "chart (PNG) of the plan's predicted timeline.")
     p.add_argument("model", metavar="MODEL", nargs="?", help=RUNNABLE_MODEL_HELP + " (default: inception_v3)")
     _add_model_options(p)
@@ -179,8 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "two add the peers torch.compile and ONNX Runtime to the measurements")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the whole model (freezing on, compiled for each thread count "
-                        "in isolation) and ONNX Runtime (when installed) beside eager; the fastest verified "
-                        "configuration is chosen and recorded in the plan")
+                        "in isolation) and ONNX Runtime (when installed) beside eager; the choice (above the run's "
+                        "noise) is recorded in the plan")
     p.add_argument("--streams", type=_non_negative, metavar="K", help="streams for lios and exact (default 8)")
     _add_ios_options(p)
     _add_run_options(p)
@@ -239,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "throughput, with a lower bound beside the answer (see docs/mapping.md). On a "
                                    "platform whose devices are all real (cpu, cuda:N), the mapped plan is verified "
                                    "against eager and timed interleaved with eager and each device alone; the "
-                                   "fastest verified configuration is chosen and recorded in the plan.")
+                                   "simplest verified configuration that the fastest does not beat above the run's "
+                                   "noise is chosen and recorded in the plan.")
     p.add_argument("model", metavar="MODEL|DAG.json", help=MODEL_HELP)
     p.add_argument("--platform", required=True, metavar="NAME|PLATFORM.json",
                    help="a built-in platform (diviml, gpt3-cluster, cpu2) or a PLATFORM.json file")
@@ -268,8 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "it with sequential, LIOS, HiveMind and --method, verify every model's outputs "
                                    "against its own forward, and time the plans interleaved with running the models "
                                    "one after another (sequential_models), on threads, and with vmap (identical "
-                                   "architectures). The fastest verified configuration is chosen and recorded in the "
-                                   "plan (see docs/multi.md).")
+                                   "architectures). The simplest verified configuration that the fastest does not beat "
+                                   "above the run's noise is chosen and recorded in the plan (see docs/multi.md).")
     p.add_argument("models", metavar="MODEL", nargs="+",
                    help=RUNNABLE_MODEL_HELP + "; a model file's factory may return a list of (model, inputs) pairs")
     p.add_argument("--copies", type=_positive, default=1, metavar="K", help="each MODEL K times (default 1)")
@@ -282,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measured on this CPU (default), or a simulated GPU (figures then are simulated)")
     p.add_argument("--method", default="hivemind", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written when costs are simulated (default hivemind; measured, "
-                        "the fastest verified schedule is written)")
+                        "the schedule chosen above the run's noise is written)")
     p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
                    help="how units run (default eager); inductor or onnxruntime compile each unit, and each run of "

@@ -1,6 +1,6 @@
 """The evaluation every job ends with: candidates (opsched's plans and the peers a user would run instead)
 verified against the reference outputs, the ones that fail dropped with the reason, the rest timed
-interleaved, unsteady timings re-measured, and the fastest verified one chosen.
+interleaved, unsteady timings re-measured, and one chosen above the run's own noise (:mod:`opsched.noise`).
 
 This module imports nothing of opsched's above it: :mod:`opsched.peers` makes candidates of the peers,
 :mod:`opsched.pipeline` of the plans, and both hand them to :func:`evaluate`.
@@ -93,12 +93,14 @@ class Evaluation:
 
     def noise(self) -> dict[str, Any]:
         """The run's noise as reported beside its figures: the same-program spread and what was timed twice,
-        the names tied with the fastest, and the chosen configuration's ratio to every other verified name,
-        with its interval."""
+        the names tied with the fastest, the chosen configuration's ratio to every other verified name, and
+        opsched's plan (the one :meth:`fastest` keeps) over the peer it keeps, each with its interval."""
+        plan, peer = self.fastest("schedule"), self.fastest("peer")
         return {"same_program_spread": None if self.noise_floor is None else round(self.noise_floor, 4),
                 "timed_twice": self.noise_control, "tie": list(self.tie), "same_program": dict(self.same_program),
                 "chosen_over": {n: self.ratio(self.chosen, n) for n in self.order if n != self.chosen}
-                if self.chosen else {}}
+                if self.chosen else {},
+                "plan_over_peer": {"plan": plan, "peer": peer, **self.ratio(plan, peer)} if plan and peer else None}
 
 
 UNSTEADY_SPREAD = 2.0     # a median more than this times the fastest sample is re-measured
