@@ -57,7 +57,7 @@ def test_nothing_beats_itself_and_the_interval_holds_the_ratio(samples, floor):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.floats(0.5, 50.0), min_size=2, max_size=6), st.integers(0, 2**31 - 1))
-def test_choose_keeps_the_simplest_that_the_fastest_does_not_beat(medians, seed):
+def test_choose_keeps_the_simplest_that_no_other_beats(medians, seed):
     rng = random.Random(seed)
     samples = {f"c{k}": _noisy(rng, m, 0.02, 15) for k, m in enumerate(medians)}
     order = list(samples)
@@ -65,8 +65,19 @@ def test_choose_keeps_the_simplest_that_the_fastest_does_not_beat(medians, seed)
     fastest = min(order, key=lambda n: sorted(samples[n])[7])
     assert fastest in tie and chosen == tie[0]
     assert [n for n in order if n in tie] == tie  # in the order given, simplest first
-    for name in order[:order.index(chosen)]:
-        assert beats(samples[fastest], samples[name], 0.02)  # each simpler one was left for a real gain
+    for name in order:
+        beaten = any(beats(samples[other], samples[name], 0.02) for other in order if other != name)
+        assert beaten == (name not in tie)  # each left out was beaten, none kept was
+
+
+def test_a_slow_configuration_is_not_tied_through_a_noisy_one():
+    """The noisy peer beats nothing, but the plan beats the slow one plainly: the slow one is no tie."""
+    rng = random.Random(3)
+    samples = {"slow": _noisy(rng, 14.7, 0.01, 15), "noisy": _noisy(rng, 11.8, 0.4, 15),
+               "plan": _noisy(rng, 12.0, 0.01, 15)}
+    assert not beats(samples["noisy"], samples["slow"], 0.01)
+    chosen, tie = choose(samples, ["slow", "noisy", "plan"], floor=0.01)
+    assert "slow" not in tie and chosen == "noisy"
 
 
 def _sleeper(seconds: float, value, calls: list | None = None):

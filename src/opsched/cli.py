@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "every schedule, verify it against eager PyTorch and measure it interleaved with "
                                    "the peers (eager; with --peers or --kernels inductor also torch.compile and ONNX "
                                    "Runtime). A schedule that does not verify is dropped with a warning. The chosen "
-                                   "configuration is the simplest verified one that the fastest does not beat above "
+                                   "configuration is the simplest verified one that no other beats above "
                                    "the run's own noise (the model itself first; a smaller gain is a tie); the plan "
                                    "(JSON) is the schedule chosen so among the schedules and records the choice, "
                                    "which opsched run executes. Also draws a Gantt "
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "throughput, with a lower bound beside the answer (see docs/mapping.md). On a "
                                    "platform whose devices are all real (cpu, cuda:N), the mapped plan is verified "
                                    "against eager and timed interleaved with eager and each device alone; the "
-                                   "simplest verified configuration that the fastest does not beat above the run's "
+                                   "simplest verified configuration that no other beats above the run's "
                                    "noise is chosen and recorded in the plan.")
     p.add_argument("model", metavar="MODEL|DAG.json", help=MODEL_HELP)
     p.add_argument("--platform", required=True, metavar="NAME|PLATFORM.json",
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "it with sequential, LIOS, HiveMind and --method, verify every model's outputs "
                                    "against its own forward, and time the plans interleaved with running the models "
                                    "one after another (sequential_models), on threads, and with vmap (identical "
-                                   "architectures). The simplest verified configuration that the fastest does not beat "
+                                   "architectures). The simplest verified configuration that no other beats "
                                    "above the run's noise is chosen and recorded in the plan (see docs/multi.md).")
     p.add_argument("models", metavar="MODEL", nargs="+",
                    help=RUNNABLE_MODEL_HELP + "; a model file's factory may return a list of (model, inputs) pairs")

@@ -53,9 +53,9 @@ class Evaluation:
     (name -> why), warnings (unsteady timings, dropped candidates) and each verified candidate's ``module`` and
     ``run`` (at its best thread count).
 
-    ``chosen`` is the configuration to use: the simplest one that the fastest is not faster than above the
-    run's noise (:mod:`opsched.noise`): peers before plans (the model itself first), plans in the order given.
-    ``tie`` lists every configuration within that noise of the fastest; ``same_program`` maps a candidate to
+    ``chosen`` is the configuration to use: the simplest one that no other is faster than above the run's
+    noise (:mod:`opsched.noise`): peers before plans (the model itself first), plans in the order given.
+    ``tie`` lists every configuration that no other beats so (the fastest among them); ``same_program`` maps a candidate to
     the one it was timed as (they compile to the same program); ``noise_floor`` is the same-program spread
     measured in this run (``noise_control`` timed twice) and ``samples`` the timed rounds of each name."""
 
@@ -93,7 +93,7 @@ class Evaluation:
 
     def noise(self) -> dict[str, Any]:
         """The run's noise as reported beside its figures: the same-program spread and what was timed twice,
-        the names tied with the fastest, the chosen configuration's ratio to every other verified name, and
+        the names tied at the top, the chosen configuration's ratio to every other verified name, and
         opsched's plan (the one :meth:`fastest` keeps) over the peer it keeps, each with its interval."""
         plan, peer = self.fastest("schedule"), self.fastest("peer")
         return {"same_program_spread": None if self.noise_floor is None else round(self.noise_floor, 4),

@@ -12,7 +12,7 @@ run itself:
   ratio of the two medians.
 
 A configuration :func:`beats` another when the whole interval lies below 1 and its gain is larger than the
-same-program spread. :func:`choose` keeps the simplest configuration that the fastest one does not beat.
+same-program spread. :func:`choose` keeps the simplest configuration that no other beats.
 
 >>> fast, slow = [10.0, 10.2, 9.9, 10.1, 10.0], [12.0, 12.1, 11.9, 12.2, 12.0]
 >>> beats(fast, slow, floor=0.02), beats(fast, [10.1, 10.0, 10.2, 9.9, 10.0], floor=0.02)
@@ -48,18 +48,16 @@ def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     >>> round(ratio, 3), low < ratio < high < 0.52
     (0.504, True)
     """
+    import numpy as np
+
     if len(a) != len(b) or not a:
         raise ValueError("ratio_interval needs two equally long, non-empty lists of paired samples")
-    ratio = statistics.median(a) / statistics.median(b)
-    rng = random.Random(seed)
-    n = len(a)
-    ratios = []
-    for _ in range(resamples):
-        picks = [rng.randrange(n) for _ in range(n)]
-        ratios.append(statistics.median([a[i] for i in picks]) / statistics.median([b[i] for i in picks]))
-    ratios.sort()
+    first, second = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    ratio = float(np.median(first) / np.median(second))
+    picks = np.random.default_rng(seed).integers(0, len(first), size=(resamples, len(first)))
+    ratios = np.sort(np.median(first[picks], axis=1) / np.median(second[picks], axis=1))
     tail = (1.0 - confidence) / 2.0
-    return ratio, ratios[int(tail * (resamples - 1))], ratios[int((1.0 - tail) * (resamples - 1))]
+    return ratio, float(ratios[int(tail * (resamples - 1))]), float(ratios[int((1.0 - tail) * (resamples - 1))])
 
 
 def beats(a: Sequence[float], b: Sequence[float], floor: float = 0.0) -> bool:
@@ -72,13 +70,18 @@ def beats(a: Sequence[float], b: Sequence[float], floor: float = 0.0) -> bool:
 
 def choose(samples: dict[str, Sequence[float]], simplest_first: Sequence[str], floor: float = 0.0
            ) -> tuple[str, list[str]]:
-    """The configuration to keep and the ones tied with the fastest: of ``simplest_first`` (names of
-    ``samples``, the simplest first), the first that the fastest does not :func:`beats`.
+    """The configuration to keep and the ones tied at the top: of ``simplest_first`` (names of ``samples``, the
+    simplest first), those that no other :func:`beats` (the fastest is always one: only a smaller median
+    beats), and the first of them.
+
+    Not merely those the fastest does not beat: a configuration whose samples spread widely beats nothing,
+    and a slow one beside it would then count as tied with the fastest though a third beats it plainly.
 
     >>> samples = {"eager": [10.0, 10.1, 10.0], "plan": [9.9, 10.0, 9.9], "slow": [13.0, 13.1, 13.0]}
     >>> choose(samples, ["eager", "plan", "slow"], floor=0.02)
     ('eager', ['eager', 'plan'])
     """
-    fastest = min(simplest_first, key=lambda n: statistics.median(samples[n]))
-    tied = [n for n in simplest_first if n == fastest or not beats(samples[fastest], samples[n], floor)]
+    medians = {n: statistics.median(samples[n]) for n in simplest_first}
+    tied = [n for n in simplest_first
+            if not any(medians[m] < medians[n] and beats(samples[m], samples[n], floor) for m in simplest_first)]
     return tied[0], tied

@@ -263,7 +263,7 @@ class Outcome:
 
     @property
     def chosen(self) -> str | None:
-        """The configuration chosen: the simplest verified one that the fastest does not beat above the run's
+        """The configuration chosen: the simplest verified one that no other beats above the run's
         noise (see :class:`~opsched.evaluation.Evaluation`), a schedule's name or a peer's."""
         return self.evaluation.chosen if self.evaluation else None
 
@@ -276,8 +276,8 @@ class Outcome:
 
     def plan(self, name: str | None = None) -> Schedule | None:
         """The schedule to hand the user, recording what was chosen overall (possibly a peer) and every measured
-        figure: ``name``'s, or by default the simplest verified schedule tied with the fastest schedule
-        (:mod:`opsched.noise`); when nothing was measured (simulated costs), the requested method's; None when it
+        figure: ``name``'s, or by default the simplest verified schedule that no other schedule beats above the
+        run's noise (:mod:`opsched.noise`); when nothing was measured (simulated costs), the requested method's; None when it
         did not verify."""
         ev = self.evaluation
         if ev is None:
@@ -289,7 +289,7 @@ class Outcome:
         plan.options["measured_as"] = best
         plan.options["chosen"] = {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]}
         plan.options["measured_ms"] = {n: round(ms, 4) for n, ms in ev.measured_ms.items()}
-        plan.options["tie"] = list(ev.tie)  # within the run's noise of the fastest; the first was chosen
+        plan.options["tie"] = list(ev.tie)  # beaten by none above the run's noise; the first was chosen
         plan.options["same_program_spread"] = round(ev.noise_floor, 4)
         return plan
 

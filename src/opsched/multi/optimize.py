@@ -1,7 +1,7 @@
 """A model batch through the one runner: rewrite (:mod:`opsched.multi.fuse`), schedule every method on the
 rewritten graph, compile, verify each model against its own eager forward, and time the plans interleaved
-with what a user runs today (``sequential_models``, ``threads``, ``vmap``); the simplest verified one that the
-fastest does not beat above the run's noise is chosen, so the plan never promises less than the best
+with what a user runs today (``sequential_models``, ``threads``, ``vmap``); the simplest verified one that no
+other beats above the run's noise is chosen, so the plan never promises less than the best
 alternative, nor a gain it cannot show."""
 
 from __future__ import annotations
