@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from sweep import machine
+
 from opsched.multi.optimize import COMPILED_PEERS, MULTI_PEERS
 
 PEERS = (*MULTI_PEERS, *COMPILED_PEERS)
@@ -51,7 +53,7 @@ def one(label: str, models: list[str], copies: int, batch: int, size: int, kerne
     argv = [sys.executable, "-m", "opsched", "multi", *models, "--copies", str(copies), "--batch", str(batch),
             "--image-size", str(size), "--peers", "--kernels", kernels, "--json", "--out", str(plan)]
     row: dict = {"ensemble": key(label, batch, size), "models": models, "copies": copies, "batch": batch,
-                 "image_size": size, "kernels": kernels}
+                 "image_size": size, "kernels": kernels, **machine()}
     began = time.perf_counter()
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
@@ -73,22 +75,34 @@ def one(label: str, models: list[str], copies: int, batch: int, size: int, kerne
             "best_peer": best_peer, "best_opsched": best_own, "chosen": out["chosen"],
             "opsched_vs_best_peer": round(peers[best_peer] / own[best_own], 3),
             "opsched_vs_sequential_models": round(measured["sequential_models"] / own[best_own], 2),
+            "tie": out["tie"], "noise": out["noise"], "max_error": out["max_error"],
             "max_abs_error": out["max_abs_error"], "warnings": out.get("warnings", [])}
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [("| ensemble | units | batched (same input / same shape) | best peer | opsched's best | opsched vs best "
-              "peer | vs one after another | chosen | max error |"), "|---|---|---|---|---|---|---|---|---|"]
+              "peer | vs one after another | chosen | noise | max error |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['ensemble']} | | | | | | | failed: {r['error']} | |")
+            lines.append(f"| {r['ensemble']} | | | | | | | failed: {r['error']} | | |")
             continue
         m, f = r["measured_ms"], r["fused"]
         lines.append(f"| {r['ensemble']} | {r['units'][0]} -> {r['units'][1]} | {f['same_input']} / {f['same_shape']} | "
                      f"{r['best_peer']} {m[r['best_peer']]:.2f} | {r['best_opsched']} {m[r['best_opsched']]:.2f} | "
-                     f"{r['opsched_vs_best_peer']:.2f}x | {r['opsched_vs_sequential_models']:.2f}x | {r['chosen']} | "
-                     f"{r['max_abs_error']:.1g} |")
+                     f"{r['opsched_vs_best_peer']:.2f}x | {r['opsched_vs_sequential_models']:.2f}x | {_chosen(r)} | "
+                     f"{_noise(r)} | {r.get('max_error', r['max_abs_error']):.1g} |")
     return "\n".join(lines) + "\n"
+
+
+def _chosen(row: dict) -> str:
+    tied = [n for n in row.get("tie", []) if n != row["chosen"]]
+    return row["chosen"] + (f" (tie: {', '.join(tied)})" if tied else "")
+
+
+def _noise(row: dict) -> str:
+    """The run's same-program spread (rows measured before it was recorded have none)."""
+    noise = row.get("noise")
+    return "-" if not noise else f"{100 * noise['same_program_spread']:.1f}%"
 
 
 def main() -> None:
