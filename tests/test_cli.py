@@ -184,6 +184,22 @@ def test_optimize_on_a_simulated_gpu_predicts_and_labels_it_simulated(capsys, tm
     assert again["gantt"] == "opsched-squeezenet-b1-ios-2.png" and (tmp_path / doc["plan"]).read_text() == first
 
 
+def test_measured_text_says_how_the_choice_was_made_and_how_far_outputs_are(capsys, tmp_path):
+    """The tables people read, not only the JSON: the chosen line gives the run's noise and the tie, the verified
+    line the error at each output's scale."""
+    code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "32", "--repeats", "3", "--method",
+                         "sequential", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
+    assert "one program timed twice differed by" in chosen and ("tied with" in chosen or "faster than every" in chosen)
+    assert "of each output's magnitude" in next(line for line in out.splitlines() if line.startswith("verified"))
+    code, out, err = run(capsys, "map", "squeezenet", "--image-size", "32", "--platform", "cpu2", "--method",
+                         "greedy", "--time-limit", "1", "--repeats", "3", "--out", str(tmp_path / "m.json"))
+    assert code == 0, err
+    chosen = next(line for line in out.splitlines() if line.startswith("chosen"))
+    assert "one program timed twice differed by" in chosen and "of each output's magnitude" in chosen
+
+
 def test_optimize_measured_runs_verifies_and_times_every_schedule(capsys, tmp_path):
     plan = tmp_path / "plan.json"
     code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--out",

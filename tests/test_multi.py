@@ -544,6 +544,13 @@ def batch_file(tmp_path):
     return path
 
 
+def test_opsched_multi_text_says_how_the_choice_was_made(batch_file, tmp_path, capsys):
+    assert main(["multi", f"{batch_file}:batch", "--copies", "2", "--repeats", "3", "--no-cache", "--method",
+                 "sequential", "--out", str(tmp_path / "plan.json")]) == 0
+    chosen = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("chosen"))
+    assert "one program timed twice differed by" in chosen and "scaled to each output's magnitude" in chosen
+
+
 def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path, capsys):
     plan = tmp_path / "plan.json"
     assert main(["multi", f"{batch_file}:batch", "--copies", "2", "--repeats", "2", "--no-cache", "--out", str(plan),
