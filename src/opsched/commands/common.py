@@ -100,8 +100,8 @@ def time_unit(plan: Any) -> str:
 
 
 def choice_text(result: dict[str, Any]) -> str:
-    """Why ``chosen`` was chosen, in words: faster than the rest above the run's noise, or tied with the
-    fastest and kept as the simpler, with the noise floor measured in the run."""
+    """Why ``chosen`` was chosen, in words: the only configuration that nothing beats above the run's noise,
+    or one of several and kept as the simplest, with the noise floor measured in the run."""
     noise = result["noise"]
     floor = noise["same_program_spread"]
     floor_text = f"one program timed twice differed by {100 * floor:.1f}%" if floor is not None else ""
@@ -109,7 +109,7 @@ def choice_text(result: dict[str, Any]) -> str:
     if others:
         return (f"tied with {', '.join(others)} within this run's noise ({floor_text}; a gain must clear that "
                 "and the bootstrap interval of the ratio), kept as the simpler")
-    return f"faster than every other configuration above this run's noise ({floor_text})"
+    return f"every other configuration is beaten above this run's noise ({floor_text})"
 
 
 def count(n: int, noun: str) -> str:
