@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from sweep import machine
+from sweep import chosen_cell, machine
 
 from opsched.multi.optimize import COMPILED_PEERS, MULTI_PEERS
 
@@ -89,14 +89,9 @@ def markdown(rows: list[dict]) -> str:
         m, f = r["measured_ms"], r["fused"]
         lines.append(f"| {r['ensemble']} | {r['units'][0]} -> {r['units'][1]} | {f['same_input']} / {f['same_shape']} | "
                      f"{r['best_peer']} {m[r['best_peer']]:.2f} | {r['best_opsched']} {m[r['best_opsched']]:.2f} | "
-                     f"{r['opsched_vs_best_peer']:.2f}x | {r['opsched_vs_sequential_models']:.2f}x | {_chosen(r)} | "
+                     f"{r['opsched_vs_best_peer']:.2f}x | {r['opsched_vs_sequential_models']:.2f}x | {chosen_cell(r)} | "
                      f"{_noise(r)} | {r.get('max_error', r['max_abs_error']):.1g} |")
     return "\n".join(lines) + "\n"
-
-
-def _chosen(row: dict) -> str:
-    tied = [n for n in row.get("tie", []) if n != row["chosen"]]
-    return row["chosen"] + (f" (tie: {', '.join(tied)})" if tied else "")
 
 
 def _noise(row: dict) -> str:

@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from sweep import machine
+from sweep import chosen_cell, machine
 
 import opsched
 from opsched.models import load_model
@@ -36,16 +36,15 @@ def one(spec: str, kernels: str, repeats: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| | eager | torch.compile (freezing) | ONNX Runtime | opsched's best plan | plan / fastest peer "
-             "(99% interval) | chosen |", "|---|---|---|---|---|---|---|"]
+    lines = [("| | eager | torch.compile (freezing) | ONNX Runtime | opsched's best plan | plan time / fastest peer's "
+              "(99% interval) | chosen |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         ms, ratio = r["measured_ms"], r["plan_over_peer"]
-        tie = [n for n in r["tie"] if n != r["chosen"]]
         lines.append(
             f"| {r['model']} | {ms.get('eager', '-')} ms | {ms.get('torch_compile', '-')} ms | "
             f"{ms.get('onnxruntime', '-')} ms | {ms[r['best_plan']]} ms ({r['best_plan']}; predicted "
             f"{r['predicted_ms'][r['best_plan']]}) | {ratio['ratio']:.2f}x [{ratio['low']:.2f}, {ratio['high']:.2f}] "
-            f"{r['best_peer']} | {r['chosen']}{' (tie: ' + ', '.join(tie) + ')' if tie else ''} |")
+            f"{r['best_peer']} | {chosen_cell(r)} |")
     return "\n".join(lines)
 
 

@@ -157,14 +157,19 @@ def _line(r: dict) -> str:
         return f"{ms[name]:.1f}" if name in ms else ("dropped" if name in r["dropped"] else "-")
 
     same = ", ".join(f"{a} = {b}" for a, b in r["noise"]["same_program"].items()) or "-"
-    tie = [n for n in r["tie"] if n != r["chosen"]]
-    chosen = r["chosen"] + (f" (tie: {', '.join(tie)})" if tie else "")
+    chosen = chosen_cell(r)
     vs = r["plan_over_peer"]
     versus = (f"{vs['ratio']:.2f}x [{vs['low']:.2f}, {vs['high']:.2f}] {r['best_peer']}" if vs else "-")
     return (f"| {r['model']} | {'x'.join(map(str, r['input_shape'][1:]))} | {r['units']} | "
             f"{'yes' if r['verified'] else 'NO'} | {_error(r['max_error'])} | {cell('eager')} | "
             f"{cell('torch_compile')} | {cell('onnxruntime')} | {cell('sequential')} | {cell('ios')} | {same} | "
             f"{100 * r['noise']['same_program_spread']:.1f}% | {chosen} | {versus} | {r['seconds']} |")
+
+
+def chosen_cell(row: dict) -> str:
+    """The configuration a row chose, and the others no configuration beat above the run's noise."""
+    tied = [n for n in row.get("tie", []) if n != row["chosen"]]
+    return row["chosen"] + (f" (tie: {', '.join(tied)})" if tied else "")
 
 
 def _error(value) -> str:

@@ -64,8 +64,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = [large_outputs(), small_outputs()]
     with Path(args.out).open("a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+        f.writelines(json.dumps(row) + "\n" for row in rows)
     for r in rows:
         print(f"{r['case']}: largest magnitude {r['largest_magnitude']:.3g}, max abs difference "
               f"{r['max_abs_difference']:.3g}, scaled {r['scaled_error']:.3g}; absolute 1e-3 "

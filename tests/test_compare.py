@@ -9,13 +9,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import small_models
 
 from opsched.compare import compare_outputs, default_tolerance
 from opsched.errors import VerificationError
 from opsched.evaluation import Candidate, evaluate, verify
 from opsched.graph.capture import capture
 from opsched.runtime.module import OptimizedModule
-from support import small_models
 
 
 class Branches(torch.nn.Module):

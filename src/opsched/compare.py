@@ -68,19 +68,16 @@ def compare_outputs(got: Any, want: Any, tolerance: float | None = None) -> Outp
     if len(got_leaves) != len(want_leaves):
         return OutputComparison(False, math.inf, math.inf, tolerance or 0.0,
                                 f"{len(got_leaves)} outputs where the model gives {len(want_leaves)}")
-    worst = OutputComparison(True, 0.0, 0.0, tolerance if tolerance is not None else 0.0)
+    verdicts = []
     for k, (a, b) in enumerate(zip(got_leaves, want_leaves)):
-        if isinstance(b, torch.Tensor):
-            one = _compare_tensor(k, a, b, tolerance)
-        else:
-            one = _compare_other(k, a, b, tolerance)
+        one = _compare_tensor(k, a, b, tolerance) if isinstance(b, torch.Tensor) else _compare_other(k, a, b, tolerance)
         if not one.ok:
             return one
-        if one.tolerance and one.error / one.tolerance >= (worst.error / worst.tolerance if worst.tolerance else 0.0):
-            worst = OutputComparison(True, one.error, max(one.abs_error, worst.abs_error), one.tolerance)
-        else:
-            worst = OutputComparison(True, worst.error, max(one.abs_error, worst.abs_error), worst.tolerance)
-    return worst
+        verdicts.append(one)
+    # the output nearest its tolerance speaks for all; the absolute difference is the largest of any
+    nearest = max(verdicts, key=lambda v: v.error / v.tolerance if v.tolerance else 0.0,
+                  default=OutputComparison(True, 0.0, 0.0, tolerance or 0.0))
+    return OutputComparison(True, nearest.error, max((v.abs_error for v in verdicts), default=0.0), nearest.tolerance)
 
 
 def _compare_tensor(k: int, got: Any, want: Any, tolerance: float | None) -> OutputComparison:

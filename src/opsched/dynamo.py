@@ -66,8 +66,8 @@ def _unschedulable(example_inputs: Sequence[Any]) -> str | None:
 
 
 def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) -> Callable[..., Any]:
-    from opsched.errors import VerificationError
     from opsched.compare import compare_outputs
+    from opsched.errors import VerificationError
     from opsched.graph.capture import capture
     from opsched.pipeline import cost_model, method_options, search
     from opsched.runtime.kernels import unit_operator

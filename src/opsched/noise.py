@@ -21,7 +21,6 @@ same-program spread. :func:`choose` keeps the simplest configuration that no oth
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections.abc import Sequence
 

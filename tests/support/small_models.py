@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from opsched.cost.table import TableCost
 from opsched.compare import compare_outputs
+from opsched.cost.table import TableCost
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph
 from opsched.runtime.module import OptimizedModule

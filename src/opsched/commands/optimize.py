@@ -7,8 +7,15 @@ import argparse
 import sys
 from typing import Any
 
-from opsched.commands.common import (choice_text, count, load_and_capture, measured_fields, output_paths, run_progress,
-                                     timeline_title)
+from opsched.commands.common import (
+    choice_text,
+    count,
+    load_and_capture,
+    measured_fields,
+    output_paths,
+    run_progress,
+    timeline_title,
+)
 from opsched.progress import say
 
 
