@@ -139,10 +139,8 @@ class _ShapeAndWeightWork(torch.nn.Module):
 
 
 def test_constants_are_computed_once_at_capture_and_the_outputs_stay_the_same():
-    from opsched.cost.table import TableCost
     from opsched.graph import constants
-    from opsched.runtime.module import OptimizedModule
-    from opsched.schedulers import make_schedule
+    from opsched.graph.interpret import run_graph
 
     model = _ShapeAndWeightWork().eval()
     x = torch.randn(1, 3, 6, 6)
@@ -150,11 +148,8 @@ def test_constants_are_computed_once_at_capture_and_the_outputs_stay_the_same():
     targets = [str(n.target) for u in graph.nodes for n in u.run.graph.nodes if n.op == "call_function"]
     assert not any(op in t for t in targets for op in ("new_zeros", "slice_scatter", "std", "mean", "matmul"))
     assert any("rand_like" in t for t in targets)  # drawn anew on every call: never folded
-    for n in graph.nodes:
-        n.latency = 1.0
-    module = OptimizedModule(graph, make_schedule("sequential", graph, TableCost(graph)), 2)
-    with torch.inference_mode():
-        torch.testing.assert_close(module(x), model(x))
+    with torch.inference_mode():  # the units in order (a plan refuses a graph that draws random numbers)
+        torch.testing.assert_close(run_graph(graph, x), model(x))
     old = constants.MAX_FOLDED_BYTES
     constants.MAX_FOLDED_BYTES = 4 * 6 * 6 * 4 - 1  # the weights' product is one byte too large to be copied
     try:

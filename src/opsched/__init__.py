@@ -1,7 +1,7 @@
 """opsched: inter-operator scheduling for PyTorch inference.
 
 One call per job: ``optimize`` (one model), ``optimize_batch`` (a model batch), ``map`` (several devices); see
-:mod:`opsched.jobs`. The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
+:mod:`opsched.jobs`. ``load`` makes ``optimize``'s module again from its plan file (:mod:`opsched.deploy`). The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
 ``OptimizedModule``) are
 imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
 importing torch; ``Graph`` and ``Node`` too, so that importing the package itself is quick (the ``opsched``
@@ -10,13 +10,23 @@ executable installs its Ctrl-C handler only once the package is imported).
 
 from typing import Any
 
-from opsched.errors import CaptureError, DagJsonError, GraphError, ModelSpecError, OpschedError, VerificationError
+from opsched.errors import (
+    CaptureError,
+    DagJsonError,
+    GraphError,
+    ModelSpecError,
+    OpschedError,
+    SignatureMismatch,
+    StaleWeights,
+    VerificationError,
+)
 
 __version__ = "0.1.0"
 
 _LAZY = {"Graph": "opsched.graph.ir", "Node": "opsched.graph.ir",
          "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.evaluation",
          "OptimizedModule": "opsched.runtime.module",
+         "GuardedModule": "opsched.runtime.guarded", "load": "opsched.deploy",
          "optimize": "opsched.jobs", "optimize_batch": "opsched.jobs", "map": "opsched.jobs"}
 
 __all__ = [
@@ -24,14 +34,18 @@ __all__ = [
     "DagJsonError",
     "Graph",
     "GraphError",
+    "GuardedModule",
     "ModelSpecError",
     "Node",
     "OpschedError",
     "OptimizedModule",
+    "SignatureMismatch",
+    "StaleWeights",
     "VerificationError",
     "__version__",
     "capture",
     "compile",
+    "load",
     "map",
     "optimize",
     "optimize_batch",

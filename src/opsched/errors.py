@@ -2,6 +2,12 @@
 :class:`VerificationError` (a plan that does not reproduce the model), 2 for every other (bad input)."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception in one line: its type and the first line of its message."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
+
+
 class OpschedError(Exception):
     """Base class of every error opsched raises on purpose."""
 
@@ -25,3 +31,13 @@ class CaptureError(OpschedError):
 
 class ModelSpecError(OpschedError, ValueError):
     """A model specifier (zoo name, torchvision:NAME, timm:NAME, file.py:factory) that cannot be loaded."""
+
+
+class SignatureMismatch(OpschedError, ValueError):
+    """A call a plan was not made for (another batch, shape, dtype, device, memory layout, autocast state, or a
+    model in training mode), refused rather than answered by the wrong plan: the message names what differs."""
+
+
+class StaleWeights(OpschedError, RuntimeError):
+    """A plan called after the model's weights changed, where it cannot rebuild what it derived from them (a
+    module from ``opsched.compile``): the message says which weight changed."""

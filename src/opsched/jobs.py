@@ -64,12 +64,50 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
              streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
              max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
              cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
+             batch_sizes: Sequence[int] = (), strict: bool = False, wait: bool = False, max_plans: int = 8,
              say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> Outcome:
     """Capture ``model`` (in eval mode, with its inputs, on ``device``) unless its ``graph`` is given, schedule
     it with sequential, greedy, LIOS and ``method``, and on a real device compile every schedule, verify it
     against the model and time it interleaved with the peers (eager; with ``peers`` or compiled ``kernels``
     also torch.compile and ONNX Runtime). Raises :class:`~opsched.errors.VerificationError` when no schedule
-    verifies."""
+    verifies.
+
+    On a real device ``module`` is a :class:`~opsched.runtime.guarded.GuardedModule`: a plan per call
+    signature, made the same way for each new one (in the background, the model answering meanwhile; before
+    answering with ``wait``; refused with ``strict``), rebuilt when the model's weights change; at most
+    ``max_plans`` kept. ``batch_sizes`` makes the plans for those batch sizes now (the example inputs repeated
+    or cut along their first dimension)."""
+    if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
+        raise OpschedError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    options = {"method": method, "cost": cost, "device": device, "kernels": kernels, "peers": peers,
+               "threads": threads, "streams": streams, "max_group_size": max_group_size, "max_groups": max_groups,
+               "max_block_size": max_block_size, "tolerance": tolerance, "repeats": repeats, "cache": cache,
+               "cuda_graph": cuda_graph}
+    outcome = optimize_once(model, example_inputs, name=name, graph=graph, say=say, progress=progress, **options)
+    if outcome.evaluation is None:
+        if batch_sizes:
+            raise OpschedError("batch_sizes needs measured costs: a simulated device runs nothing")
+        return outcome
+    from opsched.models.spec import rebatch
+    from opsched.runtime.guarded import GuardedModule
+
+    builder = OptimizeBuilder({**options, "name": name})
+    outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, tuple(example_inputs))],
+                                    strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1))
+    for b in batch_sizes:
+        say(f"batch {b}: ...")
+        outcome.guarded.prepare(*[rebatch(x, b) for x in example_inputs])
+    outcome.guarded.max_plans = max_plans
+    return outcome
+
+
+def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", cost: str = "measured",
+                  device: str = "cpu", kernels: str = "eager", peers: bool = False, threads: int | None = None,
+                  streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
+                  max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
+                  cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
+                  say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> Outcome:
+    """:func:`optimize` for the one call signature of ``example_inputs``: its outcome, with no guarded module."""
     import torch
 
     from opsched.pipeline import Workload, method_options, run_workload
@@ -94,6 +132,56 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     outcome.graph, outcome.requested = graph, method
     require_a_plan(outcome)
     return outcome
+
+
+class OptimizeBuilder:
+    """How the module :func:`optimize` hands back makes its plans (a
+    :class:`~opsched.runtime.guarded.PlanBuilder`): a new call signature goes through :func:`optimize_once`
+    with the first call's ``options``; a plan whose weights changed is compiled again from a new capture
+    and verified (its schedule holds: the graph is the same), or made again whole where it chose a peer."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.options = options
+
+    def build(self, model: Any, inputs: tuple) -> Any:
+        return self.plan_of(optimize_once(model, inputs, **self.options), inputs)
+
+    @staticmethod
+    def plan_of(outcome: Outcome, inputs: tuple) -> Any:
+        """The :class:`~opsched.runtime.guarded.Plan` of a measured ``outcome``: its chosen configuration (a
+        schedule's module, a peer's callable, or the model itself for eager)."""
+        import torch.utils._pytree as pytree
+
+        from opsched.runtime.guarded import Plan
+        from opsched.runtime.guards import call_signature
+
+        ev = outcome.evaluation
+        chosen = ev.chosen
+        schedule = outcome.plan(chosen if ev.kinds[chosen] == "schedule" else None)
+        module = None if chosen == "eager" else ev.modules.get(chosen)
+        note = "eager chosen: no plan is faster above the run's noise" if chosen == "eager" else ""
+        return Plan(call_signature(pytree.tree_leaves(inputs)), inputs, module, chosen, schedule,
+                    dict(ev.measured_ms), note)
+
+    def rebuild(self, model: Any, plan: Any) -> Any:
+        import dataclasses
+
+        from opsched.deploy import recompile
+        from opsched.schedule import ScheduleError
+
+        if plan.chosen == "eager":
+            return dataclasses.replace(plan, stale=False)  # nothing derived from the weights
+        schedule = plan.schedule
+        if schedule is None or plan.chosen != schedule.options.get("measured_as"):
+            return self.build(model, plan.inputs)  # a peer, made again whole
+        try:
+            module, verdict = recompile(model, plan.inputs, schedule, self.options)
+        except ScheduleError:  # the model captures to another graph now: a plan made again whole
+            return self.build(model, plan.inputs)
+        if not verdict.ok:
+            return dataclasses.replace(plan, module=None, chosen="eager", stale=False,
+                                       note=f"the plan rebuilt from the new weights does not verify: {verdict.why}")
+        return dataclasses.replace(plan, module=module, stale=False, note="rebuilt from the new weights")
 
 
 def require_a_plan(outcome: Outcome) -> None:

@@ -191,10 +191,10 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
 
 def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: Any, inputs: Sequence[Any],
                         cores: int, device: str = "cpu", sync: Callable[[], Any] = lambda: None,
-                        cuda_graph: bool = False) -> tuple[list[Candidate], dict[str, Any]]:
+                        cuda_graph: bool = False, guard: Any = None) -> tuple[list[Candidate], dict[str, Any]]:
     """A candidate per schedule (its compiled module run on ``inputs``, replayed as one CUDA graph with
-    ``cuda_graph``) and the modules by name. A schedule whose module cannot be built becomes a candidate
-    that raises, so it is dropped with the reason."""
+    ``cuda_graph``, behind ``guard``: see :class:`~opsched.runtime.guards.Guard`) and the modules by name. A
+    schedule whose module cannot be built becomes a candidate that raises, so it is dropped with the reason."""
     from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
@@ -202,7 +202,7 @@ def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: 
     for name, schedule in schedules.items():
         try:
             modules[name] = OptimizedModule(graph, schedule, cores, operator or unit_operator, device=device,
-                                            cuda_graph=cuda_graph)
+                                            cuda_graph=cuda_graph, guard=guard)
         except Exception as e:  # noqa: BLE001 - reported by evaluate, like a schedule that fails to run
             candidates.append(Candidate(name, _raising(e)))
             continue
@@ -255,6 +255,7 @@ class Outcome:
     notes: list[str] = field(default_factory=list)
     graph: Graph | None = None
     requested: str | None = None  # the method asked for: the plan when nothing was measured
+    guarded: Any = None  # opsched.optimize's module: a plan per call signature (opsched.runtime.guarded)
 
     @property
     def measured_ms(self) -> dict[str, float]:
@@ -271,8 +272,24 @@ class Outcome:
     def module(self) -> Any:
         """The chosen configuration as a callable taking the model's inputs (the compiled plan, the model
         itself, or its torch.compile or ONNX Runtime form; None for a peer with no single callable, such as
-        ``threads``). Run it at ``evaluation.threads[chosen]`` intra-op threads, as it was timed."""
+        ``threads``). Run it at ``evaluation.threads[chosen]`` intra-op threads, as it was timed. From
+        ``opsched.optimize``: the :class:`~opsched.runtime.guarded.GuardedModule` that serves every call."""
+        if self.guarded is not None:
+            return self.guarded
         return self.evaluation.modules.get(self.chosen) if self.evaluation else None
+
+    def save(self, path: Any) -> None:
+        """Write the plan file: with ``opsched.optimize``'s module, every call signature it serves (what
+        ``opsched.load`` reads; see :mod:`opsched.deploy`), else :meth:`plan`."""
+        if self.guarded is not None:
+            from opsched.deploy import save
+
+            save(self.guarded, path)
+            return
+        plan = self.plan()
+        if plan is None:
+            raise OpschedError("no verified plan to save")
+        plan.save(path)
 
     def plan(self, name: str | None = None) -> Schedule | None:
         """The schedule to hand the user, recording what was chosen overall (possibly a peer) and every measured
@@ -342,11 +359,15 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     ``notes`` and ``evaluation``. A schedule of any kind runs: one model's, a model batch's (the batch is the
     model) or a mapping's (on its devices)."""
     import torch
+    import torch.utils._pytree as pytree
+
+    from opsched.runtime.guards import Guard
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     say("compiling the schedules ...")
+    guard = Guard.of(pytree.tree_leaves(tuple(inputs)), model)  # every plan refuses calls it was not made for
     candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.operator, inputs, cores,
-                                                      device, sync, cuda_graph)
+                                                      device, sync, cuda_graph, guard)
     found, outcome.notes = peer_candidates(model, inputs, cores, peers, sync, say)
     everything = candidates + list(extra) + found
     say(f"verifying and measuring {len(everything)} configurations, interleaved ...")

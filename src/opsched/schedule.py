@@ -225,6 +225,11 @@ class Schedule:
     options: dict[str, Any] = field(default_factory=dict)
     devices: DevicesSection | None = None
     models: ModelsSection | None = None
+    # the call a plan of opsched.optimize was made for (one entry per flat input), how more plans are made,
+    # and the plans of the other call signatures it serves (see opsched.deploy)
+    inputs: list[dict[str, Any]] | None = None
+    build: dict[str, Any] | None = None
+    signatures: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def form(self) -> str:
@@ -277,6 +282,9 @@ class Schedule:
             doc["devices"] = self.devices.to_dict()
         if self.models is not None:
             doc["models"] = self.models.to_dict()
+        for key in ("inputs", "build", "signatures"):
+            if getattr(self, key):
+                doc[key] = getattr(self, key)
         return doc
 
     def save(self, path: str | Path) -> None:
@@ -315,7 +323,9 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                             predicted_latency=float(doc["predicted_latency"]), stages=stages,
                             cost=str(doc.get("cost", "table")), device=str(doc.get("device", "table")),
                             batch=doc.get("batch"), stats=dict(doc.get("stats", {})),
-                            bounds=dict(doc.get("bounds", {})), options=dict(doc.get("options", {})))
+                            bounds=dict(doc.get("bounds", {})), options=dict(doc.get("options", {})),
+                            inputs=doc.get("inputs"), build=doc.get("build"),
+                            signatures=list(doc.get("signatures", [])))
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None
     if schedule.batch is not None and (not isinstance(schedule.batch, int) or isinstance(schedule.batch, bool)

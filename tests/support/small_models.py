@@ -28,7 +28,7 @@ HANG_SECONDS = 60.0
 
 
 
-OPS = ("conv3", "conv1", "relu", "add", "mul", "cat_conv", "inplace", "view", "pool", "sigmoid_gate")
+OPS = ("conv3", "conv1", "relu", "add", "mul", "cat_conv", "inplace", "view", "pool", "sigmoid_gate", "flatten")
 
 
 class RecipeModel(torch.nn.Module):
@@ -71,6 +71,8 @@ class RecipeModel(torch.nn.Module):
                 out.add_(y).relu_()
             elif op == "view":  # a view of a view, read through
                 out = x.transpose(2, 3).flatten(2).view_as(x) * 0.5
+            elif op == "flatten":  # by the batch of the call, as classifier heads do: export bakes the batch in
+                out = torch.softmax(x.reshape(x.shape[0], -1), -1).view_as(x)
             elif op == "pool":
                 out = torch.nn.functional.max_pool2d(x, 3, stride=1, padding=1)
             else:  # a gate: the branch scales the other by sigmoid(conv(x))

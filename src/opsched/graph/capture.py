@@ -45,7 +45,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.fx.passes.shape_prop import ShapeProp
 
-from opsched.errors import CaptureError
+from opsched.errors import CaptureError, first_line
 from opsched.graph import ops
 from opsched.graph.constants import fold_constants
 from opsched.graph.fold import fold_batch_norms
@@ -102,11 +102,6 @@ def _pytorch_quiet() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".strip().rstrip(":")
-
-
 def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
     try:
         with torch.no_grad():
@@ -124,8 +119,8 @@ def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
                 ShapeProp(gm).propagate(*args)
             return gm
         except Exception as fx_error:
-            raise CaptureError(f"cannot capture {label}: torch.export failed ({_first_line(export_error)}); "
-                               f"torch.fx failed ({_first_line(fx_error)})") from fx_error
+            raise CaptureError(f"cannot capture {label}: torch.export failed ({first_line(export_error)}); "
+                               f"torch.fx failed ({first_line(fx_error)})") from fx_error
 
 
 def _make_inplace_functional(gm: fx.GraphModule) -> bool:

@@ -177,3 +177,23 @@ def get_attr_value(node: fx.Node, root: torch.nn.Module) -> torch.Tensor:
     for part in str(node.target).split("."):
         obj = getattr(obj, part)
     return obj
+
+
+_DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout")
+
+
+def draws_random(gm: fx.GraphModule) -> str | None:
+    """The first operator of ``gm`` that draws random numbers (``randn_like``, ``bernoulli``, a dropout in
+    training mode), by name; None where none does. A plan runs operators in another order than the model,
+    on other threads, with values in other layouts: it would draw other numbers."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded not in target.tags:
+            continue
+        name = target._overloadpacket.__name__
+        if name in _DROPOUTS and len(node.args) > 2 and node.args[2] is False:
+            continue  # a dropout in eval mode: the identity
+        return name
+    return None

@@ -88,7 +88,7 @@ def load_model(spec: str, *, batch: int | None = None, input_shapes: Sequence[Se
         inputs = tuple(torch.randn(*shape) for shape in input_shapes)
     inputs = inputs if isinstance(inputs, tuple) else tuple(inputs) if isinstance(inputs, list) else (inputs,)
     if batch is not None:
-        inputs = tuple(_rebatch(t, batch) for t in inputs)
+        inputs = tuple(rebatch(t, batch) for t in inputs)
     if not isinstance(model, torch.nn.Module):
         raise ModelSpecError(f"{spec} gave a {type(model).__name__}, not a torch.nn.Module")
     return LoadedModel(spec, model.eval(), inputs)
@@ -116,7 +116,7 @@ def load_models(spec: str, *, batch: int | None = None, input_shapes: Sequence[S
         model, inputs = pair
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         if batch is not None:
-            inputs = tuple(_rebatch(t, batch) for t in inputs)
+            inputs = tuple(rebatch(t, batch) for t in inputs)
         loaded.append(LoadedModel(f"{spec}[{k}]", model.eval(), inputs))
     return loaded
 
@@ -132,12 +132,15 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _rebatch(value: Any, batch: int) -> Any:
-    """Repeat (or cut) a tensor along its first dimension to ``batch`` rows."""
+def rebatch(value: Any, batch: int) -> Any:
+    """Repeat (or cut) a tensor along its first dimension to ``batch`` rows, in the same memory format
+    (contiguous, or channels_last where ``value`` is)."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return value
     reps = math.ceil(batch / value.shape[0])
-    return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch].contiguous()
+    layout = torch.channels_last if value.dim() == 4 and not value.is_contiguous() and \
+        value.is_contiguous(memory_format=torch.channels_last) else torch.contiguous_format
+    return value.repeat(reps, *([1] * (value.dim() - 1)))[:batch].contiguous(memory_format=layout)
 
 
 def _torchvision(name: str, image_size: int | None):

@@ -38,6 +38,7 @@ from opsched.errors import OpschedError
 from opsched.graph.fold import folded_conv, inference_batch_norm
 from opsched.graph.ir import Node, can_merge
 from opsched.graph.ops import get_attr_value
+from opsched.runtime.packed import LAYOUT_BOUND, capture_order, laid_out, packed_unit
 
 _BATCH_NORMS = {"batch_norm", "_native_batch_norm_legit_no_training"}
 
@@ -79,12 +80,18 @@ def merged_operator(nodes: Sequence[Node]) -> Callable[..., tuple[torch.Tensor, 
     padding = tuple(first.padding[d] + (largest[d] - first.weight.shape[2 + d]) // 2 for d in range(dims))
     sizes = [p.weight.shape[0] for p in parts]
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[dims]
-    prefix, tail, stride = first.prefix, first.tail, first.stride
+    tail, stride = first.tail, first.stride
+    # Values may reach the merge channels_last (the reordered convolutions leave them so: opsched.runtime.packed):
+    # the shared leading operators run as a unit the packed rewrite made layout-proof, and an operator after
+    # the convolution that depends on its input's strides reads it laid out as it was at capture.
+    prefix = packed_unit(first.prefix) if any(
+        n.op == "call_function" and n.target in LAYOUT_BOUND for n in first.prefix.graph.nodes) else first.prefix
+    layouts = [capture_order(op.args[0]) if op.target in LAYOUT_BOUND else None for op in tail]
 
     def run(*inputs: Any) -> tuple[torch.Tensor, ...]:
         y = conv(prefix(*inputs), weight, bias, stride, padding)
-        for op in tail:
-            y = op.target(y, *op.args[1:], **op.kwargs)
+        for op, order in zip(tail, layouts):
+            y = op.target(laid_out(y, order) if order is not None else y, *op.args[1:], **op.kwargs)
         return torch.split(y, sizes, dim=1)
 
     return run

@@ -21,10 +21,13 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch import fx
 
 from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
+from opsched.graph.ops import draws_random
 from opsched.runtime import DEVICES, make_executor
+from opsched.runtime.guards import Guard
 from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
 from opsched.runtime.packed import eager_layout, eager_strides, packs_graph
 from opsched.runtime.program import StreamProgram, compile_program
@@ -38,16 +41,29 @@ class OptimizedModule(torch.nn.Module):
     Inputs and outputs are structured as the model's.
     ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
     replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
-    (:mod:`opsched.runtime.regions`)."""
+    (:mod:`opsched.runtime.regions`).
+
+    ``guard`` (what :func:`compile` and every job give it) is the call signature the plan was made for and the
+    watch on the weights it was built from (:mod:`opsched.runtime.guards`): a call with another signature raises
+    :class:`~opsched.errors.SignatureMismatch`, and one after the weights changed
+    :class:`~opsched.errors.StaleWeights`, instead of a wrong answer. :class:`~opsched.runtime.guarded.GuardedModule`
+    (what ``opsched.optimize`` hands back) builds a plan per signature and follows the weights."""
 
     def __init__(self, graph: Graph, schedule: Schedule, cores: int | None = None,
-                 operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False):
+                 operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False,
+                 guard: Guard | None = None):
         super().__init__()
         if cuda_graph and device != "cuda":
             raise OpschedError(f"a CUDA graph needs device 'cuda', not {device!r}")
         missing = [n.name for n in graph.nodes if n.run is None]
         if missing:
             raise GraphError(f"unit {missing[0]!r} has no operator to run (graphs from DAG JSON cannot run)")
+        for n in graph.nodes:
+            drawn = draws_random(n.run) if isinstance(n.run, fx.GraphModule) else None
+            if drawn:
+                raise GraphError(f"unit {n.name!r} draws random numbers ({drawn}): a plan would draw others than "
+                                 "the model (another order, other threads), so opsched does not plan models "
+                                 "that draw them; the model itself answers")
         self.graph = graph
         self.schedule = schedule
         if schedule.options.get("regions"):
@@ -74,8 +90,16 @@ class OptimizedModule(torch.nn.Module):
         self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu \
             and packs_graph(graph) else None
 
+        self.guard = guard
+
     def forward(self, *inputs: Any) -> Any:
         flat = pytree.tree_leaves(inputs)
+        if self.guard is not None:
+            self.guard.check(flat)
+        return self.run(flat)
+
+    def run(self, flat: list[Any]) -> Any:
+        """Run the plan on the flat list of inputs, unchecked: for a caller that has checked the guard itself."""
         if len(flat) != len(self.graph.inputs):
             raise GraphError(f"{self.graph.name} takes {len(self.graph.inputs)} input tensors, got {len(flat)}")
         outputs = self.executor(*flat)
@@ -98,7 +122,9 @@ def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
     capture it with (the schedule must have been made for that same graph).
 
     ``device`` is where it runs, ``cpu`` or ``cuda``; by default the device the schedule was made for
-    (``cpu`` for a plan made for a simulated GPU or a table of latencies). The model's weights and the
+    (``cpu`` for a plan made for a simulated GPU or a table of latencies). With ``example_inputs``, the module
+    refuses calls of another signature, and with the model, calls after its weights changed (see
+    :class:`OptimizedModule`; ``opsched.optimize`` hands back a module that rebuilds instead). The model's weights and the
     inputs must already be there: a plan made for CUDA is never replayed on the CPU behind the caller's
     back. ``cuda_graph`` replays the whole program as one CUDA graph; ``operator`` gives the callable of
     each run step (see :mod:`opsched.runtime.kernels`).
@@ -117,7 +143,9 @@ def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
         graph = capture(model_or_graph, tuple(example_inputs))
     _check_device([t for n in graph.nodes if isinstance(n.run, torch.nn.Module)
                    for t in (*n.run.parameters(), *n.run.buffers())], device, "the model's weights")
-    return OptimizedModule(graph, schedule, cores, operator, device=device, cuda_graph=cuda_graph)
+    guard = None if example_inputs is None else Guard.of(
+        pytree.tree_leaves(tuple(example_inputs)), None if isinstance(model_or_graph, Graph) else model_or_graph)
+    return OptimizedModule(graph, schedule, cores, operator, device=device, cuda_graph=cuda_graph, guard=guard)
 
 
 def _check_device(tensors: Sequence[Any], device: str, what: str) -> None:

@@ -69,7 +69,7 @@ _VIEW_AS = torch.ops.aten.view_as.default
 _ADDRESSING = {torch.ops.aten.as_strided.default, torch.ops.aten.as_strided_copy.default,
                torch.ops.aten.as_strided_scatter.default, torch.ops.aten._reshape_alias.default,
                torch.ops.aten.view.dtype, torch.ops.aten.view_as_complex.default}
-_LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_ADDRESSING}
+LAYOUT_BOUND = {*_RESHAPES, _VIEW_AS, *_ADDRESSING}  # what reads a value's strides, not only its values
 _CONV2D = torch.ops.aten.conv2d.default
 _CONVOLUTION = torch.ops.aten.convolution.default
 _RELUS = {torch.ops.aten.relu.default, torch.ops.aten.relu_.default, torch.relu, torch.nn.functional.relu}
@@ -135,7 +135,7 @@ class PackedUnit:
             raise ValueError("the unit addresses a value that did not own its storage at capture: see packs()")
         for value in dict.fromkeys(addressed.values()):
             with graph.inserting_after(value):
-                laid = graph.call_function(_laid_out, (value, _dim_order(value.meta["val"])))
+                laid = graph.call_function(laid_out, (value, capture_order(value)))
             value.replace_all_uses_with(laid, delete_user_cb=lambda user, laid=laid: user is not laid)
         for node in [n for n in graph.nodes if n.op == "call_function" and n.target in (*_RESHAPES, _VIEW_AS)]:
             if node.target is _VIEW_AS:
@@ -165,11 +165,14 @@ class PackedUnit:
             last = relu if fused else conv
             with graph.inserting_after(last):
                 packed = graph.get_attr(packed_name)
-                with graph.inserting_after(packed):
-                    x_cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
-                    with graph.inserting_after(x_cl):
-                        out = graph.call_function(_POINTWISE, (x_cl, packed, bias, padding, stride, dilation, groups,
-                                                               "relu" if fused else "none", [], ""))
+            with graph.inserting_after(packed):
+                x_cl = graph.call_method("contiguous", (x,), {"memory_format": torch.channels_last})
+            if bias is not None:  # oneDNN reads the bias as dense memory: a strided view of one would be misread
+                with graph.inserting_after(x_cl):
+                    bias = graph.call_method("contiguous", (bias,))
+            with graph.inserting_after(bias if bias is not None else x_cl):
+                out = graph.call_function(_POINTWISE, (x_cl, packed, bias, padding, stride, dilation, groups,
+                                                       "relu" if fused else "none", [], ""))
             last.replace_all_uses_with(out)
             graph.erase_node(last)
             if fused:
@@ -213,7 +216,13 @@ def _addressed_value(node: fx.Node) -> fx.Node | None:
     return None
 
 
-def _laid_out(value: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+def capture_order(node: fx.Node) -> tuple[int, ...]:
+    """The order of ``node``'s dimensions in memory as captured (outermost first): what :func:`laid_out`
+    takes."""
+    return _dim_order(node.meta["val"])
+
+
+def laid_out(value: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """``value`` dense in its own storage with its dimensions in ``order`` (outermost first), as capture laid
     it out; copied only where it is not so already."""
     if _owns_storage(value) and [d for d in _dim_order(value) if value.shape[d] != 1] == [
@@ -264,7 +273,7 @@ def packs(unit: Any) -> bool:
     (``as_strided``, a view as another dtype) one it can lay out as at capture."""
     if _POINTWISE is None or not isinstance(unit, fx.GraphModule):
         return False
-    if not any(n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION, *_LAYOUT_BOUND)
+    if not any(n.op == "call_function" and n.target in (_CONV2D, _CONVOLUTION, *LAYOUT_BOUND)
                for n in unit.graph.nodes):
         return False
     return _restorable(unit) and all(t.device.type == "cpu" for t in (*unit.parameters(), *unit.buffers()))

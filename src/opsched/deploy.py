@@ -1,0 +1,173 @@
+"""Plans across processes: :func:`save` writes every call signature an optimized module serves into one plan
+file, and :func:`load` (``opsched.load``) makes the optimized module again for a model built elsewhere (another
+process, another machine of the same kind), checking the plan against it.
+
+A plan file of ``opsched optimize`` is the chosen schedule of its first call signature (what ``opsched run``
+and ``opsched show`` read), with ``inputs`` (the call it was made for: each input's shape, strides, dtype),
+``build`` (the options more plans are made with) and ``signatures`` (each other call signature's inputs, its
+chosen configuration, its measured figures and its schedule)::
+
+    result = opsched.optimize(model, (x,), batch_sizes=[1, 8])
+    result.save("plan.json")
+    # elsewhere, with the same model class and weights:
+    fast = opsched.load("plan.json", model)
+
+For each signature :func:`load` captures the model on inputs of that signature, checks that the graph is the one
+the plan was made for (its fingerprint), compiles the schedule and verifies it against the model on those
+inputs; a plan for another model (or a PyTorch that captures it differently) is a
+:class:`~opsched.schedule.ScheduleError`, a plan that does not reproduce the model a
+:class:`~opsched.errors.VerificationError`. Nothing is timed again: the plan's choice stands, as measured where
+it was made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from opsched.errors import OpschedError, VerificationError, first_line
+from opsched.schedule import Schedule, ScheduleError
+from opsched.schedule import from_dict as schedule_from_dict
+from opsched.schedule import load as load_schedule
+
+# the options of opsched.optimize a plan file records, so that a loaded module makes more plans the same way
+BUILD_OPTIONS = ("method", "cost", "device", "kernels", "peers", "threads", "streams", "max_group_size",
+                 "max_groups", "max_block_size", "tolerance", "repeats", "cache", "cuda_graph", "name")
+
+
+def plan_file(module: Any) -> Schedule:
+    """The plan file of a :class:`~opsched.runtime.guarded.GuardedModule`: its first signature's schedule with
+    every signature it serves from the weights as they are (a plan built from weights that changed since is
+    written once rebuilt, at its signature's next call). Raises :class:`OpschedError` when no signature has a
+    verified schedule."""
+    from opsched.runtime.guards import inputs_record
+
+    changed = module.watch.changed()
+    if changed:
+        raise OpschedError(f"{changed} since the last call: call the module once (its plans are rebuilt), then save")
+    plans = [p for p in module.plans.values() if not p.stale]
+    with_schedule = [p for p in plans if p.schedule is not None]
+    if not with_schedule:
+        raise OpschedError("no call signature of this module has a verified schedule to save")
+    first = with_schedule[0]
+    doc = first.schedule.to_dict()
+    for key in ("inputs", "build", "signatures"):
+        doc.pop(key, None)
+    head = schedule_from_dict(doc)
+    head.inputs = inputs_record(pytree.tree_leaves(first.inputs))
+    head.build = {k: v for k, v in module.builder.options.items() if k in BUILD_OPTIONS}
+    head.signatures = [{"inputs": inputs_record(pytree.tree_leaves(p.inputs)), "chosen": p.chosen,
+                        "measured_ms": {n: round(ms, 4) for n, ms in p.measured_ms.items()}, "note": p.note,
+                        "plan": _plain(p.schedule)} for p in plans if p is not first]
+    return head
+
+
+def _plain(schedule: Schedule | None) -> dict[str, Any] | None:
+    if schedule is None:
+        return None
+    doc = schedule.to_dict()
+    for key in ("inputs", "build", "signatures"):
+        doc.pop(key, None)
+    return doc
+
+
+def save(module: Any, path: str | Path) -> None:
+    """Write ``module``'s plan file (see :func:`plan_file`) to ``path``, whole or not at all."""
+    plan_file(module).save(path)
+
+
+def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait: bool = False,
+         max_plans: int = 8, tolerance: float | None = None,
+         say: Callable[[str], Any] | None = None) -> Any:
+    """The optimized module of the plan file at ``path`` for ``model`` (in eval mode, on the plan's device),
+    built in this process: a :class:`~opsched.runtime.guarded.GuardedModule` serving every signature the file
+    holds, making plans for new ones as ``opsched.optimize`` would (``strict``, ``wait``, ``max_plans`` as
+    there). See the module's docstring for what is checked."""
+    from opsched.jobs import OptimizeBuilder
+    from opsched.runtime.guarded import GuardedModule, say_on_stderr
+
+    head = load_schedule(path)
+    if head.kind != "schedule":
+        raise ScheduleError(f"{path}: opsched.load takes a plan of opsched optimize; this one is a {head.kind}'s "
+                            "(run it with opsched run)")
+    if head.inputs is None:
+        raise ScheduleError(f"{path}: the plan does not record the call it was made for (written before plan "
+                            "files held their inputs): make it again with opsched optimize")
+    if not isinstance(model, torch.nn.Module):
+        raise OpschedError(f"opsched.load needs the model as a torch.nn.Module, got {type(model).__name__}")
+    model.eval()
+    options = {k: v for k, v in (head.build or {}).items() if k in BUILD_OPTIONS}
+    if tolerance is not None:
+        options["tolerance"] = tolerance
+    builder = OptimizeBuilder(options)
+    entries = [(head.inputs, head.options.get("chosen", {}).get("name", head.method),
+                head.options.get("measured_ms", {}), "", head)]
+    for k, sig in enumerate(head.signatures):
+        if not isinstance(sig, dict) or not isinstance(sig.get("inputs"), list):
+            raise ScheduleError(f"{path}: signature {k} does not record its inputs")
+        schedule = schedule_from_dict(sig["plan"], f"{path} (signature {k})") if sig.get("plan") else None
+        entries.append((sig["inputs"], str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
+                        str(sig.get("note", "")), schedule))
+    plans = [_loaded_plan(path, model, builder, *entry, options) for entry in entries]
+    return GuardedModule(model, builder, plans, strict=strict, wait=wait, max_plans=max(max_plans, len(plans)),
+                         say=say or say_on_stderr)
+
+
+def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record: list, chosen: str,
+                 measured_ms: dict[str, float], note: str, schedule: Schedule | None, options: dict) -> Any:
+    """One signature's plan, made for ``model`` and verified; a peer's (other than eager) is marked stale, so
+    that its first call makes it again."""
+    from opsched.runtime.guarded import Plan
+    from opsched.runtime.guards import call_signature, describe, example_inputs
+
+    try:
+        flat = example_inputs(record)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ScheduleError(f"{path}: the inputs it records cannot be made ({e})") from None
+    inputs = tuple(flat)
+    signature = call_signature(flat)
+    runs_schedule = schedule is not None and chosen == schedule.options.get("measured_as")
+    if not runs_schedule:
+        return Plan(signature, inputs, None, chosen, schedule, measured_ms, note, stale=chosen != "eager")
+    try:
+        module, verdict = recompile(model, inputs, schedule, options, str(path))
+    except ScheduleError:
+        raise
+    except Exception as e:
+        raise VerificationError(f"{path}: this model cannot run the call the plan was made for "
+                                f"({describe(signature)}): {first_line(e)}") from e
+    if not verdict.ok:
+        raise VerificationError(f"{path} does not reproduce this model: {verdict.why} (are these the weights "
+                                "the plan was made for, in eval mode?)")
+    return Plan(signature, inputs, module, chosen, schedule, measured_ms, note)
+
+
+def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options: dict[str, Any],
+              source: str = "the plan") -> tuple[Any, Any]:
+    """``schedule`` compiled for ``model`` captured on ``inputs`` (the weights as they are now), and its
+    verification against the model on those inputs. Raises :class:`ScheduleError` when the captured graph is
+    not the one the schedule was made for."""
+    from opsched.evaluation import verify
+    from opsched.graph.capture import capture
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.guards import Guard
+    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.module import OptimizedModule
+
+    graph = capture(model, inputs, name=options.get("name"))
+    if graph.fingerprint != schedule.fingerprint:
+        raise ScheduleError(f"{source} was made for another model, or a PyTorch that captures it differently: its "
+                            f"graph {schedule.graph_name} has fingerprint {schedule.fingerprint}, this model's "
+                            f"{graph.name} has {graph.fingerprint} (torch {torch.__version__})")
+    flat = pytree.tree_leaves(inputs)
+    kernels = schedule.options.get("kernels", "eager")
+    operator = operator_for(kernels, all_values(graph, flat).__getitem__ if kernels != "eager" else None)
+    cores = options.get("threads") or torch.get_num_threads()
+    device = schedule.device if schedule.device in ("cpu", "cuda") else "cpu"
+    module = OptimizedModule(graph, schedule, cores, operator, device=device,
+                             cuda_graph=bool(schedule.options.get("cuda_graph")), guard=Guard.of(flat, model))
+    return module, verify(module, model, inputs, options.get("tolerance"))

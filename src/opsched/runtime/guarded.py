@@ -1,0 +1,278 @@
+"""What ``opsched.optimize`` and ``opsched.load`` hand back: the model's calls served by a plan per call
+signature, behind guards, and answered by the model itself wherever no plan serves.
+
+On each call, :class:`GuardedModule`
+
+1. looks at the model's weights (:class:`~opsched.runtime.guards.WeightWatch`): when one changed, every plan
+   built from the old weights is dropped and rebuilt from the new ones (its schedule kept: the model is captured
+   again, the same schedule compiled and verified; a plan that chose a peer is made again whole);
+2. computes the call's signature (:func:`~opsched.runtime.guards.call_signature`) and runs the plan made for it;
+3. for a signature no plan serves: answers with the model itself, exactly, and builds a plan for it in the
+   background through the same runner as the first (captured, scheduled, verified, timed against eager, one build
+   at a time, a line said when it starts and ends), used from the next matching call on. ``wait=True`` builds it
+   before answering; ``strict=True`` raises :class:`~opsched.errors.SignatureMismatch` naming what differs.
+
+Calls under autocast and calls on a model in training mode are answered by the model itself (plans are made for
+eval mode without autocast), as are calls that need gradients through an input (a plan runs in inference mode
+and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
+
+Builds run on a private copy of the model (``copy.deepcopy``, shared by builds while the weights stay the
+same), so that capturing it never disturbs calls answered by the model meanwhile; a model that cannot be copied
+is built from itself, and its calls wait while it is captured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from opsched.errors import OpschedError, SignatureMismatch, first_line
+from opsched.runtime.guards import WeightWatch, call_signature, cloned, describe, difference
+
+
+def say_on_stderr(text: str) -> None:
+    print(f"opsched: {text}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Plan:
+    """What serves one call signature: ``module`` (a compiled plan or a peer's callable; None where the model
+    itself answers, because eager was chosen or nothing verified, as ``note`` says), the configuration
+    ``chosen`` and its ``schedule`` (the best verified one, kept to rebuild after a weight change), the
+    ``measured_ms`` of every configuration, and the example ``inputs`` it was made with."""
+
+    signature: tuple
+    inputs: tuple
+    module: Callable[..., Any] | None
+    chosen: str
+    schedule: Any = None
+    measured_ms: dict[str, float] = field(default_factory=dict)
+    note: str = ""
+    stale: bool = False  # built from weights that have changed since: rebuilt at its signature's next call
+
+    def summary(self) -> str:
+        line = f"{describe(self.signature)}: {self.chosen}"
+        if self.measured_ms:
+            line += " (" + ", ".join(f"{n} {ms:.3g} ms" for n, ms in self.measured_ms.items()) + ")"
+        return line + (f"; {self.note}" if self.note else "")
+
+
+class PlanBuilder:
+    """How a :class:`GuardedModule` makes plans: :meth:`build` a new one for a model (a private copy) and
+    example inputs, :meth:`rebuild` one whose weights changed. See :class:`opsched.jobs.OptimizeBuilder`."""
+
+    def build(self, model: torch.nn.Module, inputs: tuple) -> Plan:
+        raise NotImplementedError
+
+    def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
+        raise NotImplementedError
+
+
+class GuardedModule(torch.nn.Module):
+    """``model``'s calls, each served by the plan made for its signature (see the module's docstring).
+    ``plans`` are those already made (from ``opsched.optimize`` or a plan file); ``builder`` makes more.
+
+    ``say`` receives the progress lines (default: stderr, prefixed ``opsched:``)."""
+
+    def __init__(self, model: torch.nn.Module, builder: PlanBuilder, plans: Sequence[Plan] = (), *,
+                 strict: bool = False, wait: bool = False, max_plans: int = 8,
+                 say: Callable[[str], Any] = say_on_stderr):
+        super().__init__()
+        if max_plans < 1:
+            raise OpschedError(f"max_plans must be at least 1, got {max_plans}")
+        object.__setattr__(self, "model", model)  # not a submodule: its state_dict stays the model's own
+        self.builder, self.strict, self.wait, self.max_plans, self.say = builder, strict, wait, max_plans, say
+        self.watch = WeightWatch(model)
+        self.plans: OrderedDict[tuple, Plan] = OrderedDict()
+        for plan in plans:
+            self._keep(plan)
+        self._lock = threading.RLock()
+        self._pending: dict[tuple, Future] = {}
+        self._builds: ThreadPoolExecutor | None = None
+        # the model's copy that builds capture, and the generation of weights it was copied in
+        self._private: tuple[int, torch.nn.Module] | None = None
+        self._generation = 0  # counts the weight changes seen: a build from older weights is not kept
+        self._model_lock = threading.Lock()  # held while a model that cannot be copied is captured
+
+    def forward(self, *inputs: Any) -> Any:
+        flat = pytree.tree_leaves(inputs)
+        changed = self.watch.changed()
+        if changed:
+            if self.watch.in_training():
+                return self._refused(inputs, changed)
+            self._weights_changed(changed)
+        signature = call_signature(flat)
+        plan = self.plans.get(signature)
+        if plan is not None and not plan.stale:
+            if plan.module is None:  # eager chosen, or nothing verified: the model answers
+                return self._model_answers(inputs)
+            with contextlib.suppress(KeyError):  # dropped by a build finishing meanwhile: it still answers
+                self.plans.move_to_end(signature)
+            return plan.module.run(flat) if hasattr(plan.module, "run") else plan.module(*inputs)
+        inputs_of, autocast, _ = signature
+        if autocast:
+            return self._refused(inputs, difference(signature, (inputs_of, (), signature[2])))
+        if any(len(s) == 5 and s[4] for s in inputs_of):
+            return self._refused(inputs, "an input asks for gradients, which a plan does not give (it runs in "
+                                         "inference mode)")
+        if signature in self._pending:
+            return self._model_answers(inputs)
+        if plan is not None:  # stale: rebuilt from the new weights, before answering where asked to wait
+            why = "the weights changed since its plan was built"
+        elif self.plans:
+            why = difference(signature, next(reversed(self.plans)))
+        else:
+            why = "no plan yet"
+        if plan is None and self.strict:
+            raise SignatureMismatch(f"{why}; pass batch_sizes=[...] to opsched.optimize, or strict=False")
+        if self.wait or self.strict:
+            self._build_now(signature, inputs)
+            return self.forward(*inputs)
+        self._build_later(signature, inputs, why)
+        return self._model_answers(inputs)
+
+    def _refused(self, inputs: tuple, why: str) -> Any:
+        """A call no plan is made for (autocast, gradients, training mode): the model answers, or with
+        ``strict`` the call is refused."""
+        if self.strict:
+            raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
+        return self._model_answers(inputs)
+
+    def _model_answers(self, inputs: tuple) -> Any:
+        if self._private is not None and self._private[1] is self.model:  # being captured now, perhaps
+            with self._model_lock:
+                return self.model(*inputs)
+        return self.model(*inputs)
+
+    def _weights_changed(self, what: str) -> None:
+        with self._lock:
+            self._generation += 1
+            self._private = None
+            self.watch.update()
+            stale = [p for p in self.plans.values() if not p.stale and (p.module is not None or p.schedule is not None)]
+            for plan in stale:
+                plan.stale = True
+            if stale:
+                self.say(f"{what}: {len(stale)} plan(s) will be rebuilt from the new weights")
+
+    def _private_model(self, generation: int) -> torch.nn.Module:
+        """The copy of the model to build from, copied once the weights of ``generation`` were seen (so never
+        older than those: a copy made before a change is not used after it)."""
+        with self._lock:
+            if self._private is not None and self._private[0] == generation:
+                return self._private[1]
+        try:
+            private = copy.deepcopy(self.model).eval()
+        except Exception:  # noqa: BLE001 - a model that cannot be copied is built from itself, under a lock
+            private = self.model
+        with self._lock:
+            if generation == self._generation:
+                self._private = (generation, private)
+        return private
+
+    def _make(self, signature: tuple, inputs: tuple, generation: int) -> Plan:
+        """Build (or rebuild) the plan for ``signature`` from the weights of ``generation``."""
+        old = self.plans.get(signature)
+        model = self._private_model(generation)
+        with self._model_lock if model is self.model else contextlib.nullcontext():
+            try:
+                plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
+                    self.builder.build(model, inputs)
+            except Exception as e:  # noqa: BLE001 - the model keeps answering; said once, not retried
+                plan = Plan(signature, inputs, None, "eager", note=f"no plan: {first_line(e)}")
+        plan.signature = signature
+        with self._lock:
+            if generation == self._generation:
+                self._keep(plan)
+            else:  # the weights changed while it was built: keep its schedule, rebuild at the next call
+                plan.stale = True
+                self._keep(plan)
+        return plan
+
+    def _keep(self, plan: Plan) -> None:
+        self.plans[plan.signature] = plan
+        self.plans.move_to_end(plan.signature)
+        while len(self.plans) > self.max_plans:
+            _, dropped = self.plans.popitem(last=False)
+            self.say(f"dropped the plan for {describe(dropped.signature)}, the least recently used "
+                     f"(max_plans={self.max_plans})")
+
+    def _build_now(self, signature: tuple, inputs: tuple) -> None:
+        self.say(f"building a plan for {describe(signature)} ...")
+        self.say(self._made(self._make(signature, _copied(inputs), self._generation)))
+
+    @staticmethod
+    def _made(plan: Plan) -> str:
+        if plan.module is None:
+            return f"for {describe(plan.signature)}: the model itself answers ({plan.note})"
+        return f"plan ready for {plan.summary()}"
+
+    def _build_later(self, signature: tuple, inputs: tuple, why: str) -> None:
+        with self._lock:
+            if signature in self._pending:
+                return
+            if self._builds is None:
+                self._builds = ThreadPoolExecutor(1, thread_name_prefix="opsched-build")
+            self.say(f"{why}: the model answers while a plan for {describe(signature)} is built in the background")
+            copied, generation = _copied(inputs), self._generation
+            self._pending[signature] = self._builds.submit(self._background, signature, copied, generation)
+
+    def _background(self, signature: tuple, inputs: tuple, generation: int) -> None:
+        try:
+            self.say(self._made(self._make(signature, inputs, generation)))
+        finally:
+            with self._lock:
+                self._pending.pop(signature, None)
+
+    def prepare(self, *inputs: Any) -> Plan:
+        """Build the plan for a call with ``inputs`` now (unless one serves it already) and return it."""
+        signature = call_signature(pytree.tree_leaves(inputs))
+        plan = self.plans.get(signature)
+        if plan is None or plan.stale:
+            self._build_now(signature, inputs)
+        return self.plans[signature]
+
+    def save(self, path: Any) -> None:
+        """Write every call signature's plan to one plan file (``opsched.load`` reads it; see
+        :mod:`opsched.deploy`)."""
+        from opsched.deploy import save
+
+        save(self, path)
+
+    def wait_for_builds(self, timeout: float | None = None) -> None:
+        """Wait until the plans being built in the background are ready."""
+        with self._lock:
+            pending = list(self._pending.values())
+        for future in pending:
+            future.result(timeout)
+
+    def refresh(self) -> None:
+        """Rebuild every plan from the weights as they are now: after writes the version counters do not see
+        (through ``tensor.data``)."""
+        self._weights_changed("refresh() asked")
+
+    def close(self) -> None:
+        """Wait for the builds under way, and end the plans' worker threads."""
+        if self._builds is not None:
+            self._builds.shutdown(wait=True)
+            self._builds = None
+        for plan in self.plans.values():
+            if hasattr(plan.module, "close"):
+                plan.module.close()
+
+    def extra_repr(self) -> str:
+        return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
+
+
+def _copied(inputs: tuple) -> tuple:
+    return tuple(pytree.tree_map(cloned, list(inputs)))

@@ -1,0 +1,243 @@
+"""What a plan assumes about its calls, checked on every call, as torch.compile's guards are.
+
+A plan is made for one *call signature*: the number and kind of its inputs, each tensor's shape, strides,
+dtype and device, the caller's autocast state and deterministic-algorithms setting, and whether the caller asks
+for gradients through an input (plans run in inference mode and give none). It also rests on the model's
+weights as they were when it was built (batch norms folded into convolutions, weights reordered for the
+packed kernels, regions compiled), and on the model being in eval mode. :func:`call_signature` is the first,
+computed per call in a few microseconds; :class:`WeightWatch` the second: each parameter's and buffer's
+identity, version counter and storage, so that ``load_state_dict`` (also ``assign=True``), an in-place update
+under ``torch.no_grad()``, an optimizer step, ``.to(dtype)``, ``.double()`` or ``.half()`` is seen at the next
+call. A write through ``tensor.data`` bypasses PyTorch's version counter and is not seen: call
+``refresh()`` on the optimized module after one.
+
+>>> import torch
+>>> a, b = call_signature([torch.zeros(2, 3)]), call_signature([torch.zeros(3, 3)])
+>>> difference(b, a)
+'input 0: batch 3, plan made for 2'
+>>> model = torch.nn.Linear(3, 3).eval()
+>>> watch = WeightWatch(model)
+>>> with torch.no_grad():
+...     _ = model.weight.mul_(2)
+>>> watch.changed()
+'weight changed (updated in place)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from opsched.errors import SignatureMismatch, StaleWeights
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def modes() -> tuple:
+    """The caller's thread state a plan depends on: autocast per device type (and its dtype) and the
+    deterministic-algorithms setting."""
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES if torch.is_autocast_enabled(d))
+    return autocast, torch.are_deterministic_algorithms_enabled()
+
+
+def call_signature(flat: Sequence[Any]) -> tuple:
+    """The signature of a call with the flat list of inputs ``flat``: hashable, equal for two calls exactly
+    when one plan serves both."""
+    grad = torch.is_grad_enabled()
+    return (tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
+                  if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat), *modes())
+
+
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def describe(signature: tuple) -> str:
+    """A signature in words, e.g. ``input 0 (2, 3, 224, 224) float32``."""
+    inputs, autocast, deterministic = signature
+    parts = [f"input {i} " + (f"{tuple(s[0])} {_dtype_name(s[2])}" if len(s) == 5 else repr(s[1]))
+             for i, s in enumerate(inputs)]
+    if autocast:
+        parts.append(f"autocast {_autocast_words(autocast)}")
+    if deterministic:
+        parts.append("deterministic algorithms")
+    return ", ".join(parts) or "no inputs"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _autocast_words(autocast: tuple) -> str:
+    return ", ".join(f"{device} {_dtype_name(dtype)}" for device, dtype in autocast)
+
+
+def difference(got: tuple, want: tuple) -> str:
+    """What differs between a call's signature ``got`` and a plan's ``want``, in words: the first difference,
+    e.g. ``input 0: batch 3, plan made for 2``."""
+    inputs, autocast, deterministic = got
+    planned, planned_autocast, planned_deterministic = want
+    if len(inputs) != len(planned):
+        return f"{len(inputs)} inputs, plan made for {len(planned)}"
+    for i, (a, b) in enumerate(zip(inputs, planned)):
+        if a == b:
+            continue
+        if len(a) != len(b):
+            return f"input {i}: a {'tensor' if len(a) == 5 else type(a[1]).__name__}, plan made for " \
+                   f"{'a tensor' if len(b) == 5 else repr(b[1])}"
+        if len(a) == 2:
+            return f"input {i}: {a[1]!r}, plan made for {b[1]!r}"
+        shape, stride, dtype, device, _ = a
+        if shape != b[0]:
+            if len(shape) == len(b[0]) and shape[1:] == b[0][1:]:
+                return f"input {i}: batch {shape[0]}, plan made for {b[0][0]}"
+            return f"input {i}: shape {tuple(shape)}, plan made for {tuple(b[0])}"
+        if dtype != b[2]:
+            return f"input {i}: {_dtype_name(dtype)}, plan made for {_dtype_name(b[2])}"
+        if device != b[3]:
+            return f"input {i}: on {device}, plan made for {b[3]}"
+        if stride != b[1]:
+            return f"input {i}: strides {stride}, plan made for {b[1]} (another memory layout)"
+        return f"input {i}: asks for gradients, which a plan does not give (it runs in inference mode)"
+    if autocast != planned_autocast:
+        now = f"autocast on ({_autocast_words(autocast)})" if autocast else "autocast off"
+        return now + (f", plan made under autocast ({_autocast_words(planned_autocast)})" if planned_autocast
+                      else ", plan made with it off")
+    if deterministic != planned_deterministic:
+        return f"deterministic algorithms {'on' if deterministic else 'off'}, plan made with them " \
+               f"{'on' if planned_deterministic else 'off'}"
+    return "nothing"
+
+
+class WeightWatch:
+    """The parameters and buffers of ``models`` as they are now; :meth:`changed` says, in words, what changed
+    since (or None), at the cost of a look at each tensor's identity, version counter and storage (about 0.15
+    µs a tensor), and whether a module that was in eval mode left it."""
+
+    def __init__(self, *models: torch.nn.Module):
+        self.models = models
+        self.slots = [(table, name, f"{path}.{name}" if path else name)
+                      for model in models for path, module in model.named_modules()
+                      for table in (module._parameters, module._buffers)
+                      for name, value in table.items() if value is not None]
+        # the modules in eval mode now (a container such as a model batch may not be: its models are)
+        self.evaluating = [(path, module) for model in models for path, module in model.named_modules()
+                           if not module.training]
+        self.tables = [table for table, *_ in self.slots]
+        self.names = [name for _, name, *_ in self.slots]
+        self.update()
+
+    def update(self) -> None:
+        """Take the weights as they are now as the ones plans are built from."""
+        self.tensors = list(map(dict.get, self.tables, self.names))
+        self.versions = [t._version for t in self.tensors]
+        self.storages = [t.data_ptr() for t in self.tensors]
+
+    def changed(self) -> str | None:
+        """What changed since :meth:`update`, in words, or None."""
+        training = self.in_training()
+        if training:
+            return training
+        tensors = list(map(dict.get, self.tables, self.names))
+        if any(a is not b for a, b in zip(tensors, self.tensors)):
+            return self._which(tensors, "replaced (load_state_dict(assign=True) or a new tensor)")
+        if [t._version for t in tensors] != self.versions:
+            return self._which([t._version for t in tensors], "updated in place", self.versions)
+        if [t.data_ptr() for t in tensors] != self.storages:
+            return self._which([t.data_ptr() for t in tensors], "moved to new storage (.to(), .double(), .data =)",
+                               self.storages)
+        return None
+
+    def in_training(self) -> str | None:
+        """Which module left eval mode, in words, or None."""
+        for path, module in self.evaluating:
+            if module.training:
+                return f"{path or type(module).__name__} is in training mode (plans are made for eval mode)"
+        return None
+
+    def _which(self, now: list[Any], how: str, before: list[Any] | None = None) -> str:
+        before = self.tensors if before is None else before
+        for (_, _, path), a, b in zip(self.slots, now, before):
+            if a is not b if before is self.tensors else a != b:
+                return f"{path} changed ({how})"
+        return f"a weight changed ({how})"
+
+
+class Guard:
+    """A plan's guard: the call ``signature`` it was made for and the ``weights`` (a :class:`WeightWatch`, or
+    None where no model is known) it was built from."""
+
+    def __init__(self, signature: tuple, weights: WeightWatch | None = None):
+        self.signature, self.weights = signature, weights
+
+    @classmethod
+    def of(cls, flat: Sequence[Any], model: torch.nn.Module | None = None) -> Guard:
+        """The guard of a plan made now for a call with ``flat`` inputs, from ``model``'s weights."""
+        return cls(call_signature(flat), WeightWatch(model) if isinstance(model, torch.nn.Module) else None)
+
+    def check(self, flat: Sequence[Any]) -> None:
+        """Raise :class:`~opsched.errors.SignatureMismatch` or :class:`~opsched.errors.StaleWeights` unless the
+        plan serves a call with ``flat`` inputs."""
+        signature = call_signature(flat)
+        if signature != self.signature:
+            raise SignatureMismatch(f"{difference(signature, self.signature)}; compile a plan for this call, or "
+                                    "use the module opsched.optimize returns, which makes one")
+        changed = self.weights.changed() if self.weights is not None else None
+        if changed:
+            raise StaleWeights(f"{changed} since this plan was built: compile it again, or use the module "
+                               "opsched.optimize returns, which follows the weights")
+
+
+def cloned(value: Any) -> Any:
+    """A copy of an input to build a plan with later (the caller may overwrite its own), with the same
+    strides where the tensor's layout can be copied (an expanded tensor's cannot: it is kept as it is)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = value.detach().clone()
+    return copy if copy.stride() == value.stride() else value.detach()
+
+
+def inputs_record(flat: Sequence[Any]) -> list[dict[str, Any]]:
+    """The inputs of a call as a plan file records them: each tensor's shape, strides, dtype and device, each
+    other value as it is (JSON) or its repr."""
+    record = []
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            record.append({"shape": list(t.shape), "stride": list(t.stride()), "dtype": _dtype_name(t.dtype),
+                           "device": str(t.device)})
+        else:
+            record.append({"value": t if isinstance(t, (int, float, bool, str, type(None))) else repr(t)})
+    return record
+
+
+def example_inputs(record: Sequence[Any], seed: int = 0) -> list[Any]:
+    """Inputs of the call ``record`` describes (see :func:`inputs_record`): random normal floats, zeros for
+    integers and booleans. Raises TypeError or ValueError for a record that describes no call."""
+    generator = torch.Generator().manual_seed(seed)
+    flat = []
+    for entry in record:
+        if not isinstance(entry, dict):
+            raise TypeError(f"an input must be described by an object, got {entry!r}")
+        if "value" in entry:
+            flat.append(entry["value"])
+            continue
+        dtype = getattr(torch, str(entry.get("dtype")), None)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"unknown dtype {entry.get('dtype')!r}")
+        shape, stride = entry.get("shape"), entry.get("stride")
+        if not (isinstance(shape, list) and isinstance(stride, list) and len(shape) == len(stride)
+                and all(isinstance(n, int) and n >= 0 for n in shape + stride)):
+            raise ValueError(f"bad shape {shape!r} or strides {stride!r}")
+        t = torch.empty_strided(shape, stride, dtype=dtype)
+        if dtype.is_floating_point or dtype.is_complex:
+            values = torch.randn(shape, generator=generator).to(dtype)
+        else:
+            values = torch.zeros(shape, dtype=dtype)
+        flat.append(t.copy_(values).to(entry.get("device", "cpu")))
+    return flat
