@@ -4,10 +4,13 @@ plan's call unchecked, which is what the plan's ``forward`` did before the guard
 Three configurations of each model's plan, timed in interleaved rounds (each round: ``--calls`` calls of each,
 in turn; the figure is the median over rounds of the mean call):
 
-- ``unchecked``: ``module.run(flat)``, the forward of an OptimizedModule before the guards (flatten, run);
+- ``unchecked``: the OptimizedModule with no guard, called as before the guards (flatten, run);
 - ``guarded plan``: ``module(x)``, the OptimizedModule with its guard (signature, weights, modes);
 - ``optimize's module``: the GuardedModule ``opsched.optimize`` hands back (the weights watched, the signature
   looked up among its plans, the plan run unchecked).
+
+The guard's own cost is also timed alone (``check_us``: the plan's guard, and for one model the look at the
+weights optimize's module adds), free of the noise of the calls around it.
 
 Models: ResNet-18 and SqueezeNet 1.1 at batch 1 (224 px), and 16 LeNet-5 run as one fused graph
 (``opsched.optimize_batch``, whose module is the guarded plan). Each model's plan is the schedule
@@ -18,6 +21,7 @@ the same for every schedule).
 """
 
 import argparse
+import copy
 import json
 import time
 from pathlib import Path
@@ -47,6 +51,7 @@ def one_model(name: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
     if plan.module is None:  # eager was chosen: optimize's module would call the model; time the plan instead
         plan.module = module
     return {"case": name, "chosen": result.chosen, "plan": plan.schedule.options["measured_as"],
+            "check_us": check_us(lambda: module.guard.check([x]), lambda: fast.watch.changed()),
             "configurations": {"unchecked": _unchecked(module, (x,)), "guarded plan": lambda: module(x),
                                "optimize's module": lambda: fast(x)}}
 
@@ -59,12 +64,33 @@ def ensemble(count: int = 16) -> dict:
     plan = result.plan()
     module = result.outcome.modules[plan.options["measured_as"]]
     inputs = tuple(result.fusion.batch.inputs)
+    flat = pytree.tree_leaves(inputs)
     return {"case": f"{count} LeNet-5, one fused graph", "chosen": result.chosen, "plan": plan.options["measured_as"],
+            "check_us": check_us(lambda: module.guard.check(flat)),
             "configurations": {"unchecked": _unchecked(module, inputs), "guarded plan": lambda: module(*inputs)}}
 
 
 def _unchecked(module, inputs):
-    return lambda: module.run(pytree.tree_leaves(inputs))
+    """The plan's call as it was before the guards: a shallow copy of the module (the same executor) with no
+    guard, called as the model is (nn.Module's call, flatten, run)."""
+    bare = copy.copy(module)
+    bare.guard = None
+    return lambda: bare(*inputs)
+
+
+def check_us(*checks) -> list[float]:
+    """Microseconds per call of each check alone (the plan's guard; optimize's module's look at the weights):
+    the median of 7 runs of 2,000 calls."""
+    figures = []
+    for check in checks:
+        runs = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(2000):
+                check()
+            runs.append((time.perf_counter() - start) / 2000 * 1e6)
+        figures.append(round(sorted(runs)[3], 2))
+    return figures
 
 
 def timed(configurations: dict, rounds: int, calls: int) -> dict[str, list[float]]:
@@ -105,7 +131,7 @@ def main() -> None:
                 row["over_unchecked"][name] = {"ratio": round(ratio, 4), "interval_99": [round(low, 4), round(high, 4)],
                                                "extra_us": round((medians[name] - medians["unchecked"]) * 1e3, 1)}
         rows.append(row)
-        print(f"{row['case']}: unchecked {medians['unchecked']:.3f} ms; " + "; ".join(
+        print(f"{row['case']}: the guard alone {row['check_us'][0]:.1f} us; unchecked {medians['unchecked']:.3f} ms; " + "; ".join(
             f"{n} {v['ratio']:.3f}x (99% {v['interval_99'][0]:.3f}-{v['interval_99'][1]:.3f}, {v['extra_us']:+.1f} us)"
             for n, v in row["over_unchecked"].items()))
     with Path(args.out).open("a") as f:

@@ -268,3 +268,24 @@ def test_bench_writes_csv_markdown_and_plots(capsys, tmp_path):
     doc = json.loads(stdout)
     assert doc["rows"] == 2 and (out / "results.csv").exists() and (out / "results.md").exists()
     assert (out / "search-time.png").exists()
+
+
+def test_optimize_batch_sizes_writes_every_signature_and_show_lists_them(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    code, out, err = run(capsys, "optimize", "squeezenet", "--image-size", "48", "--repeats", "2", "--batch-sizes",
+                         "1,3", "--out", str(plan))
+    assert code == 0, err
+    also = [line for line in out.splitlines() if line.startswith("also ")]
+    assert [line.split(":")[0] for line in also] == ["also       inputs (3, 3, 48, 48)"], out  # batch 1 is the plan's own
+    assert "building a plan for input 0 (3, 3, 48, 48) float32 ..." in err.splitlines(), err
+    code, out, err = run(capsys, "show", str(plan), "--json")
+    assert code == 0, err
+    rows = json.loads(out)["signatures"]
+    assert [r["inputs"][0][0] for r in rows] == [1, 3] and all(r["chosen"] in r["measured_ms"] for r in rows)
+    with pytest.raises(SystemExit) as refused:  # argparse's own refusal: one line, status 2
+        main(["optimize", "squeezenet", "--batch-sizes", "1,0"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "batch sizes must be positive" in err and len(err.strip().splitlines()) == 1
+    code, _, err = run(capsys, "optimize", "squeezenet", "--cost", "sim:v100", "--batch-sizes", "2",
+                       "--out", str(tmp_path / "y.json"))
+    assert code == 2 and "--batch-sizes makes measured plans" in err

@@ -252,6 +252,13 @@ def test_signature_differences_in_words():
     watch.update()
     model.to(torch.float64)
     assert "moved to new storage" in watch.changed()
+    norm = torch.nn.BatchNorm1d(2).eval()
+    watch = WeightWatch(norm)
+    norm._buffers["running_var"] = torch.ones(2)  # as Module._apply writes buffers: no registration hook
+    assert watch.changed().startswith("running_var changed (replaced")
+    watch.update()
+    norm.weight.data = torch.ones(2)  # the version counter does not move; the storage does
+    assert watch.changed().startswith("weight changed (moved to new storage")
 
 
 def test_saving_a_module_whose_weights_just_changed_is_refused(optimized, tmp_path):
@@ -477,3 +484,22 @@ def test_a_copy_taken_before_a_weight_change_is_never_built_from(monkeypatch):
         assert close(fast(x), model(x))
         assert next(iter(fast.plans.values())).module is not None
     fast.close()
+
+
+def test_the_modules_whose_mode_is_not_watched_never_read_it():
+    # the watch skips the mode of PyTorch's own modules whose forward never reads self.training: checked against
+    # their source, so that a PyTorch that adds one that does is caught here
+    import importlib
+    import inspect
+
+    from opsched.runtime import guards
+
+    for name in guards._MODE_FREE_MODULES:
+        module = importlib.import_module(name)
+        for cls_name, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, torch.nn.Module) and cls.__module__ == name and "training" in inspect.getsource(cls):
+                assert cls_name in guards._MODE_DEPENDENT, f"{name}.{cls_name} reads its mode"
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.Dropout(0.2), torch.nn.RReLU()).eval()
+    watch = WeightWatch(model)
+    model[2].train()
+    assert watch.changed() == "2 is in training mode (plans are made for eval mode)"

@@ -73,6 +73,17 @@ class _OneLineParser(argparse.ArgumentParser):
 _non_negative = _int_at_least(0, "an integer >= 0")
 
 
+def _batch_sizes(text: str) -> list[int]:
+    """``1,2,4,8``: positive integers, comma-separated."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected batch sizes such as 1,2,4,8, got {text!r}") from None
+    if any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
+    return sizes
+
+
 RUNNABLE_MODEL_HELP = ("a zoo name (inception_v3, squeezenet, nasnet, randwire, gpt-small-decode), "
                        "torchvision:NAME, timm:NAME or path/to/file.py:factory")
 MODEL_HELP = RUNNABLE_MODEL_HELP + ", a DAG JSON file (*.json), or gpt3-decode (GPT-3's units, for simulated devices)"
@@ -184,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "in isolation) and ONNX Runtime (when installed) beside eager; the choice (above the run's "
                         "noise) is recorded in the plan")
     p.add_argument("--streams", type=_non_negative, metavar="K", help="streams for lios and exact (default 8)")
+    p.add_argument("--batch-sizes", type=_batch_sizes, default=[], metavar="B,B,...",
+                   help="also make, verify and time a plan for each of these batch sizes (the example inputs "
+                        "repeated or cut); the plan file holds every one (opsched.load serves each, opsched show "
+                        "lists them)")
     _add_ios_options(p)
     _add_run_options(p)
     p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")

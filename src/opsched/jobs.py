@@ -89,15 +89,15 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
             raise OpschedError("batch_sizes needs measured costs: a simulated device runs nothing")
         return outcome
     from opsched.models.spec import rebatch
-    from opsched.runtime.guarded import GuardedModule
+    from opsched.runtime.guarded import GuardedModule, say_on_stderr
 
     builder = OptimizeBuilder({**options, "name": name})
     outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, tuple(example_inputs))],
                                     strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1))
+    outcome.guarded.say = say  # the job's own progress lines while it makes the batch sizes asked for
     for b in batch_sizes:
-        say(f"batch {b}: ...")
         outcome.guarded.prepare(*[rebatch(x, b) for x in example_inputs])
-    outcome.guarded.max_plans = max_plans
+    outcome.guarded.say, outcome.guarded.max_plans = say_on_stderr, max_plans
     return outcome
 
 

@@ -24,6 +24,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     model_spec = args.model or "inception_v3"
     simulated = check_options(args.cost, args.device, args.kernels, args.cuda_graph)  # before anything loads
+    if simulated and args.batch_sizes:
+        from opsched.errors import OpschedError
+
+        raise OpschedError("--batch-sizes makes measured plans; a simulated device (--cost sim:...) runs nothing")
     plan_path, gantt_path = output_paths(args, model_spec)
     loaded, graph, load_seconds, capture_seconds = load_and_capture(args, model_spec,
                                                                     args.device if not simulated else "cpu",
@@ -32,8 +36,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                        kernels=args.kernels, peers=args.peers, threads=args.threads, streams=args.streams,
                        max_group_size=args.max_group_size, max_groups=args.max_groups,
                        max_block_size=args.max_block_size, tolerance=args.tolerance, repeats=args.repeats,
-                       cache=not args.no_cache, cuda_graph=args.cuda_graph, graph=graph, say=say,
-                       progress=run_progress)
+                       cache=not args.no_cache, cuda_graph=args.cuda_graph, graph=graph,
+                       batch_sizes=args.batch_sizes, say=say, progress=run_progress)
     schedules = outcome.schedules
     requested = schedules[args.method]
     result: dict[str, Any] = {
@@ -47,6 +51,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plan = outcome.plan()
     if not simulated:
         result.update(measured_fields(outcome, plan))
+        from opsched.deploy import plan_file
+
+        plan = plan_file(outcome.guarded)  # with the call it was made for, and every other batch size's plan
+        result["signatures"] = signature_rows(plan)
     plan.save(plan_path)
     result["gantt"] = str(gantt_path)
     from opsched.report.gantt import merged_units, write_gantt
@@ -57,6 +65,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         _print(result, schedules)
     return result
+
+
+def signature_rows(plan) -> list[dict[str, Any]]:
+    """Each call signature a plan file holds: its inputs' shapes, the configuration chosen and its measured ms."""
+    rows = [{"inputs": [i.get("shape") for i in plan.inputs], "chosen": plan.options.get("chosen", {}).get("name"),
+             "measured_ms": plan.options.get("measured_ms", {})}]
+    rows += [{"inputs": [i.get("shape") for i in s["inputs"]], "chosen": s.get("chosen"),
+              "measured_ms": s.get("measured_ms", {})} for s in plan.signatures]
+    return rows
+
+
+def signature_text(row: dict[str, Any]) -> str:
+    """One call signature of a plan file in words: ``inputs (1, 3, 224, 224): ios 3.1 ms (eager 4.2 ms)``."""
+    shapes = ", ".join(str(tuple(s)) if s is not None else "a value" for s in row["inputs"])
+    measured = row.get("measured_ms", {})
+    chosen = row.get("chosen")
+    figure = f" {measured[chosen]:.3g} ms" if chosen in measured else ""
+    eager = f" (eager {measured['eager']:.3g} ms)" if "eager" in measured and chosen != "eager" else ""
+    return f"inputs {shapes}: {chosen}{figure}{eager}"
 
 
 def explain(schedule, graph, cost) -> str:
@@ -141,4 +168,6 @@ def _print(result: dict[str, Any], schedules) -> None:
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")
+    for row in result.get("signatures", [])[1:] if len(result.get("signatures", [])) > 1 else []:
+        print(f"also       {signature_text(row)}")
     print(f"gantt      {result['gantt']}")

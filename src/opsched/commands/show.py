@@ -34,6 +34,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "predicted_latency": plan.predicted_latency, "timeline": label,
               "gantt": args.gantt, "trace": args.trace}
     result["kind"] = plan.kind
+    if plan.inputs:
+        from opsched.commands.optimize import signature_rows, signature_text
+
+        result["signatures"] = signature_rows(plan)
     if mapping:
         result.update(devices=[d.name for d in mapping.devices], lower_bound=plan.bounds.get("lower_bound"),
                       optimal=mapping.optimal, transfers=len(mapping.transfers))
@@ -51,6 +55,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(f"bound       {result['lower_bound']:.4g} (lower bound; "
                   f"{'proven optimal' if result['optimal'] else 'not proven optimal'}), "
                   f"{count(result['transfers'], 'transfer')}")
+        for k, row in enumerate(result.get("signatures", [])):
+            print(f"{'signature' if k == 0 else '':<11} {signature_text(row)}" + (" (this plan)" if k == 0 else ""))
         for what, path in (("gantt", args.gantt), ("trace", args.trace)):
             if path:
                 print(f"{what:<11} {path}")
