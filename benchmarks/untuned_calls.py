@@ -3,7 +3,8 @@ at one call, then called at another batch, another sequence length or image size
 again at the first call; every answer compared with the model's own (opsched.compare), with the configuration
 that answered (a plan, or the model itself) and how long each new plan took to build.
 
-Models: Hugging Face BERT and GPT-2 (4 layers, random weights; other batch, other sequence length), torchvision's
+Models: Hugging Face BERT and GPT-2 (4 layers, random weights, GPT-2 with ``use_cache=False``: its cache object is
+no pytree torch.export can return; other batch, other sequence length), torchvision's
 DeepLabV3 (MobileNetV3-Large; another image size), and a model whose forward flattens by the batch it is called
 with (``x.view(x.shape[0], -1)``). Plans are built before answering (``wait=True``), through the same runner as
 the first. Needs ``transformers`` for the first two (left out without it).
@@ -48,7 +49,7 @@ def cases():
         bert = transformers.BertModel(transformers.BertConfig(num_hidden_layers=4, hidden_size=256,
                                                               num_attention_heads=4, intermediate_size=1024)).eval()
         yield "BERT (4 layers, hidden 256)", bert, ids(1, 32), [("batch 4", ids(4, 32)), ("sequence 48", ids(1, 48))]
-        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4)).eval()
+        gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=256, n_head=4, use_cache=False)).eval()
         yield "GPT-2 (4 layers, 256)", gpt2, ids(1, 32), [("batch 2", ids(2, 32)), ("sequence 40", ids(1, 40))]
     except ImportError:
         print("transformers is not installed: BERT and GPT-2 left out")

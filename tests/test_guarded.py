@@ -503,3 +503,23 @@ def test_the_modules_whose_mode_is_not_watched_never_read_it():
     watch = WeightWatch(model)
     model[2].train()
     assert watch.changed() == "2 is in training mode (plans are made for eval mode)"
+
+
+def test_attention_and_dropout_in_eval_mode_draw_nothing_and_in_training_mode_are_refused():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(x.shape[0], 8, 3, 2, 8).unbind(2)
+            p = 0.3 if self.training else 0.0
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            return torch.nn.functional.dropout(y, 0.1, training=self.training)
+
+    x = torch.randn(1, 8, 16)
+    for training, refused in ((False, None), (True, "scaled_dot_product_attention")):
+        model = Attention().train(training)
+        graph = opsched.graph.capture._group_units(torch.export.export(model, (x,)).module(), "a")
+        drawn = [opsched.graph.ops.draws_random(n.run) for n in graph.nodes]
+        assert next((d for d in drawn if d), None) == refused

@@ -179,21 +179,35 @@ def get_attr_value(node: fx.Node, root: torch.nn.Module) -> torch.Tensor:
     return obj
 
 
-_DROPOUTS = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout", "native_dropout")
-
-
 def draws_random(gm: fx.GraphModule) -> str | None:
     """The first operator of ``gm`` that draws random numbers (``randn_like``, ``bernoulli``, a dropout in
     training mode), by name; None where none does. A plan runs operators in another order than the model,
-    on other threads, with values in other layouts: it would draw other numbers."""
+    on other threads, with values in other layouts: it would draw other numbers. An operator that draws only
+    for a dropout it is told not to apply (``dropout(x, p, train=False)``, attention with ``dropout_p=0``, as
+    in eval mode) draws nothing."""
     for node in gm.graph.nodes:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
         if torch.Tag.nondeterministic_seeded not in target.tags:
             continue
-        name = target._overloadpacket.__name__
-        if name in _DROPOUTS and len(node.args) > 2 and node.args[2] is False:
-            continue  # a dropout in eval mode: the identity
-        return name
+        arguments = {a.name: a for a in target._schema.arguments}
+        if "train" in arguments or "training" in arguments:
+            if _argument(node, target, "train" if "train" in arguments else "training") is False:
+                continue
+        elif "dropout_p" in arguments and _argument(node, target, "dropout_p") == 0:
+            continue
+        return target._overloadpacket.__name__
+    return None
+
+
+def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:
+    """The value ``node`` passes for ``op``'s argument ``name``: given by position or keyword, or its default."""
+    for i, argument in enumerate(op._schema.arguments):
+        if argument.name == name:
+            if i < len(node.args) and not argument.kwarg_only:
+                return node.args[i]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return argument.default_value if argument.has_default_value() else None
     return None
