@@ -42,7 +42,7 @@ class Flatten(torch.nn.Module):
 def cases():
     """(name, model, first inputs, [(label, inputs), ...])."""
     torch.manual_seed(0)
-    ids = lambda b, n: (torch.randint(0, 1000, (b, n)),)  # noqa: E731
+    ids = lambda b, n: (torch.randint(0, 1000, (b, n)),)
     try:
         import transformers
 
@@ -55,7 +55,7 @@ def cases():
         print("transformers is not installed: BERT and GPT-2 left out")
     deeplab = torchvision.models.segmentation.deeplabv3_mobilenet_v3_large(weights=None, weights_backbone=None,
                                                                            aux_loss=False).eval()
-    image = lambda b, s: (torch.randn(b, 3, s, s),)  # noqa: E731
+    image = lambda b, s: (torch.randn(b, 3, s, s),)
     yield "DeepLabV3 MobileNetV3-Large", deeplab, image(1, 96), [("batch 2", image(2, 96)), ("128 px", image(1, 128))]
     yield "flatten by batch", Flatten().eval(), image(2, 32), [("batch 5", image(5, 32)), ("batch 1", image(1, 32))]
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError
 
 # method name -> (scheduler, options): IOS's variants as in its Fig. 6
@@ -73,7 +74,7 @@ def preset_cases(name: str, models: list[str] | None = None, costs: list[str] | 
         cases = [Case(name, m, b, c, methods or ["ios"], variants) for m in (models or ["inception_v3", "randwire"])
                  for c in (costs or ["sim:v100"]) for b in (batches or [1])]
     elif name == "specialisation":  # IOS Table 3: each setting's IOS schedule also costed on the others
-        if costs and any(not c.startswith("sim:") for c in costs):
+        if costs and any(not is_simulated(c) for c in costs):
             raise OpschedError("the specialisation preset compares simulated devices; give sim:NAME costs")
         cases = [Case(name, m, b, c, ["sequential", "ios"]) for m in (models or ["inception_v3"])
                  for c in (costs or ["sim:v100", "sim:k80"]) for b in (batches or [1, 32, 128])]
@@ -159,7 +160,7 @@ def _run_case(case: Case, repeats: int, torch_compile: bool) -> list[dict[str, A
     loaded = load_model(case.model, batch=case.batch, image_size=case.image_size)
     loaded.model.eval()
     graph = capture(loaded.model, loaded.inputs, name=loaded.name)
-    simulated = case.cost.startswith("sim:")
+    simulated = is_simulated(case.cost)
     methods = {}
     for method in case.methods:
         scheduler, options = METHODS[method]

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError, VerificationError
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.pipeline import Outcome
@@ -33,7 +34,7 @@ TABLE_METHODS = ("sequential", "greedy", "lios")  # made beside the requested me
 def check_cost(cost: str) -> bool:
     """True for a simulated device (``sim:NAME``, known), False for ``measured``; anything else is bad input,
     said before a model is loaded."""
-    if cost.startswith("sim:"):
+    if is_simulated(cost):
         from opsched.cost.simulate import device_named
 
         device_named(cost)
@@ -110,7 +111,7 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
     """:func:`optimize` for the one call signature of ``example_inputs``: its outcome, with no guarded module."""
     import torch
 
-    from opsched.pipeline import Workload, method_options, run_workload
+    from opsched.pipeline import Workload, default_streams, method_options, run_workload
 
     simulated = check_options(cost, device, kernels, cuda_graph)
     cores = threads or torch.get_num_threads()
@@ -119,10 +120,9 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
 
         say("capturing the model ...")
         graph = capture(model, tuple(example_inputs), name=name)
-    # On a CPU more streams than cores only take turns; LIOS's 8 streams are for a GPU.
-    default_streams = 8 if simulated or device == "cuda" else cores
     methods = {m: (m, method_options(m, streams=streams, max_group_size=max_group_size, max_groups=max_groups,
-                                     max_block_size=max_block_size, default_streams=default_streams))
+                                     max_block_size=max_block_size,
+                                     default_streams=default_streams(simulated, device, cores)))
                for m in dict.fromkeys([*TABLE_METHODS, method])}
     chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels != "eager" else ("eager",)
     outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,

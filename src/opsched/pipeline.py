@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opsched.cost.base import CostModel
+from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError
 from opsched.evaluation import Candidate, Evaluation, evaluate, module_runner, reference_outputs
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
@@ -28,12 +29,17 @@ from opsched.schedulers import make_schedule
 MAX_REFINEMENTS = 8
 
 
+def default_streams(simulated: bool, device: str, cores: int) -> int:
+    """The streams LIOS and exact get unless told: 8 on a GPU, real or simulated (LIOS's setting), the core
+    count on a CPU, where more streams than cores only take turns."""
+    return 8 if simulated or device == "cuda" else cores
+
+
 def method_options(method: str, streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
                    split: bool = True, max_block_size: int = DEFAULT_MAX_SIZE, time_limit: float = 30.0,
                    default_streams: int = 8) -> dict[str, Any]:
     """The options each scheduler takes, from the command line's flags. ``default_streams`` is the number of
-    streams LIOS and exact get when ``streams`` is not given: 8 for a GPU (LIOS's setting), the core count for
-    a CPU, where more streams than cores only take turns."""
+    streams LIOS and exact get when ``streams`` is not given (see :func:`default_streams`)."""
     options = {"sequential": {}, "greedy": {"max_streams": streams or 0},
                "lios": {"streams": streams or default_streams}, "nimble": {"streams": streams or 0},
                "ios": {"max_group_size": max_group_size, "max_groups": max_groups, "split": split,
@@ -135,7 +141,7 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
                progress: Callable[[str, int], Any] | None = None) -> tuple[CostModel, Any]:
     """The cost model ``spec`` names (``measured`` on ``device``, or ``sim:NAME``) and the operator the units
     run with (None for a simulated device, where nothing runs)."""
-    if spec.startswith("sim:"):
+    if is_simulated(spec):
         from opsched.cost.simulate import SimulatedGPU
 
         return SimulatedGPU(graph, spec), None
@@ -319,7 +325,7 @@ def run_workload(job: Workload) -> Outcome:
 
     cores = job.cores or torch.get_num_threads()
     flat = pytree.tree_leaves(tuple(job.inputs))
-    simulated = job.cost.startswith("sim:")
+    simulated = is_simulated(job.cost)
     cost, operator = cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels, cores=cores,
                                 cache=job.cache, progress=job.profile_progress)
     schedules = {}

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from opsched.cost.base import CostModel
+from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError
 from opsched.events import Deadlock, simulate
 from opsched.graph.ir import Graph, can_merge, indices
@@ -89,7 +90,7 @@ class PlanDevice:
 
     @property
     def simulated(self) -> bool:
-        return self.kind is None or self.kind.startswith("sim:")
+        return self.kind is None or is_simulated(self.kind)
 
     @property
     def cuda_index(self) -> int | None:
@@ -246,7 +247,7 @@ class Schedule:
         a simulated device (``sim:NAME``) or, for a mapping, a platform whose figures are simulated
         (``sim:PLATFORM``, by :func:`opsched.mapping.platform.figures_simulated`); a mapping onto a simulated
         device is simulated whatever its cost says, so that a hand-edited "measured" cannot lie."""
-        if self.cost.startswith("sim:"):
+        if is_simulated(self.cost):
             return True
         if self.devices is None:
             return False

@@ -18,6 +18,7 @@ import sys
 from typing import Any
 
 from opsched.commands.common import count, flat, load_and_capture, read_plan
+from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError, VerificationError
 
 
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.mapping.execute import check_runnable
 
         devices = check_runnable(plan)  # refuses simulated devices in one line
-    if plan.device.startswith("sim:"):
+    if is_simulated(plan.device):
         raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
                            "(opsched show) but not run here")
     engine = _engine(args, plan)

@@ -15,6 +15,18 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+SIMULATED_PREFIX = "sim:"  # sim:v100, sim:platform:NAME: a device (or a platform) whose figures are simulated
+
+
+def is_simulated(name: str | None) -> bool:
+    """Whether ``name`` (a ``--cost``, a plan's device or cost, a platform device's kind) names something
+    simulated: ``sim:v100``, ``sim:xeon``, ``sim:platform:NAME``.
+
+    >>> is_simulated("sim:v100"), is_simulated("measured"), is_simulated(None)
+    (True, False, False)
+    """
+    return isinstance(name, str) and name.startswith(SIMULATED_PREFIX)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -89,7 +101,7 @@ def kind_problem(kind: object) -> str | None:
         return "kind must be a string"
     if kind == "cpu" or (kind.startswith("cuda:") and kind[5:].isdigit()):
         return None
-    if kind.startswith("sim:") and (kind[4:] in DEVICES or kind[4:] in CPUS):
+    if is_simulated(kind) and kind.removeprefix(SIMULATED_PREFIX) in (*DEVICES, *CPUS):
         return None
     known = ["cpu", "cuda:N"] + [f"sim:{d}" for d in [*DEVICES, *CPUS]]
     return f"unknown device kind {kind!r}; choose from {', '.join(known)}"

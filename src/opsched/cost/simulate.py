@@ -43,7 +43,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from opsched.cost.devices import DEVICES, Device
+from opsched.cost.devices import DEVICES, SIMULATED_PREFIX, Device
 from opsched.errors import OpschedError
 from opsched.graph.ir import Graph, Node, indices
 
@@ -71,7 +71,7 @@ class Kernel:
 
 def device_named(name: str) -> Device:
     """The catalogue entry for ``name`` (``v100``, or ``sim:v100``)."""
-    key = name.removeprefix("sim:").lower()
+    key = name.removeprefix(SIMULATED_PREFIX).lower()
     if key not in DEVICES:
         raise OpschedError(f"unknown simulated device {name!r}; choose from "
                            f"{', '.join('sim:' + d for d in DEVICES)}")

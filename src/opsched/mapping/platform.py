@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opsched.cost.devices import kind_problem
+from opsched.cost.devices import is_simulated, kind_problem
 from opsched.jsonfile import read_json
 from opsched.mapping import MappingError
 
@@ -89,7 +89,7 @@ class Device:
 
     @property
     def simulated(self) -> bool:
-        return self.kind is None or self.kind.startswith("sim:")
+        return self.kind is None or is_simulated(self.kind)
 
     def accepts(self, batch: int) -> bool:
         return self.batch_sizes is None or batch in self.batch_sizes
@@ -354,7 +354,7 @@ def _device(item: Any, k: int, where: str) -> Device:
     if overhead is None or not 0 <= overhead < math.inf:
         raise MappingError(f"{at}: op_overhead must be a finite number of ms, 0 or more, got "
                            f"{json.dumps(item['op_overhead'])}")
-    if overhead and not (kind or "").startswith("sim:"):
+    if overhead and not is_simulated(kind):
         raise MappingError(f"{at}: op_overhead applies to simulated devices (sim:NAME); a real device's measured "
                            "costs already include what it pays per operator")
     return Device(name=name, kind=kind, node=str(item.get("node", "n0")), memory=memory, threads=threads,

@@ -22,7 +22,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from opsched.cost.devices import CPUS
+from opsched.cost.devices import CPUS, is_simulated
 from opsched.graph.ir import Graph
 from opsched.mapping import MappingError
 from opsched.mapping.platform import Device, Platform, figures_simulated
@@ -193,7 +193,7 @@ def _device_costs(graph: Graph, device: Device, batch: int, pieces: int,
     if device.kind is None:
         raise MappingError(f"device {device.name!r} has no kind, so a model's units have no cost on it "
                            "(give it kind cpu, cuda:N or sim:NAME)")
-    if device.kind.startswith("sim:"):
+    if is_simulated(device.kind):
         from opsched.cost.simulate import SimulatedGPU
 
         name = device.kind[4:]

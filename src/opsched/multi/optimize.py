@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from opsched.cost.devices import is_simulated
 from opsched.multi.combine import ModelBatch, MultiError
 from opsched.multi.fuse import REWRITES, CostLatencies, Fusion, fuse_graph
 
@@ -90,20 +91,19 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     >>> sorted(result.outcome.evaluation.measured_ms), max(result.model_errors) < 1e-5
     (['sequential', 'sequential_models', 'threads', 'vmap'], True)
     """
-    from opsched.pipeline import Workload, method_options, run_workload
+    from opsched.pipeline import Workload, default_streams, method_options, run_workload
 
     batch = model_batch(models, inputs, preprocess)
     for m in batch.models:
         m.eval()
     cores = cores or torch.get_num_threads()
-    simulated = cost.startswith("sim:")
+    simulated = is_simulated(cost)
     say("combining the models and choosing the fusions that pay ...")
     device = "cpu" if simulated else batch.device
     latencies = CostLatencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
     fusion = fuse_graph(batch, rewrites, latencies, whole=latencies.regions_ms)
     sequential_ms = sum(latencies(fusion.combined))
-    default_streams = 8 if simulated or device == "cuda" else cores
-    jobs = {m: (m, method_options(m, default_streams=default_streams)) for m in methods}
+    jobs = {m: (m, method_options(m, default_streams=default_streams(simulated, device, cores))) for m in methods}
     outcome = run_workload(Workload(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=peers, tolerance=tolerance, repeats=repeats,
                                     cache=cache, say=say, profile_progress=progress))
@@ -152,7 +152,7 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     >>> len(outputs), all(torch.allclose(o, m(x), atol=1e-5) for o, m in zip(outputs, models))
     (4, True)
     """
-    from opsched.pipeline import cost_model, method_options, search
+    from opsched.pipeline import cost_model, default_streams, method_options, search
     from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
@@ -164,8 +164,9 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     fusion = fuse_graph(batch, rewrites, CostLatencies(cost, batch.inputs, cores=cores, cache=cache, device=device))
     model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, device=device, cores=cores,
                           cache=cache)
-    streams = 8 if device == "cuda" else cores
-    schedule = search(fusion.graph, model, method, **method_options(method, default_streams=streams))
+    # the streams of where the module runs, whatever the costs it was scheduled with
+    schedule = search(fusion.graph, model, method, **method_options(
+        method, default_streams=default_streams(False, device, cores)))
     module = OptimizedModule(fusion.graph, schedule, cores, unit_operator, device=device)
     for k, verdict in enumerate(model_comparisons(module, batch, cores, tolerance)):
         if not verdict.ok:

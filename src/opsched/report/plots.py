@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from opsched.cost.devices import is_simulated
+
 
 def write_plots(rows: list[dict[str, Any]], out: Path) -> list[Path]:
     """Draw what the rows allow; return the files written."""
@@ -37,7 +39,7 @@ def _save(fig: Any, path: Path) -> bool:
 
 
 def _label(cost: str, measured: bool) -> str:
-    if cost.startswith("sim:"):
+    if is_simulated(cost):
         return f"SIMULATED on {cost[4:]}"
     return "measured on this CPU" if measured else "predicted by the measured cost model"
 
