@@ -308,13 +308,13 @@ class Outcome:
         best = name or ev.fastest("schedule")
         if best is None or best not in ev.measured_ms:
             return None
-        plan = self.schedules[best]
-        plan.options["measured_as"] = best
-        plan.options["chosen"] = {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]}
-        plan.options["measured_ms"] = {n: round(ms, 4) for n, ms in ev.measured_ms.items()}
-        plan.options["tie"] = list(ev.tie)  # beaten by none above the run's noise; the first was chosen
-        plan.options["same_program_spread"] = round(ev.noise_floor, 4)
-        return plan
+        # a copy: reading the plan never changes the schedule the job made
+        return dataclasses.replace(self.schedules[best], options={
+            **self.schedules[best].options, "measured_as": best,
+            "chosen": {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
+            "measured_ms": {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
+            "tie": list(ev.tie),  # beaten by none above the run's noise; the first was chosen
+            "same_program_spread": round(ev.noise_floor, 4)})
 
 
 def run_workload(job: Workload) -> Outcome:
