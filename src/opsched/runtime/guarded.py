@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import queue
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +100,9 @@ class GuardedModule(torch.nn.Module):
             self._keep(plan)
         self._lock = threading.RLock()
         self._pending: dict[tuple, Future] = {}
-        self._builds: ThreadPoolExecutor | None = None
+        # one build at a time, on a daemon thread: a build under way never holds up the interpreter's exit
+        self._builder: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # the model's copy that builds capture, and the generation of weights it was copied in
         self._private: tuple[int, torch.nn.Module] | None = None
         self._generation = 0  # counts the weight changes seen: a build from older weights is not kept
@@ -221,11 +225,15 @@ class GuardedModule(torch.nn.Module):
         with self._lock:
             if signature in self._pending:
                 return
-            if self._builds is None:
-                self._builds = ThreadPoolExecutor(1, thread_name_prefix="opsched-build")
+            if self._builder is None:
+                self._builder = threading.Thread(target=_build_loop, args=(weakref.ref(self), self._jobs),
+                                                 daemon=True, name="opsched-build")
+                self._builder.start()
+                weakref.finalize(self, self._jobs.put, None)  # the module collected: its builder ends
             self.say(f"{why}: the model answers while a plan for {describe(signature)} is built in the background")
-            copied, generation = _copied(inputs), self._generation
-            self._pending[signature] = self._builds.submit(self._background, signature, copied, generation)
+            future: Future = Future()
+            self._pending[signature] = future
+            self._jobs.put((signature, _copied(inputs), self._generation, future))
 
     def _background(self, signature: tuple, inputs: tuple, generation: int) -> None:
         try:
@@ -262,16 +270,35 @@ class GuardedModule(torch.nn.Module):
         self._weights_changed("refresh() asked")
 
     def close(self) -> None:
-        """Wait for the builds under way, and end the plans' worker threads."""
-        if self._builds is not None:
-            self._builds.shutdown(wait=True)
-            self._builds = None
+        """Wait for the builds under way, and end the builder's and the plans' worker threads (a later call
+        starts them again)."""
+        with self._lock:
+            builder, self._builder = self._builder, None
+        if builder is not None:
+            self._jobs.put(None)
+            builder.join()
         for plan in self.plans.values():
             if hasattr(plan.module, "close"):
                 plan.module.close()
 
     def extra_repr(self) -> str:
         return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
+
+
+def _build_loop(module: weakref.ref, jobs: queue.SimpleQueue) -> None:
+    """The builder thread: each job (signature, inputs, generation, future) built in turn, until ``None``. It
+    holds the module only while building, so that a module dropped by its user can be collected."""
+    while (job := jobs.get()) is not None:
+        signature, inputs, generation, future = job
+        guarded = module()
+        if guarded is None:
+            return
+        try:
+            guarded._background(signature, inputs, generation)
+            future.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            future.set_exception(e)
+        del guarded, job, inputs
 
 
 def _copied(inputs: tuple) -> tuple:
