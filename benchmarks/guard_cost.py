@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 import torchvision
 from sweep import machine
 
@@ -51,7 +50,7 @@ def one_model(name: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
     if plan.module is None:  # eager was chosen: optimize's module would call the model; time the plan instead
         plan.module = module
     return {"case": name, "chosen": result.chosen, "plan": plan.schedule.options["measured_as"],
-            "check_us": check_us(lambda: module.guard.check([x]), lambda: fast.watch.changed()),
+            "check_us": check_us(lambda: module.guard.check((x,)), lambda: fast.watch.changed()),
             "configurations": {"unchecked": _unchecked(module, (x,)), "guarded plan": lambda: module(x),
                                "optimize's module": lambda: fast(x)}}
 
@@ -64,9 +63,8 @@ def ensemble(count: int = 16) -> dict:
     plan = result.plan()
     module = result.outcome.modules[plan.options["measured_as"]]
     inputs = tuple(result.fusion.batch.inputs)
-    flat = pytree.tree_leaves(inputs)
     return {"case": f"{count} LeNet-5, one fused graph", "chosen": result.chosen, "plan": plan.options["measured_as"],
-            "check_us": check_us(lambda: module.guard.check(flat)),
+            "check_us": check_us(lambda: module.guard.check(inputs)),
             "configurations": {"unchecked": _unchecked(module, inputs), "guarded plan": lambda: module(*inputs)}}
 
 

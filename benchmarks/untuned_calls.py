@@ -86,7 +86,7 @@ def main() -> None:
                 seconds = time.perf_counter() - began
                 want = model(*inputs)
             verdict = compare_outputs(got, want)
-            plan = fast.plans.get(call_signature(list(inputs)))
+            plan = fast.plans.get(call_signature(tuple(inputs)))
             row["calls"].append({"call": label, "error": verdict.error, "ok": verdict.ok, "why": verdict.why,
                                  "answered_by": plan.chosen if plan is not None and plan.module is not None
                                  else "the model itself", "call_seconds": round(seconds, 2),

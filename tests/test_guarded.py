@@ -71,7 +71,7 @@ def test_optimize_answers_another_batch_with_the_model_and_builds_its_plan_throu
         assert model.calls == calls + 1
         fast.wait_for_builds()
         assert close(fast(x3), want)
-    plan = fast.plans[call_signature([x3])]
+    plan = fast.plans[call_signature((x3,))]
     assert plan.measured_ms["eager"] > 0 and plan.chosen in plan.measured_ms  # verified and timed against eager
     assert "batch 3, plan made for 2" in lines[0], lines
     assert lines[-1].startswith(("plan ready for input 0 (3, 3, 8, 8)", "for input 0 (3, 3, 8, 8) float32: the model itself answers (eager chosen")), lines
@@ -239,16 +239,17 @@ def test_a_bare_plan_refuses_calls_it_was_not_made_for():
 
 
 def test_signature_differences_in_words():
-    a = call_signature([torch.zeros(2, 3)])
-    assert difference(call_signature([torch.zeros(2, 3, dtype=torch.float64)]), a) == \
+    a = call_signature((torch.zeros(2, 3),))
+    assert difference(call_signature((torch.zeros(2, 3, dtype=torch.float64),)), a) == \
         "input 0: float64, plan made for float32"
-    assert difference(call_signature([torch.zeros(2, 3), torch.zeros(1)]), a) == "2 inputs, plan made for 1"
-    assert difference(call_signature([torch.zeros(3, 2).t()]), a).startswith("input 0: strides (1, 2)")
-    assert difference(call_signature([3]), a) == "input 0: a int, plan made for a tensor"
+    assert difference(call_signature((torch.zeros(2, 3), torch.zeros(1))), a) == "2 inputs, plan made for 1"
+    assert difference(call_signature((torch.zeros(3, 2).t(),)), a).startswith("input 0: strides (1, 2)")
+    assert difference(call_signature((3,)), a) == "input 0: a int, plan made for a tensor"
+    assert difference(call_signature(([torch.zeros(2, 3)],)), a).startswith("the inputs are nested otherwise")
     model = torch.nn.Linear(2, 2).eval()
     watch = WeightWatch(model)
     model.weight = torch.nn.Parameter(model.weight.detach().clone())
-    assert watch.changed() == "weight changed (replaced (load_state_dict(assign=True) or a new tensor))"
+    assert watch.changed().startswith("weight changed (replaced (load_state_dict(assign=True)")
     watch.update()
     model.to(torch.float64)
     assert "moved to new storage" in watch.changed()
@@ -523,3 +524,146 @@ def test_attention_and_dropout_in_eval_mode_draw_nothing_and_in_training_mode_ar
         graph = opsched.graph.capture._group_units(torch.export.export(model, (x,)).module(), "a")
         drawn = [opsched.graph.ops.draws_random(n.run) for n in graph.nodes]
         assert next((d for d in drawn if d), None) == refused
+
+
+# -- a read-only review's findings (each answered wrong or crashed before its fix) -------------------------------
+
+def _quick(model, x, **options):
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), say=lambda text: None, **options)
+    fast.prepare(x)
+    return fast
+
+
+def test_a_call_during_a_weight_change_on_another_thread_never_runs_the_old_plan(monkeypatch):
+    import threading
+    import time
+
+    torch.manual_seed(0)
+    model, x = Flatten().eval(), torch.randn(2, 3, 8, 8)
+    fast = _quick(model, x)
+    update = fast.watch.update
+
+    def slow_update():  # the watch takes the new weights, and the thread is held right after
+        update()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(fast.watch, "update", slow_update)
+    _in_place(model)
+    with torch.no_grad():
+        want = model(x)
+        first = threading.Thread(target=fast, args=(x,))
+        first.start()
+        time.sleep(0.1)  # inside the first call's weight change
+        got = fast(x)
+        first.join()
+    assert close(got, want)
+    fast.close()
+
+
+def test_inputs_nested_otherwise_are_another_signature():
+    class Keyed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, d):
+            return self.lin(d["a"]) - d["b"]
+
+    model = Keyed().eval()
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    fast = _quick(model, {"a": a, "b": b}, strict=True)
+    with torch.no_grad():
+        assert close(fast({"a": a, "b": b}), model({"a": a, "b": b}))
+        swapped = {"b": b, "a": a}  # the same leaves in another order: the plan read them as a and b
+        with pytest.raises(SignatureMismatch, match="nested otherwise"):
+            fast(swapped)
+    fast.close()
+
+
+def test_a_model_that_cannot_be_copied_gets_no_new_plan_and_answers_itself():
+    class Uncopyable(Flatten):
+        def __deepcopy__(self, memo):
+            raise RuntimeError("no copies")
+
+    torch.manual_seed(0)
+    model = Uncopyable().eval()
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lambda text: None)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert close(fast(x), model(x))
+    plan = fast.plans[call_signature((x,))]
+    assert plan.module is None and "no copies" in plan.note
+    fast.close()
+
+
+def test_weights_changed_and_changed_back_through_storage_the_allocator_hands_out_again():
+    model = torch.nn.Linear(64, 64, bias=False).eval()
+    watch = WeightWatch(model)
+    model.half().float()  # the weights rounded to float16: the same Parameter, the freed address again perhaps
+    assert "moved to new storage" in watch.changed()
+
+
+def test_a_fused_optimizer_step_is_seen():
+    model = torch.nn.Linear(4, 4).eval()
+    watch = WeightWatch(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1, fused=True)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()  # writes without moving the version counters
+    assert watch.changed() == "an optimizer stepped the weights"
+    other = torch.nn.Linear(2, 2)
+    watch.update()
+    torch.optim.SGD(other.parameters(), lr=0.1).step()  # another model's: not ours
+    assert watch.changed() is None
+
+
+def test_a_model_changed_in_structure_is_seen():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.ReLU(), torch.nn.Conv2d(3, 3, 1, bias=False)).eval()
+    watch = WeightWatch(model)
+    model[2] = torch.nn.Conv2d(3, 3, 1)
+    assert watch.changed() == "a module of the model was replaced or added"
+    watch.update()
+    model[0].bias = None
+    assert watch.changed().startswith("0.bias changed")
+    watch.update()
+    model[0].bias = torch.nn.Parameter(torch.zeros(3))
+    assert watch.changed().startswith("0.bias changed")
+
+
+def test_random_draws_in_units_torch_fx_traced_are_refused():
+    from opsched.graph.ops import draws_random
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            return x + torch.randn_like(x)
+
+    class Quiet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop = torch.nn.Dropout(0.3)
+
+        def forward(self, x):
+            return self.drop(x) + torch.nn.functional.dropout(x, 0.2, training=False)
+
+    assert draws_random(torch.fx.symbolic_trace(Noisy())) == "randn_like"
+    assert draws_random(torch.fx.symbolic_trace(Quiet().eval())) is None
+    assert draws_random(torch.fx.symbolic_trace(Quiet().train())) == "Dropout"
+
+
+def test_weights_made_in_inference_mode_are_watched():
+    with torch.inference_mode():
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1), torch.nn.BatchNorm2d(3)).eval()
+    watch = WeightWatch(model)  # inference tensors have no version counter: it raised before
+    assert watch.changed() is None
+    model.double()
+    assert watch.changed() is not None
+    watch.update()
+
+
+def test_optimize_under_autocast_is_refused():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1)).eval()
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(OpschedError, match="autocast off"):
+        opsched.optimize(model, (torch.randn(1, 3, 4, 4),), repeats=2, cache=False)

@@ -49,18 +49,18 @@ def plan_file(module: Any) -> Schedule:
     changed = module.watch.changed()
     if changed:
         raise OpschedError(f"{changed} since the last call: call the module once (its plans are rebuilt), then save")
-    plans = [p for p in module.plans.values() if not p.stale]
+    with module._lock:
+        plans = sorted((p for p in module.plans.values() if not p.stale), key=lambda p: p.made or 0)
     with_schedule = [p for p in plans if p.schedule is not None]
     if not with_schedule:
         raise OpschedError("no call signature of this module has a verified schedule to save")
-    first = with_schedule[0]
-    doc = first.schedule.to_dict()
-    for key in ("inputs", "build", "signatures"):
-        doc.pop(key, None)
-    head = schedule_from_dict(doc)
-    head.inputs = inputs_record(pytree.tree_leaves(first.inputs))
+    first = with_schedule[0]  # the first made that has a schedule
+    head = schedule_from_dict(_plain(first.schedule))
+    head.options["chosen"] = {**head.options.get("chosen", {}), "name": first.chosen}
+    head.inputs, head.input_structure = inputs_record(first.inputs)
     head.build = {k: v for k, v in module.builder.options.items() if k in BUILD_OPTIONS}
-    head.signatures = [{"inputs": inputs_record(pytree.tree_leaves(p.inputs)), "chosen": p.chosen,
+    head.signatures = [{"inputs": inputs_record(p.inputs)[0], "input_structure": inputs_record(p.inputs)[1],
+                        "chosen": p.chosen,
                         "measured_ms": {n: round(ms, 4) for n, ms in p.measured_ms.items()}, "note": p.note,
                         "plan": _plain(p.schedule)} for p in plans if p is not first]
     return head
@@ -70,7 +70,7 @@ def _plain(schedule: Schedule | None) -> dict[str, Any] | None:
     if schedule is None:
         return None
     doc = schedule.to_dict()
-    for key in ("inputs", "build", "signatures"):
+    for key in ("inputs", "input_structure", "build", "signatures"):
         doc.pop(key, None)
     return doc
 
@@ -104,13 +104,13 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
     if tolerance is not None:
         options["tolerance"] = tolerance
     builder = OptimizeBuilder(options)
-    entries = [(head.inputs, head.options.get("chosen", {}).get("name", head.method),
+    entries = [((head.inputs, head.input_structure), head.options.get("chosen", {}).get("name", head.method),
                 head.options.get("measured_ms", {}), "", head)]
     for k, sig in enumerate(head.signatures):
         if not isinstance(sig, dict) or not isinstance(sig.get("inputs"), list):
             raise ScheduleError(f"{path}: signature {k} does not record its inputs")
         schedule = schedule_from_dict(sig["plan"], f"{path} (signature {k})") if sig.get("plan") else None
-        entries.append((sig["inputs"], str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
+        entries.append(((sig["inputs"], sig.get("input_structure")), str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
                         str(sig.get("note", "")), schedule))
     plans = [_loaded_plan(path, model, builder, *entry, options) for entry in entries]
     return GuardedModule(model, builder, plans, strict=strict, wait=wait, max_plans=max(max_plans, len(plans)),
@@ -125,11 +125,10 @@ def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record:
     from opsched.runtime.guards import call_signature, describe, example_inputs
 
     try:
-        flat = example_inputs(record)
+        inputs = example_inputs(*record)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ScheduleError(f"{path}: the inputs it records cannot be made ({e})") from None
-    inputs = tuple(flat)
-    signature = call_signature(flat)
+    signature = call_signature(inputs)
     runs_schedule = schedule is not None and chosen == schedule.options.get("measured_as")
     if not runs_schedule:
         return Plan(signature, inputs, None, chosen, schedule, measured_ms, note, stale=chosen != "eager")
@@ -169,5 +168,5 @@ def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options
     cores = options.get("threads") or torch.get_num_threads()
     device = schedule.device if schedule.device in ("cpu", "cuda") else "cpu"
     module = OptimizedModule(graph, schedule, cores, operator, device=device,
-                             cuda_graph=bool(schedule.options.get("cuda_graph")), guard=Guard.of(flat, model))
+                             cuda_graph=bool(schedule.options.get("cuda_graph")), guard=Guard.of(inputs, model))
     return module, verify(module, model, inputs, options.get("tolerance"))

@@ -91,9 +91,13 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
         return outcome
     from opsched.models.spec import rebatch
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
+    from opsched.runtime.guards import call_signature, copied
 
+    if call_signature(tuple(example_inputs))[1]:
+        raise OpschedError("plans are made with autocast off: call opsched.optimize outside torch.autocast")
     builder = OptimizeBuilder({**options, "name": name})
-    outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, tuple(example_inputs))],
+    first = copied(tuple(example_inputs))  # the user's own tensors may change later
+    outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, first)],
                                     strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1))
     outcome.guarded.say = say  # the job's own progress lines while it makes the batch sizes asked for
     for b in batch_sizes:
@@ -150,7 +154,6 @@ class OptimizeBuilder:
     def plan_of(outcome: Outcome, inputs: tuple) -> Any:
         """The :class:`~opsched.runtime.guarded.Plan` of a measured ``outcome``: its chosen configuration (a
         schedule's module, a peer's callable, or the model itself for eager)."""
-        import torch.utils._pytree as pytree
 
         from opsched.runtime.guarded import Plan
         from opsched.runtime.guards import call_signature
@@ -160,7 +163,7 @@ class OptimizeBuilder:
         schedule = outcome.plan(chosen if ev.kinds[chosen] == "schedule" else None)
         module = None if chosen == "eager" else ev.modules.get(chosen)
         note = "eager chosen: no plan is faster above the run's noise" if chosen == "eager" else ""
-        return Plan(call_signature(pytree.tree_leaves(inputs)), inputs, module, chosen, schedule,
+        return Plan(call_signature(inputs), inputs, module, chosen, schedule,
                     dict(ev.measured_ms), note)
 
     def rebuild(self, model: Any, plan: Any) -> Any:

@@ -365,13 +365,12 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     ``notes`` and ``evaluation``. A schedule of any kind runs: one model's, a model batch's (the batch is the
     model) or a mapping's (on its devices)."""
     import torch
-    import torch.utils._pytree as pytree
 
     from opsched.runtime.guards import Guard
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     say("compiling the schedules ...")
-    guard = Guard.of(pytree.tree_leaves(tuple(inputs)), model)  # every plan refuses calls it was not made for
+    guard = Guard.of(tuple(inputs), model)  # every plan refuses calls it was not made for
     candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.operator, inputs, cores,
                                                       device, sync, cuda_graph, guard)
     found, outcome.notes = peer_candidates(model, inputs, cores, peers, sync, say)

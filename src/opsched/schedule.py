@@ -229,6 +229,7 @@ class Schedule:
     # the call a plan of opsched.optimize was made for (one entry per flat input), how more plans are made,
     # and the plans of the other call signatures it serves (see opsched.deploy)
     inputs: list[dict[str, Any]] | None = None
+    input_structure: str | None = None  # how the inputs nest (torch's pytree spec, as treespec_dumps writes it)
     build: dict[str, Any] | None = None
     signatures: list[dict[str, Any]] = field(default_factory=list)
 
@@ -283,7 +284,7 @@ class Schedule:
             doc["devices"] = self.devices.to_dict()
         if self.models is not None:
             doc["models"] = self.models.to_dict()
-        for key in ("inputs", "build", "signatures"):
+        for key in ("inputs", "input_structure", "build", "signatures"):
             if getattr(self, key):
                 doc[key] = getattr(self, key)
         return doc
@@ -325,7 +326,8 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                             cost=str(doc.get("cost", "table")), device=str(doc.get("device", "table")),
                             batch=doc.get("batch"), stats=dict(doc.get("stats", {})),
                             bounds=dict(doc.get("bounds", {})), options=dict(doc.get("options", {})),
-                            inputs=doc.get("inputs"), build=doc.get("build"),
+                            inputs=doc.get("inputs"), input_structure=doc.get("input_structure"),
+                            build=doc.get("build"),
                             signatures=list(doc.get("signatures", [])))
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None

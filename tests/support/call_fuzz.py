@@ -63,10 +63,10 @@ class QuickBuilder(PlanBuilder):
         schedule = make_schedule(method, graph, TableCost(graph, capacity=2), **METHOD_OPTIONS[method])
         schedule.options["measured_as"] = method
         flat = pytree.tree_leaves(inputs)
-        module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(flat, model))
+        module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
         verdict = verify(module, model, inputs, _tolerance(flat))
         assert verdict.ok, f"{method}: {verdict.why}"
-        return Plan(call_signature(flat), inputs, module, method, schedule)
+        return Plan(call_signature(inputs), inputs, module, method, schedule)
 
     def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
         self.built += 1

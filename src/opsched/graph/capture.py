@@ -69,8 +69,10 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     model.eval()
     with _pytorch_quiet():
-        gm = _trace(model, args, label)
-    return _group_units(fold_constants(gm), label)
+        gm, traced_with = _trace(model, args, label)
+    graph = _group_units(fold_constants(gm), label)
+    graph.traced_with = traced_with  # torch.fx's units hold the model's own modules; torch.export's do not
+    return graph
 
 
 _QUIET = threading.Lock()
@@ -102,7 +104,7 @@ def _pytorch_quiet() -> Iterator[None]:
                 logger.setLevel(level)
 
 
-def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
+def _trace(model: torch.nn.Module, args: tuple, label: str) -> tuple[fx.GraphModule, str]:
     try:
         with torch.no_grad():
             exported = torch.export.export(model, args)
@@ -111,13 +113,13 @@ def _trace(model: torch.nn.Module, args: tuple, label: str) -> fx.GraphModule:
             # Some in-place op is seen through an alias: let torch functionalize the whole program.
             gm = exported.run_decompositions({}).module()
             _make_inplace_functional(gm)
-        return gm
+        return gm, "torch.export"
     except Exception as export_error:  # noqa: BLE001 - any failure moves on to torch.fx
         try:
             gm = fx.symbolic_trace(model)
             with torch.no_grad():
                 ShapeProp(gm).propagate(*args)
-            return gm
+            return gm, "torch.fx"
         except Exception as fx_error:
             raise CaptureError(f"cannot capture {label}: torch.export failed ({first_line(export_error)}); "
                                f"torch.fx failed ({first_line(fx_error)})") from fx_error

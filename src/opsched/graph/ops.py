@@ -184,21 +184,46 @@ def draws_random(gm: fx.GraphModule) -> str | None:
     training mode), by name; None where none does. A plan runs operators in another order than the model,
     on other threads, with values in other layouts: it would draw other numbers. An operator that draws only
     for a dropout it is told not to apply (``dropout(x, p, train=False)``, attention with ``dropout_p=0``, as
-    in eval mode) draws nothing."""
+    in eval mode) draws nothing. ATen operators (torch.export's units) are read from their tags; the functions,
+    methods and modules of torch.fx's units through the ATen operators of the same name."""
     for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        if node.op == "call_module":
+            module = gm.get_submodule(node.target)
+            if module.training and type(module).__name__ in _RANDOM_IN_TRAINING:
+                return type(module).__name__
             continue
-        if torch.Tag.nondeterministic_seeded not in target.tags:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            overloads = [node.target]
+        elif node.op in ("call_function", "call_method"):
+            name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+            packet = getattr(torch.ops.aten, str(name), None)
+            overloads = [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+        else:
             continue
-        arguments = {a.name: a for a in target._schema.arguments}
-        if "train" in arguments or "training" in arguments:
-            if _argument(node, target, "train" if "train" in arguments else "training") is False:
-                continue
-        elif "dropout_p" in arguments and _argument(node, target, "dropout_p") == 0:
-            continue
-        return target._overloadpacket.__name__
+        drawing = [op for op in overloads if torch.Tag.nondeterministic_seeded in op.tags]
+        if drawing and not _told_not_to_draw(node, drawing[0]):
+            return drawing[0]._overloadpacket.__name__
     return None
+
+
+# modules that draw in training mode (a unit of torch.fx keeps the model's modules)
+_RANDOM_IN_TRAINING = {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout",
+                       "RReLU", "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+                       "Transformer", "TransformerEncoder", "TransformerDecoder", "RNN", "LSTM", "GRU"}
+
+
+def _told_not_to_draw(node: fx.Node, op: torch._ops.OpOverload) -> bool:
+    """Whether ``node`` calls the drawing operator ``op`` (or its Python function) with its dropout off."""
+    for flag in ("training", "train"):
+        if flag in node.kwargs:
+            return node.kwargs[flag] is False
+    arguments = {a.name for a in op._schema.arguments}
+    if "train" in arguments or "training" in arguments:
+        # (a Python function's flag not given is its default: torch.nn.functional.dropout's is True)
+        return _argument(node, op, "train" if "train" in arguments else "training") is False
+    if "dropout_p" in node.kwargs:
+        return node.kwargs["dropout_p"] == 0
+    return "dropout_p" in arguments and _argument(node, op, "dropout_p") == 0
 
 
 def _argument(node: fx.Node, op: torch._ops.OpOverload, name: str) -> Any:

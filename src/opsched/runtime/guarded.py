@@ -17,8 +17,9 @@ eval mode without autocast), as are calls that need gradients through an input (
 and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
 
 Builds run on a private copy of the model (``copy.deepcopy``, shared by builds while the weights stay the
-same), so that capturing it never disturbs calls answered by the model meanwhile; a model that cannot be copied
-is built from itself, and its calls wait while it is captured.
+same, and made again after a build whose units torch.fx traced, which hold the copy's own modules), so that
+capturing it never disturbs calls answered by the model meanwhile; for a model that cannot be copied no new plan
+is made (the model answers those calls).
 """
 
 from __future__ import annotations
@@ -36,10 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
-from opsched.runtime.guards import WeightWatch, call_signature, cloned, describe, difference
+from opsched.runtime.guards import WeightWatch, call_signature, copied, describe, difference, flat_signature
 
 
 def say_on_stderr(text: str) -> None:
@@ -61,6 +61,7 @@ class Plan:
     measured_ms: dict[str, float] = field(default_factory=dict)
     note: str = ""
     stale: bool = False  # built from weights that have changed since: rebuilt at its signature's next call
+    made: int | None = None  # the order plans were made in (the first is the plan file's head)
 
     def summary(self) -> str:
         line = f"{describe(self.signature)}: {self.chosen}"
@@ -96,8 +97,6 @@ class GuardedModule(torch.nn.Module):
         self.builder, self.strict, self.wait, self.max_plans, self.say = builder, strict, wait, max_plans, say
         self.watch = WeightWatch(model)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
-        for plan in plans:
-            self._keep(plan)
         self._lock = threading.RLock()
         self._pending: dict[tuple, Future] = {}
         # one build at a time, on a daemon thread: a build under way never holds up the interpreter's exit
@@ -106,26 +105,27 @@ class GuardedModule(torch.nn.Module):
         # the model's copy that builds capture, and the generation of weights it was copied in
         self._private: tuple[int, torch.nn.Module] | None = None
         self._generation = 0  # counts the weight changes seen: a build from older weights is not kept
-        self._model_lock = threading.Lock()  # held while a model that cannot be copied is captured
+        self._plans_made = 0
+        for plan in plans:
+            self._keep(plan)
 
     def forward(self, *inputs: Any) -> Any:
-        flat = pytree.tree_leaves(inputs)
         changed = self.watch.changed()
         if changed:
             if self.watch.in_training():
                 return self._refused(inputs, changed)
             self._weights_changed(changed)
-        signature = call_signature(flat)
+        flat, signature = flat_signature(inputs)
         plan = self.plans.get(signature)
         if plan is not None and not plan.stale:
             if plan.module is None:  # eager chosen, or nothing verified: the model answers
                 return self._model_answers(inputs)
-            with contextlib.suppress(KeyError):  # dropped by a build finishing meanwhile: it still answers
+            with self._lock, contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
                 self.plans.move_to_end(signature)
             return plan.module.run(flat) if hasattr(plan.module, "run") else plan.module(*inputs)
-        inputs_of, autocast, _ = signature
+        inputs_of, autocast, *_ = signature
         if autocast:
-            return self._refused(inputs, difference(signature, (inputs_of, (), signature[2])))
+            return self._refused(inputs, difference(signature, (inputs_of, (), *signature[2:])))
         if any(len(s) == 5 and s[4] for s in inputs_of):
             return self._refused(inputs, "an input asks for gradients, which a plan does not give (it runs in "
                                          "inference mode)")
@@ -153,32 +153,30 @@ class GuardedModule(torch.nn.Module):
         return self._model_answers(inputs)
 
     def _model_answers(self, inputs: tuple) -> Any:
-        if self._private is not None and self._private[1] is self.model:  # being captured now, perhaps
-            with self._model_lock:
-                return self.model(*inputs)
         return self.model(*inputs)
 
     def _weights_changed(self, what: str) -> None:
         with self._lock:
+            # every plan marked stale before the watch takes the new weights: a call on another thread that
+            # finds no change (the watch updated) finds no plan of the old weights either
+            stale = [p for p in list(self.plans.values()) if not p.stale and p.module is not None]
+            for plan in stale:
+                plan.stale = True
             self._generation += 1
             self._private = None
             self.watch.update()
-            stale = [p for p in self.plans.values() if not p.stale and (p.module is not None or p.schedule is not None)]
-            for plan in stale:
-                plan.stale = True
-            if stale:
-                self.say(f"{what}: {len(stale)} plan(s) will be rebuilt from the new weights")
+        if stale:
+            self.say(f"{what}: {len(stale)} plan(s) will be rebuilt from the new weights")
 
     def _private_model(self, generation: int) -> torch.nn.Module:
         """The copy of the model to build from, copied once the weights of ``generation`` were seen (so never
-        older than those: a copy made before a change is not used after it)."""
+        older than those: a copy made before a change is not used after it). Raises what ``copy.deepcopy``
+        raises for a model that cannot be copied: capturing the model itself would disturb its calls (torch.export
+        swaps its parameters while it traces)."""
         with self._lock:
             if self._private is not None and self._private[0] == generation:
                 return self._private[1]
-        try:
-            private = copy.deepcopy(self.model).eval()
-        except Exception:  # noqa: BLE001 - a model that cannot be copied is built from itself, under a lock
-            private = self.model
+        private = copy.deepcopy(self.model).eval()
         with self._lock:
             if generation == self._generation:
                 self._private = (generation, private)
@@ -187,13 +185,18 @@ class GuardedModule(torch.nn.Module):
     def _make(self, signature: tuple, inputs: tuple, generation: int) -> Plan:
         """Build (or rebuild) the plan for ``signature`` from the weights of ``generation``."""
         old = self.plans.get(signature)
-        model = self._private_model(generation)
-        with self._model_lock if model is self.model else contextlib.nullcontext():
-            try:
-                plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
-                    self.builder.build(model, inputs)
-            except Exception as e:  # noqa: BLE001 - the model keeps answering; said once, not retried
-                plan = Plan(signature, inputs, None, "eager", note=f"no plan: {first_line(e)}")
+        try:
+            model = self._private_model(generation)
+            plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
+                self.builder.build(model, inputs)
+            if _traced_with_fx(plan):
+                # its units hold the copy's own modules, which the next capture of the copy would swap out
+                # under it: the next build copies again
+                with self._lock:
+                    if self._private is not None and self._private[1] is model:
+                        self._private = None
+        except Exception as e:  # noqa: BLE001 - the model keeps answering; said once, not retried
+            plan = Plan(signature, inputs, None, "eager", note=f"no plan: {first_line(e)}")
         plan.signature = signature
         with self._lock:
             if generation == self._generation:
@@ -204,6 +207,9 @@ class GuardedModule(torch.nn.Module):
         return plan
 
     def _keep(self, plan: Plan) -> None:
+        if plan.made is None:
+            self._plans_made += 1
+            plan.made = self._plans_made
         self.plans[plan.signature] = plan
         self.plans.move_to_end(plan.signature)
         while len(self.plans) > self.max_plans:
@@ -213,7 +219,7 @@ class GuardedModule(torch.nn.Module):
 
     def _build_now(self, signature: tuple, inputs: tuple) -> None:
         self.say(f"building a plan for {describe(signature)} ...")
-        self.say(self._made(self._make(signature, _copied(inputs), self._generation)))
+        self.say(self._made(self._make(signature, copied(inputs), self._generation)))
 
     @staticmethod
     def _made(plan: Plan) -> str:
@@ -233,7 +239,7 @@ class GuardedModule(torch.nn.Module):
             self.say(f"{why}: the model answers while a plan for {describe(signature)} is built in the background")
             future: Future = Future()
             self._pending[signature] = future
-            self._jobs.put((signature, _copied(inputs), self._generation, future))
+            self._jobs.put((signature, copied(inputs), self._generation, future))
 
     def _background(self, signature: tuple, inputs: tuple, generation: int) -> None:
         try:
@@ -244,7 +250,9 @@ class GuardedModule(torch.nn.Module):
 
     def prepare(self, *inputs: Any) -> Plan:
         """Build the plan for a call with ``inputs`` now (unless one serves it already) and return it."""
-        signature = call_signature(pytree.tree_leaves(inputs))
+        signature = call_signature(inputs)
+        if signature[1]:
+            raise OpschedError("plans are made with autocast off: prepare them outside torch.autocast")
         plan = self.plans.get(signature)
         if plan is None or plan.stale:
             self._build_now(signature, inputs)
@@ -277,12 +285,18 @@ class GuardedModule(torch.nn.Module):
         if builder is not None:
             self._jobs.put(None)
             builder.join()
-        for plan in self.plans.values():
+        for plan in list(self.plans.values()):
             if hasattr(plan.module, "close"):
                 plan.module.close()
 
     def extra_repr(self) -> str:
         return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
+
+
+def _traced_with_fx(plan: Plan) -> bool:
+    """Whether ``plan``'s units were captured by torch.fx (which keeps the model's own modules in them)."""
+    graph = getattr(plan.module, "graph", None)
+    return getattr(graph, "traced_with", None) == "torch.fx"
 
 
 def _build_loop(module: weakref.ref, jobs: queue.SimpleQueue) -> None:
@@ -301,5 +315,3 @@ def _build_loop(module: weakref.ref, jobs: queue.SimpleQueue) -> None:
         del guarded, job, inputs
 
 
-def _copied(inputs: tuple) -> tuple:
-    return tuple(pytree.tree_map(cloned, list(inputs)))

@@ -12,7 +12,7 @@ call. A write through ``tensor.data`` bypasses PyTorch's version counter and is 
 ``refresh()`` on the optimized module after one.
 
 >>> import torch
->>> a, b = call_signature([torch.zeros(2, 3)]), call_signature([torch.zeros(3, 3)])
+>>> a, b = call_signature((torch.zeros(2, 3),)), call_signature((torch.zeros(3, 3),))
 >>> difference(b, a)
 'input 0: batch 3, plan made for 2'
 >>> model = torch.nn.Linear(3, 3).eval()
@@ -25,11 +25,14 @@ call. A write through ``tensor.data`` bypasses PyTorch's version counter and is 
 
 from __future__ import annotations
 
+import collections
 import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from opsched.errors import SignatureMismatch, StaleWeights
 
@@ -43,12 +46,20 @@ def modes() -> tuple:
     return autocast, torch.are_deterministic_algorithms_enabled()
 
 
-def call_signature(flat: Sequence[Any]) -> tuple:
-    """The signature of a call with the flat list of inputs ``flat``: hashable, equal for two calls exactly
-    when one plan serves both."""
+def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
+    """The flat list of a call's inputs (``inputs``: its positional arguments, nested as the model takes them)
+    and the call's signature: hashable, equal for two calls exactly when one plan serves both. The structure
+    of the inputs is part of it (``{"a": x, "b": y}`` is not ``(x, y)``)."""
+    flat, structure = pytree.tree_flatten(inputs)
     grad = torch.is_grad_enabled()
-    return (tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
-                  if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat), *modes())
+    return flat, (tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
+                        if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat), *modes(),
+                  structure)
+
+
+def call_signature(inputs: tuple) -> tuple:
+    """The signature of a call with positional arguments ``inputs`` (see :func:`flat_signature`)."""
+    return flat_signature(inputs)[1]
 
 
 def _hashable(value: Any) -> Any:
@@ -61,7 +72,7 @@ def _hashable(value: Any) -> Any:
 
 def describe(signature: tuple) -> str:
     """A signature in words, e.g. ``input 0 (2, 3, 224, 224) float32``."""
-    inputs, autocast, deterministic = signature
+    inputs, autocast, deterministic, _ = signature
     parts = [f"input {i} " + (f"{tuple(s[0])} {_dtype_name(s[2])}" if len(s) == 5 else repr(s[1]))
              for i, s in enumerate(inputs)]
     if autocast:
@@ -82,10 +93,12 @@ def _autocast_words(autocast: tuple) -> str:
 def difference(got: tuple, want: tuple) -> str:
     """What differs between a call's signature ``got`` and a plan's ``want``, in words: the first difference,
     e.g. ``input 0: batch 3, plan made for 2``."""
-    inputs, autocast, deterministic = got
-    planned, planned_autocast, planned_deterministic = want
+    inputs, autocast, deterministic, structure = got
+    planned, planned_autocast, planned_deterministic, planned_structure = want
     if len(inputs) != len(planned):
         return f"{len(inputs)} inputs, plan made for {len(planned)}"
+    if structure != planned_structure:
+        return f"the inputs are nested otherwise ({structure}), plan made for {planned_structure}"
     for i, (a, b) in enumerate(zip(inputs, planned)):
         if a == b:
             continue
@@ -118,63 +131,97 @@ def difference(got: tuple, want: tuple) -> str:
 
 class WeightWatch:
     """The parameters and buffers of ``models`` as they are now; :meth:`changed` says, in words, what changed
-    since (or None), at the cost of a look at each tensor's identity, version counter and storage (about 0.2
-    µs a tensor), and whether a module that was in eval mode left it."""
+    since (or None): a tensor replaced, added or removed (its module's table looked up), written in place (its
+    version counter), given other storage (``.data =``, ``.to()``; the old storage is kept alive until the next
+    :meth:`update`, so that its address cannot be handed out again and look unchanged), stepped by an optimizer
+    (the fused ones write without moving version counters), a module replaced, or a module that was in eval
+    mode left it. About 0.2 µs a tensor, twice that with the tensors out of the processor's caches."""
 
     def __init__(self, *models: torch.nn.Module):
         self.models = models
-        # parameters first, then buffers: a parameter replaced goes through Module.__setattr__ and the registration
-        # hooks (counted in _REGISTERED), a buffer may not (Module._apply writes the new one into _buffers)
+        self._walk()
+
+    def _walk(self) -> None:
+        """Find the models' modules, parameters and buffers (again, after a module was given another)."""
+        models = self.models
+        self.structure = _MODULES_REGISTERED[0]
         self.slots = [(table, name, f"{path}.{name}" if path else name)
-                      for kind in ("_parameters", "_buffers")
                       for model in models for path, module in model.named_modules()
-                      for table in (getattr(module, kind),)
-                      for name, value in table.items() if value is not None]
-        self.parameters = sum(1 for model in models for module in model.modules()
-                              for value in module._parameters.values() if value is not None)
+                      for table in (module._parameters, module._buffers) for name in table]
         # the modules in eval mode now whose forward may read their mode (a container such as a model batch may
         # not be in eval mode: its models are)
         evaluating = [(path, module) for model in models for path, module in model.named_modules()
                       if not module.training and not _mode_free(module)]
         self.module_paths = [path or type(module).__name__ for path, module in evaluating]
         self.modules = [module for _, module in evaluating]
+        self.every_module = [module for model in models for module in model.modules()]
         self.tables = [table for table, *_ in self.slots]
         self.names = [name for _, name, *_ in self.slots]
-        self.buffer_tables, self.buffer_names = self.tables[self.parameters:], self.names[self.parameters:]
         self.update()
 
-    # Each call looks at every tensor: the loops are map() over C-level getters, about 0.15 us a tensor in all
-    # (about twice that with the tensors out of the processor's caches, as after a plan's call).
     def update(self) -> None:
         """Take the weights as they are now as the ones plans are built from."""
-        self.registered = _REGISTERED[0]
-        self.tensors = list(map(dict.get, self.tables, self.names))
-        self.identities = list(map(id, self.tensors))
-        self.buffer_identities = self.identities[self.parameters:]
-        self.versions = list(map(_VERSION, self.tensors))
+        if _MODULES_REGISTERED[0] != self.structure and self._restructured():
+            self._walk()
+            return
+        self.steps = _STEPS_TAKEN[0]
+        found = list(map(dict.get, self.tables, self.names))
+        self.identities = list(map(id, found))  # None's where a module has no tensor under that name
+        present = [(slot, t) for slot, t in zip(self.slots, found) if t is not None]
+        self.tensors = [t for _, t in present]
+        self.ids = {id(t) for t in self.tensors}
+        # inference tensors, and tensors whose data is one, have no version counter (they cannot be written
+        # outside inference mode)
+        versioned = [(slot, t) for slot, t in present if _has_version(t)]
+        self.versioned_paths = [slot[2] for slot, _ in versioned]
+        self.versioned = [t for _, t in versioned]
+        self.versions = list(map(_VERSION, self.versioned))
+        self.stored_paths = [slot[2] for slot, _ in present]
         self.storages = list(map(torch.Tensor.data_ptr, self.tensors))
+        self.kept = [t.untyped_storage() for t in self.tensors]
 
     def changed(self) -> str | None:
         """What changed since :meth:`update`, in words, or None."""
         if any(map(_TRAINING, self.modules)):
             return self.in_training()
-        tensors = self.tensors
-        if _REGISTERED[0] != self.registered:  # some module somewhere was given a parameter or buffer: ours?
-            tensors = list(map(dict.get, self.tables, self.names))
-            if list(map(id, tensors)) != self.identities:
-                return self._which(list(map(id, tensors)), "replaced (load_state_dict(assign=True) or a new "
-                                   "tensor)", self.identities)
-            self.registered = _REGISTERED[0]
-        elif self.buffer_names and list(map(id, map(dict.get, self.buffer_tables, self.buffer_names))) != \
-                self.buffer_identities:
-            return self._which(list(map(id, map(dict.get, self.tables, self.names))), "replaced (.to(), "
-                               "load_state_dict(assign=True) or a new tensor)", self.identities)
-        versions = list(map(_VERSION, tensors))
+        if _MODULES_REGISTERED[0] != self.structure and self._restructured():
+            return "a module of the model was replaced or added"
+        identities = list(map(id, map(dict.get, self.tables, self.names)))
+        if identities != self.identities:
+            return _which([slot[2] for slot in self.slots], identities, self.identities,
+                          "replaced (load_state_dict(assign=True), .to() or a new tensor), added or removed")
+        try:
+            versions = list(map(_VERSION, self.versioned))
+        except RuntimeError:  # a tensor's data became an inference tensor's (.data = one): it changed
+            return "a weight changed (its data replaced by an inference tensor)"
         if versions != self.versions:
-            return self._which(versions, "updated in place", self.versions)
-        storages = list(map(torch.Tensor.data_ptr, tensors))
+            return _which(self.versioned_paths, versions, self.versions, "updated in place")
+        storages = list(map(torch.Tensor.data_ptr, self.tensors))
         if storages != self.storages:
-            return self._which(storages, "moved to new storage (.to(), .double(), .data =)", self.storages)
+            return _which(self.stored_paths, storages, self.storages, "moved to new storage (.to(), .double(), "
+                          ".data =)")
+        if _STEPS_TAKEN[0] != self.steps:
+            return self._stepped()
+        return None
+
+    def _restructured(self) -> bool:
+        """Whether the models' modules are other than they were (a submodule given another module)."""
+        now = [module for model in self.models for module in model.modules()]
+        if len(now) != len(self.every_module) or any(a is not b for a, b in zip(now, self.every_module)):
+            return True
+        self.structure = _MODULES_REGISTERED[0]
+        return False
+
+    def _stepped(self) -> str | None:
+        """Whether an optimizer stepped one of the tensors since :meth:`update` (the fused ones write without
+        moving version counters)."""
+        steps = list(_STEPPED)
+        if steps and steps[0][0] > self.steps + 1:  # more steps than are remembered: one may have been ours
+            return "an optimizer stepped the weights (too many steps since the last call to tell whose)"
+        for count, ids in steps:
+            if count > self.steps and not ids.isdisjoint(self.ids):
+                return "an optimizer stepped the weights"
+        self.steps = _STEPS_TAKEN[0]
         return None
 
     def in_training(self) -> str | None:
@@ -184,11 +231,20 @@ class WeightWatch:
                 return f"{path} is in training mode (plans are made for eval mode)"
         return None
 
-    def _which(self, now: list[Any], how: str, before: list[Any]) -> str:
-        for (_, _, path), a, b in zip(self.slots, now, before):
-            if a != b:
-                return f"{path} changed ({how})"
-        return f"a weight changed ({how})"
+
+def _has_version(tensor: torch.Tensor) -> bool:
+    try:
+        tensor._version  # noqa: B018 - the question is whether it raises
+    except RuntimeError:
+        return False
+    return True
+
+
+def _which(names: Sequence[str], now: list[Any], before: list[Any], how: str) -> str:
+    for name, a, b in zip(names, now, before):
+        if a != b:
+            return f"{name} changed ({how})"
+    return f"a weight changed ({how})"
 
 
 # PyTorch's own modules whose forward never reads self.training (their exact classes: a subclass may): a watch
@@ -207,17 +263,30 @@ def _mode_free(module: torch.nn.Module) -> bool:
 
 _VERSION = operator.attrgetter("_version")
 _TRAINING = operator.attrgetter("training")
-# How many parameters and buffers any module of the process was given (assigned, registered, replaced by
-# load_state_dict(assign=True)): a watch looks its tensors up again only when this moved, instead of every call.
-_REGISTERED = [0]
+
+# How many modules any module of the process was given (PyTorch's registration hook): a watch looks at its
+# models' modules again only when this moved.
+_MODULES_REGISTERED = [0]
 
 
-def _registered(module: torch.nn.Module, name: str, value: Any) -> None:
-    _REGISTERED[0] += 1
+def _module_registered(module: torch.nn.Module, name: str, value: Any) -> None:
+    _MODULES_REGISTERED[0] += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
-torch.nn.modules.module.register_module_buffer_registration_hook(_registered)
+torch.nn.modules.module.register_module_module_registration_hook(_module_registered)
+
+# The optimizer steps of the process, each with the ids of the tensors it may have written (the last 64): the
+# fused optimizers (Adam(fused=True), ...) write without moving the tensors' version counters.
+_STEPS_TAKEN = [0]
+_STEPPED: collections.deque = collections.deque(maxlen=64)
+
+
+def _optimizer_stepped(optimizer: Any, args: Any, kwargs: Any) -> None:
+    _STEPS_TAKEN[0] += 1
+    _STEPPED.append((_STEPS_TAKEN[0], frozenset(id(p) for group in optimizer.param_groups for p in group["params"])))
+
+
+register_optimizer_step_post_hook(_optimizer_stepped)
 
 
 class Guard:
@@ -228,14 +297,16 @@ class Guard:
         self.signature, self.weights = signature, weights
 
     @classmethod
-    def of(cls, flat: Sequence[Any], model: torch.nn.Module | None = None) -> Guard:
-        """The guard of a plan made now for a call with ``flat`` inputs, from ``model``'s weights."""
-        return cls(call_signature(flat), WeightWatch(model) if isinstance(model, torch.nn.Module) else None)
+    def of(cls, inputs: tuple, model: torch.nn.Module | None = None) -> Guard:
+        """The guard of a plan made now for a call with positional arguments ``inputs``, from ``model``'s
+        weights."""
+        return cls(call_signature(inputs), WeightWatch(model) if isinstance(model, torch.nn.Module) else None)
 
-    def check(self, flat: Sequence[Any]) -> None:
-        """Raise :class:`~opsched.errors.SignatureMismatch` or :class:`~opsched.errors.StaleWeights` unless the
-        plan serves a call with ``flat`` inputs."""
-        signature = call_signature(flat)
+    def check(self, inputs: tuple) -> list[Any]:
+        """The flat inputs of a call with positional arguments ``inputs``; raises
+        :class:`~opsched.errors.SignatureMismatch` or :class:`~opsched.errors.StaleWeights` unless the plan
+        serves it."""
+        flat, signature = flat_signature(inputs)
         if signature != self.signature:
             raise SignatureMismatch(f"{difference(signature, self.signature)}; compile a plan for this call, or "
                                     "use the module opsched.optimize returns, which makes one")
@@ -243,6 +314,7 @@ class Guard:
         if changed:
             raise StaleWeights(f"{changed} since this plan was built: compile it again, or use the module "
                                "opsched.optimize returns, which follows the weights")
+        return flat
 
 
 def cloned(value: Any) -> Any:
@@ -254,9 +326,16 @@ def cloned(value: Any) -> Any:
     return copy if copy.stride() == value.stride() else value.detach()
 
 
-def inputs_record(flat: Sequence[Any]) -> list[dict[str, Any]]:
-    """The inputs of a call as a plan file records them: each tensor's shape, strides, dtype and device, each
-    other value as it is (JSON) or its repr."""
+def copied(inputs: tuple) -> tuple:
+    """A copy of a call's positional arguments (each tensor as :func:`cloned` copies it), nested as they are."""
+    return tuple(pytree.tree_map(cloned, list(inputs)))
+
+
+def inputs_record(inputs: tuple) -> tuple[list[dict[str, Any]], str]:
+    """The inputs of a call (its positional arguments) as a plan file records them: each tensor's shape,
+    strides, dtype and device, each other value as it is (JSON) or its repr; and how they nest (torch's pytree
+    spec, as ``treespec_dumps`` writes it)."""
+    flat, structure = pytree.tree_flatten(inputs)
     record = []
     for t in flat:
         if isinstance(t, torch.Tensor):
@@ -264,12 +343,13 @@ def inputs_record(flat: Sequence[Any]) -> list[dict[str, Any]]:
                            "device": str(t.device)})
         else:
             record.append({"value": t if isinstance(t, (int, float, bool, str, type(None))) else repr(t)})
-    return record
+    return record, pytree.treespec_dumps(structure)
 
 
-def example_inputs(record: Sequence[Any], seed: int = 0) -> list[Any]:
-    """Inputs of the call ``record`` describes (see :func:`inputs_record`): random normal floats, zeros for
-    integers and booleans. Raises TypeError or ValueError for a record that describes no call."""
+def example_inputs(record: Sequence[Any], structure: str | None = None, seed: int = 0) -> tuple:
+    """The positional arguments of a call as :func:`inputs_record` recorded it: random normal floats, zeros for
+    integers and booleans, nested as ``structure`` says (a flat tuple without it). Raises TypeError or
+    ValueError for a record that describes no call."""
     generator = torch.Generator().manual_seed(seed)
     flat = []
     for entry in record:
@@ -291,4 +371,4 @@ def example_inputs(record: Sequence[Any], seed: int = 0) -> list[Any]:
         else:
             values = torch.zeros(shape, dtype=dtype)
         flat.append(t.copy_(values).to(entry.get("device", "cpu")))
-    return flat
+    return pytree.tree_unflatten(flat, pytree.treespec_loads(structure)) if structure else tuple(flat)

@@ -84,11 +84,13 @@ def merged_operator(nodes: Sequence[Node]) -> Callable[..., tuple[torch.Tensor, 
     # Values may reach the merge channels_last (the reordered convolutions leave them so: opsched.runtime.packed):
     # the shared leading operators run as a unit the packed rewrite made layout-proof, and an operator after
     # the convolution that depends on its input's strides reads it laid out as it was at capture.
-    prefix = packed_unit(first.prefix) if any(
-        n.op == "call_function" and n.target in LAYOUT_BOUND for n in first.prefix.graph.nodes) else first.prefix
+    # (a PackedUnit holds its unit weakly: run holds the prefix itself)
+    prefix_unit = first.prefix
+    prefix = packed_unit(prefix_unit) if any(
+        n.op == "call_function" and n.target in LAYOUT_BOUND for n in prefix_unit.graph.nodes) else prefix_unit
     layouts = [capture_order(op.args[0]) if op.target in LAYOUT_BOUND else None for op in tail]
 
-    def run(*inputs: Any) -> tuple[torch.Tensor, ...]:
+    def run(*inputs: Any, _unit: fx.GraphModule = prefix_unit) -> tuple[torch.Tensor, ...]:
         y = conv(prefix(*inputs), weight, bias, stride, padding)
         for op, order in zip(tail, layouts):
             y = op.target(laid_out(y, order) if order is not None else y, *op.args[1:], **op.kwargs)

@@ -93,10 +93,7 @@ class OptimizedModule(torch.nn.Module):
         self.guard = guard
 
     def forward(self, *inputs: Any) -> Any:
-        flat = pytree.tree_leaves(inputs)
-        if self.guard is not None:
-            self.guard.check(flat)
-        return self.run(flat)
+        return self.run(self.guard.check(inputs) if self.guard is not None else pytree.tree_leaves(inputs))
 
     def run(self, flat: list[Any]) -> Any:
         """Run the plan on the flat list of inputs, unchecked: for a caller that has checked the guard itself."""
@@ -144,7 +141,7 @@ def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
     _check_device([t for n in graph.nodes if isinstance(n.run, torch.nn.Module)
                    for t in (*n.run.parameters(), *n.run.buffers())], device, "the model's weights")
     guard = None if example_inputs is None else Guard.of(
-        pytree.tree_leaves(tuple(example_inputs)), None if isinstance(model_or_graph, Graph) else model_or_graph)
+        tuple(example_inputs), None if isinstance(model_or_graph, Graph) else model_or_graph)
     return OptimizedModule(graph, schedule, cores, operator, device=device, cuda_graph=cuda_graph, guard=guard)
 
 
