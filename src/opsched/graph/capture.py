@@ -51,6 +51,7 @@ from opsched.graph.constants import fold_constants
 from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices
+from opsched.graph.tracing import TRACING
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -68,7 +69,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
         raise CaptureError(f"cannot capture {label}: expected a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     model.eval()
-    with _pytorch_quiet():
+    with TRACING.tracing(), _pytorch_quiet():  # opsched's calls on other threads wait (opsched.graph.tracing)
         gm, traced_with = _trace(model, args, label)
     graph = _group_units(fold_constants(gm), label)
     graph.traced_with = traced_with  # torch.fx's units hold the model's own modules; torch.export's do not

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
+from opsched.graph.tracing import TRACING
 from opsched.runtime.guards import WeightWatch, call_signature, copied, describe, difference, flat_signature
 
 
@@ -122,7 +123,10 @@ class GuardedModule(torch.nn.Module):
                 return self._model_answers(inputs)
             with self._lock, contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
                 self.plans.move_to_end(signature)
-            return plan.module.run(flat) if hasattr(plan.module, "run") else plan.module(*inputs)
+            if hasattr(plan.module, "run"):
+                return plan.module.run(flat)
+            with TRACING.calling():
+                return plan.module(*inputs)
         inputs_of, autocast, *_ = signature
         if autocast:
             return self._refused(inputs, difference(signature, (inputs_of, (), *signature[2:])))
@@ -153,7 +157,8 @@ class GuardedModule(torch.nn.Module):
         return self._model_answers(inputs)
 
     def _model_answers(self, inputs: tuple) -> Any:
-        return self.model(*inputs)
+        with TRACING.calling():  # never while a plan's build traces (opsched.graph.tracing)
+            return self.model(*inputs)
 
     def _weights_changed(self, what: str) -> None:
         with self._lock:

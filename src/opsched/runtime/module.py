@@ -26,6 +26,7 @@ from torch import fx
 from opsched.errors import GraphError, OpschedError
 from opsched.graph.ir import Graph
 from opsched.graph.ops import draws_random
+from opsched.graph.tracing import TRACING
 from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.guards import Guard
 from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
@@ -99,7 +100,8 @@ class OptimizedModule(torch.nn.Module):
         """Run the plan on the flat list of inputs, unchecked: for a caller that has checked the guard itself."""
         if len(flat) != len(self.graph.inputs):
             raise GraphError(f"{self.graph.name} takes {len(self.graph.inputs)} input tensors, got {len(flat)}")
-        outputs = self.executor(*flat)
+        with TRACING.calling():  # never while a model is traced on another thread (opsched.graph.tracing)
+            outputs = self.executor(*flat)
         if self.relayout is not None:
             outputs = eager_layout(outputs, self.relayout)
         if self.graph.out_spec is not None:
