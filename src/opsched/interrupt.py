@@ -102,8 +102,11 @@ def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
     try:
         done.wait()
     except KeyboardInterrupt:
+        # asked again until the worker returns: a stop asked before Solve began its search is not heard, and the
+        # search then ran to its time limit (once in the suite: 59 s after Ctrl-C)
         solver.StopSearch()
-        done.wait()
+        while not done.wait(0.05):
+            solver.StopSearch()
         raise
     if "error" in box:
         raise box["error"]
