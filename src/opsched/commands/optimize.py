@@ -168,6 +168,6 @@ def _print(result: dict[str, Any], schedules) -> None:
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")
-    for row in result.get("signatures", [])[1:] if len(result.get("signatures", [])) > 1 else []:
+    for row in result.get("signatures", [])[1:]:  # the plan's own call is the first
         print(f"also       {signature_text(row)}")
     print(f"gantt      {result['gantt']}")
