@@ -49,8 +49,7 @@ def plan_file(module: Any) -> Schedule:
     changed = module.watch.changed()
     if changed:
         raise OpschedError(f"{changed} since the last call: call the module once (its plans are rebuilt), then save")
-    with module._lock:
-        plans = sorted((p for p in module.plans.values() if not p.stale), key=lambda p: p.made or 0)
+    plans = sorted((p for p in list(module.plans.values()) if not p.stale), key=lambda p: p.made or 0)  # a copy
     with_schedule = [p for p in plans if p.schedule is not None]
     if not with_schedule:
         raise OpschedError("no call signature of this module has a verified schedule to save")
@@ -59,8 +58,7 @@ def plan_file(module: Any) -> Schedule:
     head.options["chosen"] = {**head.options.get("chosen", {}), "name": first.chosen}
     head.inputs, head.input_structure = inputs_record(first.inputs)
     head.build = {k: v for k, v in module.builder.options.items() if k in BUILD_OPTIONS}
-    head.signatures = [{"inputs": inputs_record(p.inputs)[0], "input_structure": inputs_record(p.inputs)[1],
-                        "chosen": p.chosen,
+    head.signatures = [{**dict(zip(("inputs", "input_structure"), inputs_record(p.inputs))), "chosen": p.chosen,
                         "measured_ms": {n: round(ms, 4) for n, ms in p.measured_ms.items()}, "note": p.note,
                         "plan": _plain(p.schedule)} for p in plans if p is not first]
     return head

@@ -121,7 +121,8 @@ class GuardedModule(torch.nn.Module):
         if plan is not None and not plan.stale:
             if plan.module is None:  # eager chosen, or nothing verified: the model answers
                 return self._model_answers(inputs)
-            with self._lock, contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
+            # (one C call, atomic under the GIL; the table is only ever iterated as a copy made by one C call)
+            with contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
                 self.plans.move_to_end(signature)
             if hasattr(plan.module, "run"):
                 return plan.module.run(flat)
