@@ -10,7 +10,7 @@ from torch import nn
 from opsched.cost.table import TableCost
 from opsched.graph.capture import capture
 from opsched.graph.interpret import all_values
-from opsched.runtime.kernels import OnnxRuntimeOperator, operator_for
+from opsched.runtime.kernels import OnnxRuntimeOperator, kernels_for
 from opsched.runtime.module import OptimizedModule
 from opsched.runtime.regions import compiled_regions
 from opsched.schedulers import SCHEDULERS, make_schedule
@@ -70,7 +70,7 @@ def test_a_unit_onnx_cannot_take_runs_eagerly_and_is_named():
     graph = capture(Odd().eval(), (x,))
     for n in graph.nodes:
         n.latency = 1.0
-    operator = operator_for("onnxruntime", all_values(graph, [x]).__getitem__)
+    operator = kernels_for(graph, "onnxruntime", example=all_values(graph, [x]).__getitem__)
     plan = make_schedule("sequential", graph, TableCost(graph))
     with torch.inference_mode():
         got = OptimizedModule(graph, plan, 1, operator)(x)
@@ -122,7 +122,7 @@ def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_the
     model, x, graph = _setup()
     cache = LatencyCache(tmp_path / "c.sqlite")
     values = all_values(graph, [x])
-    cost = MeasuredCost(graph, [x], cores=2, kernels="onnxruntime", operator=OnnxRuntimeOperator(values.__getitem__),
+    cost = MeasuredCost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
                         cache=cache, repeats=3, values=values)
     blocks = [list(b.units) for b in split_blocks(graph)]
     priced = cost.region_latencies(blocks)
@@ -139,7 +139,7 @@ def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_the
         for a, b in zip(module(x), model(x), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     module.close()
-    again = MeasuredCost(graph, [x], cores=2, kernels="onnxruntime", operator=OnnxRuntimeOperator(values.__getitem__),
+    again = MeasuredCost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
                          cache=cache, repeats=3, values=values)
     assert again.region_latencies(blocks) == priced and again.counts["regions_measured"] == 0
 

@@ -74,12 +74,12 @@ def test_every_schedule_of_a_random_network_runs_the_same_with_regions(randwire,
 
 def test_regions_compiled_by_inductor_match_eager():
     from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import kernels_for
 
     model, x, graph = _graph()
     schedule = make_schedule("sequential", graph, TableCost(graph))
     schedule.options["regions"] = True
-    operator = operator_for("inductor", all_values(graph, [x]).__getitem__)
+    operator = kernels_for(graph, "inductor", example=all_values(graph, [x]).__getitem__)
     module = OptimizedModule(graph, schedule, 2, operator)
     assert len(module.program.runs()) == 1  # the whole graph compiled as one region
     assert verify(module, model, (x,)).max_abs_error < 1e-5
@@ -88,10 +88,10 @@ def test_regions_compiled_by_inductor_match_eager():
 def test_one_compiler_serves_units_and_the_regions_named_after_them():
     # a region is named after its last unit: compiled code must be looked up by operator, not by name
     from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import kernels_for
 
     model, x, graph = _graph()
-    operator = operator_for("inductor", all_values(graph, [x]).__getitem__)
+    operator = kernels_for(graph, "inductor", example=all_values(graph, [x]).__getitem__)
     schedule = make_schedule("sequential", graph, TableCost(graph))
     units = OptimizedModule(graph, schedule, 2, operator)
     schedule.options["regions"] = True
@@ -199,7 +199,7 @@ def test_units_whose_attributes_have_the_same_names_keep_their_own_in_one_region
 def test_inductor_compiles_units_that_read_or_return_lists():
     # ShuffleNet V2 failed here ("output spec mismatch"): inductor takes tensors in and a tuple of tensors out
     from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import kernels_for
 
     model = ChannelSplit().eval()
     x = torch.randn(1, 8, 6, 6)
@@ -208,6 +208,6 @@ def test_inductor_compiles_units_that_read_or_return_lists():
         n.latency = 1.0
     values = all_values(graph, [x])
     assert any(isinstance(values[n.name], (list, tuple)) for n in graph.nodes)  # the case is here
-    operator = operator_for("inductor", values.__getitem__)
+    operator = kernels_for(graph, "inductor", example=values.__getitem__)
     module = OptimizedModule(graph, make_schedule("sequential", graph, TableCost(graph)), 2, operator)
     assert verify(module, model, (x,)).max_abs_error < 1e-5

@@ -150,9 +150,8 @@ def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options
     not the one the schedule was made for."""
     from opsched.evaluation import verify
     from opsched.graph.capture import capture
-    from opsched.graph.interpret import all_values
     from opsched.runtime.guards import Guard
-    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import plan_kernels
     from opsched.runtime.module import OptimizedModule
 
     graph = capture(model, inputs, name=options.get("name"))
@@ -161,10 +160,9 @@ def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options
                             f"graph {schedule.graph_name} has fingerprint {schedule.fingerprint}, this model's "
                             f"{graph.name} has {graph.fingerprint} (torch {torch.__version__})")
     flat = pytree.tree_leaves(inputs)
-    kernels = schedule.options.get("kernels", "eager")
-    operator = operator_for(kernels, all_values(graph, flat).__getitem__ if kernels != "eager" else None)
     cores = options.get("threads") or torch.get_num_threads()
     device = schedule.device if schedule.device in ("cpu", "cuda") else "cpu"
-    module = OptimizedModule(graph, schedule, cores, operator, device=device,
+    kernels = plan_kernels(graph, schedule, device, flat)
+    module = OptimizedModule(graph, schedule, cores, kernels, device=device,
                              cuda_graph=bool(schedule.options.get("cuda_graph")), guard=Guard.of(inputs, model))
     return module, verify(module, model, inputs, options.get("tolerance"))

@@ -70,14 +70,14 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     from opsched.errors import VerificationError
     from opsched.graph.capture import capture
     from opsched.pipeline import cost_model, method_options, search
-    from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
     graph = capture(gm, inputs, name=f"dynamo-{type(gm).__name__}")
     device = "cuda" if inputs and inputs[0].is_cuda else "cpu"
-    cost, operator = cost_model(graph, inputs, options["cost"], device=device, kernels=options["kernels"])
+    cost, kernels = cost_model(graph, inputs, options["cost"], device=device, kernels=options["kernels"])
     schedule = search(graph, cost, options["method"], **method_options(options["method"]))
-    module = OptimizedModule(graph, schedule, operator=operator or unit_operator, device=device)
+    # the kernels the costs were measured with (a simulated cost measured none: the plan's own choice)
+    module = OptimizedModule(graph, schedule, operator=kernels, device=device)
     if options["verify"]:
         with torch.inference_mode():
             verdict = compare_outputs(module(*inputs), gm(*inputs))

@@ -256,13 +256,20 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
         platform = load_platform(platform)
     cores = threads or torch.get_num_threads()  # the caller's, before anything measured sets its own
     runnable = not isinstance(model, Graph)
+    kernels = None
     if runnable:
+        from opsched.runtime.choice import choose_kernels, place_of
+        from opsched.runtime.kernels import ChosenKernels
+
         if graph is None:
             from opsched.graph.capture import capture
 
             say("capturing the model ...")
             graph = capture(model, tuple(example_inputs), name=name)
-        measure = UnitCosts(graph, _flat(example_inputs), cache)
+        # one kernel per unit for the whole platform, chosen before the mapping: each unit is measured on the
+        # kernel it will run on, whichever device the mapping puts it on
+        kernels = ChosenKernels(choose_kernels(graph, "eager", place_of([d.kind for d in platform.devices])))
+        measure = UnitCosts(graph, _flat(example_inputs), cache, kernels)
         problem = build_problem(graph, platform, objective, batch or int(_flat(example_inputs)[0].shape[0]),
                                 measure=measure)
         if sum(device.kind == "cpu" for device in platform.devices) > 1:  # threads of one process, side by side
@@ -283,12 +290,13 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
 
         say("measuring each device's units beside the other devices' ...")
         devices = [([job.unit for job in solved.mapping.order[d]], platform.devices[d].threads) for d in cpus]
-        problem.co_running = dict(zip(cpus, co_running_factors(graph, tuple(example_inputs), devices)))
+        problem.co_running = dict(zip(cpus, co_running_factors(graph, tuple(example_inputs), devices,
+                                                               kernels=kernels)))
         timeline = replay(problem.beside(), solved.mapping)
     plan = to_schedule(problem, solved.mapping, timeline, method, solved.lower_bound, solved.optimal,
                        solved.stats)
-    outcome = Mapped(cost=None, schedules={method: plan}, problem=problem, solved=solved, graph=graph,
-                     requested=method)
+    outcome = Mapped(cost=None, schedules={method: plan}, kernels=kernels, problem=problem, solved=solved,
+                     graph=graph, requested=method)
     simulated = [d.name for d in plan.devices.devices if d.simulated]
     if not runnable or len(simulated) == len(plan.devices.devices):
         return outcome  # a graph's own latencies, or simulated devices only: the replay is the figure
@@ -342,10 +350,12 @@ class UnitCosts:
     threads; a CUDA device with the units' weights and the inputs copied there), measured once per kind.
     ``handoff``: what a value crossing between two CPU devices costs the local engine, which runs them as
     threads of one process: the thread waiting for it is woken. The measured cost model's hand-off, from the
-    first CPU device measured, as that model charges a value crossing streams."""
+    first CPU device measured, as that model charges a value crossing streams. Every unit is measured on the
+    kernel ``kernels`` (the mapping's :class:`~opsched.runtime.kernels.ChosenKernels`) chose for it, which is
+    the kernel the mapped plan runs it on."""
 
-    def __init__(self, graph: Any, inputs: Sequence[Any], cache: bool):
-        self.graph, self.inputs, self.cache = graph, inputs, cache
+    def __init__(self, graph: Any, inputs: Sequence[Any], cache: bool, kernels: Any):
+        self.graph, self.inputs, self.cache, self.kernels = graph, inputs, cache, kernels
         self.costs: dict[tuple[str, int], list[float]] = {}
         self.handoff = 0.0
 
@@ -361,12 +371,14 @@ class UnitCosts:
         key = (device.kind, 1 if gpu is not None else threads)  # threads are a CPU device's
         if key not in self.costs:
             if gpu is None:
-                cost, _ = cost_model(graph, inputs, "measured", cores=threads, device="cpu", cache=cache)
+                cost, _ = cost_model(graph, inputs, "measured", cores=threads, device="cpu", cache=cache,
+                                     kernels=self.kernels)
                 self.costs[key] = [cost.latency[threads][u] for u in range(len(graph))]
                 self.handoff = self.handoff or cost.sync_overhead
             else:  # the units' weights and the inputs on that GPU, timed there
                 with on_cuda_device(graph, inputs, gpu) as (placed, moved):
-                    cost, _ = cost_model(placed, moved, "measured", device="cuda", cache=cache)
+                    cost, _ = cost_model(placed, moved, "measured", device="cuda", cache=cache,
+                                         kernels=self.kernels)
                 self.costs[key] = [cost.best[u] for u in range(len(graph))]
         return self.costs[key]
 

@@ -2,7 +2,7 @@
 verified result through these functions, over the pipeline's stages:
 capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> evaluate (verify, time, choose).
 
-- :func:`cost_model`: the cost model a ``--cost`` names (measured here, or a simulated GPU) and the operator
+- :func:`cost_model`: the cost model a ``--cost`` names (measured here, or a simulated GPU) and the kernels
   the units run with (``--kernels``);
 - :func:`search`: one scheduler, refined by measurement where the costs are measured;
 - :func:`schedule_candidates` and :func:`peer_candidates`: what :func:`opsched.evaluation.evaluate` verifies
@@ -137,10 +137,12 @@ def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
 
 
 def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, device: str = "cpu",
-               kernels: str = "eager", cores: int | None = None, cache: bool = True,
+               kernels: Any = "eager", cores: int | None = None, cache: bool = True,
                progress: Callable[[str, int], Any] | None = None) -> tuple[CostModel, Any]:
-    """The cost model ``spec`` names (``measured`` on ``device``, or ``sim:NAME``) and the operator the units
-    run with (None for a simulated device, where nothing runs)."""
+    """The cost model ``spec`` names (``measured`` on ``device``, or ``sim:NAME``) and the kernels the units
+    are measured with and will run on (a :class:`~opsched.runtime.kernels.ChosenKernels`; None for a simulated
+    device, where nothing runs). ``kernels``: what ``--kernels`` asks (the choice is then
+    :func:`~opsched.runtime.choice.choose_kernels`'s for ``device``), or a choice made already (a mapping's)."""
     if is_simulated(spec):
         from opsched.cost.simulate import SimulatedGPU
 
@@ -149,13 +151,14 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
         raise OpschedError(f"--cost takes measured or sim:NAME, got {spec!r}")
     from opsched.cost.measure import MeasuredCost
     from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import ChosenKernels, kernels_for
 
     values = all_values(graph, inputs)
-    operator = operator_for(kernels, values.__getitem__)
-    cost = MeasuredCost(graph, inputs, cores=cores, device=device, kernels=kernels, operator=operator,
+    if not isinstance(kernels, ChosenKernels):
+        kernels = kernels_for(graph, kernels, device, values.__getitem__)
+    cost = MeasuredCost(graph, inputs, cores=cores, device=device, kernels=kernels,
                         cache=None if cache else False, progress=progress, values=values)
-    return cost, operator
+    return cost, kernels
 
 
 def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequence[str] = ("eager",),
@@ -195,19 +198,19 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
     return candidates, notes
 
 
-def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], operator: Any, inputs: Sequence[Any],
+def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], kernels: Any, inputs: Sequence[Any],
                         cores: int, device: str = "cpu", sync: Callable[[], Any] = lambda: None,
                         cuda_graph: bool = False, guard: Any = None) -> tuple[list[Candidate], dict[str, Any]]:
     """A candidate per schedule (its compiled module run on ``inputs``, replayed as one CUDA graph with
-    ``cuda_graph``, behind ``guard``: see :class:`~opsched.runtime.guards.Guard`) and the modules by name. A
-    schedule whose module cannot be built becomes a candidate that raises, so it is dropped with the reason."""
-    from opsched.runtime.kernels import unit_operator
+    ``cuda_graph``, behind ``guard``: see :class:`~opsched.runtime.guards.Guard`) and the modules by name, every
+    unit on the kernel ``kernels`` chose for it (None: the kernels each plan records). A schedule whose module
+    cannot be built becomes a candidate that raises, so it is dropped with the reason."""
     from opsched.runtime.module import OptimizedModule
 
     candidates, modules = [], {}
     for name, schedule in schedules.items():
         try:
-            modules[name] = OptimizedModule(graph, schedule, cores, operator or unit_operator, device=device,
+            modules[name] = OptimizedModule(graph, schedule, cores, kernels, device=device,
                                             cuda_graph=cuda_graph, guard=guard)
         except Exception as e:  # noqa: BLE001 - reported by evaluate, like a schedule that fails to run
             candidates.append(Candidate(name, _raising(e)))
@@ -255,7 +258,7 @@ class Outcome:
 
     cost: CostModel | None
     schedules: dict[str, Schedule]
-    operator: Any = None
+    kernels: Any = None  # the ChosenKernels every schedule was measured with and runs on (None: simulated)
     modules: dict[str, Any] = field(default_factory=dict)
     evaluation: Evaluation | None = None
     notes: list[str] = field(default_factory=list)
@@ -309,7 +312,8 @@ class Outcome:
         if best is None or best not in ev.measured_ms:
             return None
         # a copy: reading the plan never changes the schedule the job made
-        return dataclasses.replace(self.schedules[best], options={
+        kernels = self.kernels.choice if self.kernels is not None else self.schedules[best].unit_kernels
+        return dataclasses.replace(self.schedules[best], unit_kernels=dict(kernels) if kernels else None, options={
             **self.schedules[best].options, "measured_as": best,
             "chosen": {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
             "measured_ms": {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
@@ -326,8 +330,8 @@ def run_workload(job: Workload) -> Outcome:
     cores = job.cores or torch.get_num_threads()
     flat = pytree.tree_leaves(tuple(job.inputs))
     simulated = is_simulated(job.cost)
-    cost, operator = cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels, cores=cores,
-                                cache=job.cache, progress=job.profile_progress)
+    cost, kernels = cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels, cores=cores,
+                               cache=job.cache, progress=job.profile_progress)
     schedules = {}
     for name, (method, options) in job.methods.items():
         job.say(f"scheduling with {name} ...")
@@ -338,7 +342,7 @@ def run_workload(job: Workload) -> Outcome:
             schedule.options["cuda_graph"] = True
         schedule.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         schedules[name] = schedule
-    outcome = Outcome(cost, schedules, operator)
+    outcome = Outcome(cost, schedules, kernels)
     if simulated:
         return outcome
     if job.kernels != "eager":
@@ -371,7 +375,7 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     say("compiling the schedules ...")
     guard = Guard.of(tuple(inputs), model)  # every plan refuses calls it was not made for
-    candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.operator, inputs, cores,
+    candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.kernels, inputs, cores,
                                                       device, sync, cuda_graph, guard)
     found, outcome.notes = peer_candidates(model, inputs, cores, peers, sync, say)
     everything = candidates + list(extra) + found

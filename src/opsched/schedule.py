@@ -73,6 +73,7 @@ class OpTiming:
     finish: float
 
 
+UNIT_KERNELS = ("eager", "packed", "inductor", "onnxruntime")  # what a unit runs on (opsched.runtime.choice)
 MAX_THREADS = 1024  # more than any machine's cores; a billion made PyTorch's thread pool abort the process
 OBJECTIVES = ("latency", "throughput")
 LOAD_OPTIONS = ("models", "copies", "preprocess", "batch", "input_shape", "image_size")
@@ -232,6 +233,8 @@ class Schedule:
     input_structure: str | None = None  # how the inputs nest (torch's pytree spec, as treespec_dumps writes it)
     build: dict[str, Any] | None = None
     signatures: list[dict[str, Any]] = field(default_factory=list)
+    # the kernel each unit runs on, chosen once (opsched.runtime.choice): what it was measured and verified with
+    unit_kernels: dict[str, str] | None = None
 
     @property
     def form(self) -> str:
@@ -284,7 +287,7 @@ class Schedule:
             doc["devices"] = self.devices.to_dict()
         if self.models is not None:
             doc["models"] = self.models.to_dict()
-        for key in ("inputs", "input_structure", "build", "signatures"):
+        for key in ("unit_kernels", "inputs", "input_structure", "build", "signatures"):
             if getattr(self, key):
                 doc[key] = getattr(self, key)
         return doc
@@ -331,6 +334,8 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                             signatures=list(doc.get("signatures", [])))
     except (KeyError, TypeError, ValueError) as e:
         raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None
+    if doc.get("unit_kernels") is not None:
+        schedule.unit_kernels = unit_kernels(doc["unit_kernels"], source)
     if schedule.batch is not None and (not isinstance(schedule.batch, int) or isinstance(schedule.batch, bool)
                                        or schedule.batch < 1):
         raise ScheduleError(f"{source}: batch must be a positive integer or null, got {json.dumps(schedule.batch)}")
@@ -354,6 +359,18 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                                 f"{o.start}..{o.finish})" + (" that names no device of the plan"
                                                              if schedule.devices is not None else ""))
     return schedule
+
+
+def unit_kernels(doc: Any, source: str) -> dict[str, str]:
+    """A plan's ``unit_kernels``: unit name to the name of a kernel this opsched knows (which units: checked
+    against the graph when the plan runs, by :func:`opsched.runtime.choice.check_choice`)."""
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        raise ScheduleError(f"{source}: unit_kernels must map each unit's name to its kernel's name")
+    unknown = [(n, k) for n, k in doc.items() if k not in UNIT_KERNELS]
+    if unknown:
+        raise ScheduleError(f"{source} runs unit {unknown[0][0]!r} on kernel {unknown[0][1]!r}; this opsched knows "
+                            f"{', '.join(UNIT_KERNELS)}")
+    return dict(doc)
 
 
 def _devices_from_options(schedule: Schedule, source: str) -> dict[str, Any]:

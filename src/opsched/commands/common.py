@@ -156,9 +156,10 @@ def measured_fields(outcome: Any, plan: Any) -> dict[str, Any]:
         out["cost_model"] = outcome.cost.describe()
     out["eager_threads"] = ev.threads.get("eager")
     out["fastest_measured"] = ev.chosen
-    if hasattr(outcome.operator, "compile_seconds"):
-        out["compile_seconds"] = round(outcome.operator.compile_seconds, 1)
-    eager = getattr(outcome.operator, "eager_units", None)
+    kernels = outcome.kernels
+    if kernels is not None and kernels.asked != "eager":
+        out["compile_seconds"] = round(kernels.compile_seconds, 1)
+    eager = kernels.eager_units if kernels is not None else None
     if eager:
         out["warnings"].append(f"{len(eager)} unit(s) ONNX Runtime could not take ran eagerly: "
                                f"{', '.join(eager[:5])}{' ...' if len(eager) > 5 else ''}")

@@ -87,14 +87,13 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     label = plan.options.get("measured_as", plan.method)  # "ios", or "ios+regions" for compiled regions
     chosen = plan.options.get("chosen") or {"name": label, "kind": "schedule"}
     inputs = tuple(loaded.inputs)
-    operator = None
-    if kernels != "eager":
-        from opsched.graph.interpret import all_values
-        from opsched.runtime.kernels import operator_for
+    from opsched.runtime.kernels import plan_kernels
 
-        operator = operator_for(kernels, all_values(graph, flat(inputs)).__getitem__)
+    # the kernels the plan records (or, for an older plan, chooses as it was made): the local engine's, which
+    # the Ray engine runs as well
+    chosen_kernels = plan_kernels(graph, plan, device, flat(inputs))
     engine = "ray" if cluster else "local"
-    outcome = Outcome(None, {} if engine == "ray" else {label: plan}, operator, graph=graph)
+    outcome = Outcome(None, {} if engine == "ray" else {label: plan}, chosen_kernels, graph=graph)
     extra, ray_summary = [], None
     if engine == "ray":
         extra, ray_summary = _ray_candidates(ray_run, graph, plan, label, inputs, cores, cluster)
@@ -133,13 +132,12 @@ def _trace(args: argparse.Namespace, outcome: Any, plan: Any, label: str, inputs
            cuda_graph: bool, name: str) -> str:
     """Write a Chrome/Perfetto trace of one measured run of the plan."""
     from opsched.report.trace import write_trace
-    from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
     from opsched.schedule import OpTiming
 
     module = outcome.modules[label]
     if cuda_graph:  # a replayed graph has no per-step timeline: trace the same program on streams
-        module = OptimizedModule(outcome.graph, plan, cores, outcome.operator or unit_operator, device)
+        module = OptimizedModule(outcome.graph, plan, cores, outcome.kernels, device)
     module.executor(*flat(inputs), record_timeline=True)
     ran_graph = module.program.graph  # with compiled regions, the fused graph
     ops = [OpTiming(ran_graph.nodes[u].name, stream, start * 1000.0, finish * 1000.0)

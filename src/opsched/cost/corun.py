@@ -5,7 +5,8 @@ caches, the interpreter's lock between kernels, and on a machine whose cores are
 A mapping onto several CPU devices of one machine keeps them busy together for most of a run: each device's
 units cost their time alone times its factor (see :func:`opsched.jobs.map`). Measured for the mapping itself:
 each device's units run in order on its threads, alone and while every other device runs its own units, in
-interleaved rounds; a unit reads the values the graph computes for it once beforehand.
+interleaved rounds, on the kernels the plan runs them on (default: the CPU's choice, see
+:mod:`opsched.runtime.choice`); a unit reads the values the graph computes for it once beforehand.
 
 >>> import torch
 >>> from opsched.graph.capture import capture
@@ -30,18 +31,21 @@ import torch
 from opsched.graph.interpret import all_values
 from opsched.graph.ir import Graph
 from opsched.runtime.cpu import wait_until_gone
+from opsched.runtime.kernels import ChosenKernels, kernels_for
 
 
 def co_running_factors(graph: Graph, inputs: Sequence[Any], devices: Sequence[tuple[Sequence[int], int]],
-                       repeats: int = 15) -> list[float]:
+                       repeats: int = 15, kernels: ChosenKernels | None = None) -> list[float]:
     """For each device, given as (its units in run order, its intra-op threads): the median time of its units
     while every other device runs its own, over their median time alone; at least 1."""
     values = all_values(graph, inputs)
+    kernels = kernels or kernels_for(graph)
+    calls = {u: kernels([graph.nodes[u]], threads) for units, threads in devices for u in units}
 
     def run(units: Sequence[int]) -> None:
-        for u in units:
-            node = graph.nodes[u]
-            node.run(*(values[a] for a in node.args))
+        with torch.inference_mode():  # as the executors run units
+            for u in units:
+                calls[u](*(values[a] for a in graph.nodes[u].args))
 
     # read before any other thread sets its own: a thread's count, until it sets its own, follows the last one
     # set in any thread (see opsched.runtime.cpu), and theirs would be taken for the caller's

@@ -53,7 +53,7 @@ from opsched.events import simulate
 from opsched.graph.interpret import all_values
 from opsched.graph.ir import Graph, Node, indices
 from opsched.runtime import make_executor
-from opsched.runtime.kernels import Operator, unit_operator
+from opsched.runtime.kernels import ChosenKernels, kernels_for, unit_operator
 from opsched.runtime.program import staged_program
 from opsched.timing import interleaved_medians
 
@@ -89,8 +89,9 @@ def cuda_fingerprint() -> str:
 class MeasuredCost:
     """Latencies of ``graph``'s units measured on this CPU with ``cores`` threads (default: PyTorch's
     count), or on the current GPU (``device="cuda"``, timed with CUDA events), the example ``inputs``
-    feeding the graph. ``operator`` gives the callable of a run step (the kernels the schedule will run
-    with); ``kernels`` names them for the cache. ``cache=None`` uses the default cache file; ``False``
+    feeding the graph. ``kernels`` runs each unit on the kernel chosen for it, as the plan will
+    (:class:`~opsched.runtime.kernels.ChosenKernels`; default: the eager choice for ``device``, see
+    :func:`opsched.runtime.choice.choose_kernels`); a unit's kernel is part of its key in the cache. ``cache=None`` uses the default cache file; ``False``
     turns caching off. ``values`` (every unit's output on ``inputs``, see
     :func:`opsched.graph.interpret.all_values`) saves computing them again when the caller has them.
     On a GPU ``cores`` does not apply (see the module docstring)."""
@@ -98,7 +99,7 @@ class MeasuredCost:
     name = "measured"
 
     def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None, device: str = "cpu",
-                 kernels: str = "eager", operator: Operator = unit_operator,
+                 kernels: ChosenKernels | None = None,
                  cache: LatencyCache | bool | None = None, repeats: int = 9,
                  progress: Callable[[str, int], Any] | None = None, values: dict[str, Any] | None = None):
         self.graph = graph
@@ -106,8 +107,8 @@ class MeasuredCost:
         self.cores = 1 if self.gpu else cores or torch.get_num_threads()
         self.capacity = float(self.cores)
         self.fill: list[float] | None = None  # on a GPU: the fraction of the device each unit fills
-        self.kernels = kernels
-        self.operator = operator
+        self.operator = kernels if kernels is not None else kernels_for(graph, "eager", device)
+        self.kernels = self.operator.asked  # the kernels asked for, a column of the cache
         self.repeats = repeats
         self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
         self.where = device
@@ -409,9 +410,11 @@ class MeasuredCost:
         ms, threads = min(zip(times, self.thread_options), key=lambda pair: (pair[0], -pair[1]))
         return threads, ms
 
-    def _run_in_place(self, programs: Sequence[Any], label: str) -> list[list[list]]:
-        """Run each program ``repeats`` times (after a warm-up), interleaved, recording timelines."""
-        executors = [make_executor(p, self.operator, self.where) for p in programs]
+    def _run_in_place(self, programs: Sequence[Any], label: str,
+                      kernels: ChosenKernels | None = None) -> list[list[list]]:
+        """Run each program ``repeats`` times (after a warm-up), interleaved, recording timelines; its units on
+        ``kernels`` (default: the graph's)."""
+        executors = [make_executor(p, kernels or self.operator, self.where) for p in programs]
         args = [self.values[name] for name in self.graph.inputs]
         timelines: list[list[list]] = [[] for _ in programs]
         caller_threads = torch.get_num_threads()
@@ -513,7 +516,9 @@ class MeasuredCost:
             side_by_side = Graph(nodes, inputs=self.graph.inputs, name=f"{self.graph.name}~copies")
             stages = [("concurrent", [[u + c * n] for c in range(copies)]) for u in range(n)]
             runs = self._run_in_place([staged_program(side_by_side, stages, 1)],
-                                      f"profiling {n} units, {copies} copies at once")[0]
+                                      f"profiling {n} units, {copies} copies at once",
+                                      self.operator.copies({node.name: original.name for node, original in zip(
+                                          nodes[n:], list(self.graph.nodes) * (copies - 1))}))[0]
             per_unit: list[list[float]] = [[] for _ in range(n)]
             for timeline in runs:
                 spans: dict[int, tuple[float, float]] = {}
@@ -537,7 +542,8 @@ class MeasuredCost:
 
     def _unit_signature(self, u: int) -> str:
         node = self.graph.nodes[u]
-        doc = {"kind": node.kind, "ops": list(node.ops), "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
+        doc = {"kernel": self.operator.choice[node.name], "kind": node.kind, "ops": list(node.ops),
+               "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
                "inputs": [_describe_value(self.values[a]) for a in node.args], "shape": _plain(node.shape),
                "dtype": node.dtype, "flops": node.flops, "param_bytes": node.param_bytes}
         return "unit:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]

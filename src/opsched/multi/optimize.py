@@ -153,7 +153,6 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     (4, True)
     """
     from opsched.pipeline import cost_model, default_streams, method_options, search
-    from opsched.runtime.kernels import unit_operator
     from opsched.runtime.module import OptimizedModule
 
     batch = model_batch(models, inputs, preprocess)
@@ -162,12 +161,12 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     cores = cores or torch.get_num_threads()
     device = batch.device
     fusion = fuse_graph(batch, rewrites, CostLatencies(cost, batch.inputs, cores=cores, cache=cache, device=device))
-    model, _ = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, device=device, cores=cores,
-                          cache=cache)
+    model, kernels = cost_model(fusion.graph, pytree.tree_leaves(tuple(batch.inputs)), cost, device=device,
+                                cores=cores, cache=cache)
     # the streams of where the module runs, whatever the costs it was scheduled with
     schedule = search(fusion.graph, model, method, **method_options(
         method, default_streams=default_streams(False, device, cores)))
-    module = OptimizedModule(fusion.graph, schedule, cores, unit_operator, device=device)
+    module = OptimizedModule(fusion.graph, schedule, cores, kernels, device=device)
     for k, verdict in enumerate(model_comparisons(module, batch, cores, tolerance)):
         if not verdict.ok:
             raise MultiError(f"model {k}'s outputs differ from its own forward: {verdict.why}")

@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 
-from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
+from opsched.runtime.kernels import Operator
 from opsched.runtime.lowered import Call, LoweredProgram, Record, Remaining, StreamFailed, UnitFailed, lower
-from opsched.runtime.packed import packs_graph
 from opsched.runtime.program import StreamProgram
 
 __all__ = ["CPUExecutor", "StreamFailed", "ThreadedCall", "UnitFailed", "end_pool", "wait_until_gone"]
@@ -47,14 +46,11 @@ class CPUExecutor:
     """Execute ``program``; ``operator(nodes, threads)`` gives the callable for the units of a run step
     (see :mod:`opsched.runtime.kernels`): called with the values the first unit reads, it returns one
     value, or one per unit for a merge. A program already lowered (its callables made elsewhere: the Ray
-    engine's actor running every device of a node) is run as it is, with no ``operator``. Eager units
-    (:func:`~opsched.runtime.kernels.unit_operator`) run as :func:`~opsched.runtime.kernels.cpu_unit_operator`
-    makes them: their convolutions with weights reordered once, where the graph allows
-    (:func:`~opsched.runtime.packed.packs_graph`)."""
+    engine's actor running every device of a node) is run as it is, with no ``operator``. The executor runs
+    the kernels ``operator`` gives, deciding nothing itself: a plan's are chosen once and recorded
+    (:class:`~opsched.runtime.kernels.ChosenKernels`)."""
 
     def __init__(self, program: StreamProgram | LoweredProgram, operator: Operator | None = None):
-        if operator in (unit_operator, cpu_unit_operator):
-            operator = cpu_unit_operator if packs_graph(program.graph) else unit_operator
         self.program = program
         self.lowered = program if isinstance(program, LoweredProgram) else lower(program, operator)
         self._lock = threading.Lock()

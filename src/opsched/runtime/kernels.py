@@ -1,8 +1,12 @@
 """How a run step's units execute (``--kernels``): an *operator* maps the units of a run step and the
 intra-op threads it gets to a callable.
 
-- ``eager``: the unit's own FX graph, ATen operator by operator (on the CPU, convolutions with their weights
-  reordered for oneDNN once: :func:`cpu_unit_operator`); a merge stage runs the merged convolution.
+Which kernel runs each unit is chosen once, by :func:`opsched.runtime.choice.choose_kernels`, recorded in the
+plan, and run by :class:`ChosenKernels`, the one operator every job measures and executes with.
+
+- ``eager``: the unit's own FX graph, ATen operator by operator (on the CPU, where the graph allows, its
+  convolutions with their weights reordered for oneDNN once: the ``packed`` kernel,
+  :mod:`opsched.runtime.packed`); a merge stage runs the merged convolution.
 - ``inductor``: the same graph compiled by TorchInductor into C++/OpenMP kernels. The FX graph is handed to
   ``compile_fx`` directly instead of going through ``torch.compile``: dynamo would see every unit as the
   same ``GraphModule.forward`` code object and, after 8 recompiles, silently run the rest eagerly.
@@ -30,7 +34,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,30 +42,23 @@ import torch
 from opsched.errors import OpschedError
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
+from opsched.runtime.choice import ASKED
 from opsched.runtime.merge import merged_operator
 from opsched.runtime.packed import packed_unit, packs
 
 Operator = Callable[[Sequence[Node], int], Callable[..., Any]]
 
-KERNELS = ("eager", "inductor", "onnxruntime")
 
 
 def unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]:
     """Eager: the unit's own operator, or the merged convolution of a merge stage. A unit's GraphModule is
     called through its ``forward``: ``nn.Module.__call__`` adds hook handling that units never use, a few
-    microseconds on every unit of every call. On the CPU, :func:`cpu_unit_operator` runs them instead."""
+    microseconds on every unit of every call. The plain eager kernel, whatever the plan chose: jobs run
+    :class:`ChosenKernels`."""
     if len(nodes) > 1:
         return merged_operator(nodes)
     run = nodes[0].run
     return run.forward if isinstance(run, torch.fx.GraphModule) else run
-
-
-def cpu_unit_operator(nodes: Sequence[Node], threads: int = 1) -> Callable[..., Any]:
-    """Eager on the CPU: :func:`unit_operator`, a unit's convolutions with their weights reordered for oneDNN
-    once (:mod:`opsched.runtime.packed`). The CPU executors run eager units through it."""
-    if len(nodes) == 1 and packs(nodes[0].run):
-        return packed_unit(nodes[0].run)
-    return unit_operator(nodes, threads)
 
 
 @contextlib.contextmanager
@@ -142,6 +139,7 @@ class OnnxRuntimeOperator(CompiledOperator):
     def __init__(self, example: Callable[[str], Any]):
         super().__init__(example)
         self.eager_units: list[str] = []
+        self.eager_runs: set[tuple[Any, ...]] = set()  # the operators of the units and regions that stay eager
 
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
         import torch.utils._pytree as pytree
@@ -163,6 +161,7 @@ class OnnxRuntimeOperator(CompiledOperator):
             session = onnx_session(exported, threads)
         except Exception:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
             self.eager_units.append(nodes[0].name)
+            self.eager_runs.add(tuple(n.run for n in nodes))
             return base
         finally:
             self.compile_seconds += time.perf_counter() - began
@@ -170,6 +169,7 @@ class OnnxRuntimeOperator(CompiledOperator):
         # fed the list itself, the session failed (ShuffleNet V2).
         if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
             self.eager_units.append(nodes[0].name)
+            self.eager_runs.add(tuple(n.run for n in nodes))
             return base
         names = [i.name for i in session.get_inputs()]
         used = [int(n[2:]) for n in names]
@@ -217,22 +217,126 @@ def _trace(fn: Callable[..., Any], nodes: Sequence[Node], example: Callable[[str
         return make_fx(fn)(*[example(a) for a in nodes[0].args])
 
 
-def operator_for(kernels: str, example: Callable[[str], Any] | None) -> Operator:
-    """The operator that ``--kernels`` names; ``example`` (values to compile for) is needed by inductor and
-    ONNX Runtime."""
-    if kernels == "eager":
-        return unit_operator
-    check_kernels(kernels)
-    if kernels == "inductor":
-        return InductorOperator(example)
-    return OnnxRuntimeOperator(example)
+class ChosenKernels:
+    """The operator of a plan whose units run on the kernels ``choice`` names (unit name to kernel, as
+    :func:`opsched.runtime.choice.choose_kernels` makes it and the plan records it): what the cost model
+    measures with and what every executor runs, so that the two cannot differ. A run step runs on its first
+    unit's kernel (a merge stage's units share theirs; a compiled region is named after its last unit).
+    ``example(name)`` gives values to compile for: needed where a kernel is compiled (inductor, ONNX Runtime).
+    A unit ONNX Runtime cannot take runs eagerly, and ``choice`` says so from then on.
+
+    >>> import torch
+    >>> from opsched.graph.capture import capture
+    >>> g = capture(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU()), (torch.randn(1, 3, 8, 8),))
+    >>> kernels = ChosenKernels({"0": "packed"})  # the unit is named after its module
+    >>> type(kernels(g.nodes, 2)).__name__, kernels.packs
+    ('PackedUnit', True)
+    """
+
+    def __init__(self, choice: Mapping[str, str], example: Callable[[str], Any] | None = None):
+        self.choice = dict(choice)
+        self._lock = threading.Lock()
+        compiled = set(self.choice.values()) & {"inductor", "onnxruntime"}
+        if compiled and example is None:
+            raise OpschedError(f"{min(compiled)} kernels are compiled for example values, and none were given")
+        self.inductor = InductorOperator(example) if "inductor" in compiled else None
+        self.onnxruntime = OnnxRuntimeOperator(example) if "onnxruntime" in compiled else None
+        # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled
+        self.asked = min(compiled) if compiled else "eager"
+
+    def copies(self, of: Mapping[str, str]) -> ChosenKernels:
+        """These kernels, also for the units that ``of`` names (a copy's name to the unit it copies): each copy
+        runs on its unit's kernel, compiled by the same compilers."""
+        other = copy.copy(self)
+        other.choice = {**self.choice, **{name: self.choice[unit] for name, unit in of.items()}}
+        return other
+
+    def kernel_of(self, nodes: Sequence[Node]) -> str:
+        """The kernel of a run step: its unit's (a merge stage's units share theirs). A compiled region (a node
+        of kind ``region``, named after its last unit: :mod:`opsched.runtime.regions`) runs on the compiled
+        kernels asked for, or, with eager kernels, packed where the plan packs."""
+        if nodes[0].kind == "region":
+            return self.asked if self.asked != "eager" else "packed" if self.packs else "eager"
+        kernel = self.choice.get(nodes[0].name)
+        if kernel is None:
+            raise OpschedError(f"unit {nodes[0].name!r} has no kernel chosen: the plan was made for another graph")
+        return kernel
+
+    def __call__(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
+        kernel = self.kernel_of(nodes)
+        if kernel == "packed" and len(nodes) == 1 and packs(nodes[0].run):  # (a region may hold nothing to pack)
+            return packed_unit(nodes[0].run)
+        if kernel in ("eager", "packed"):  # a merge stage is layout-proof already (opsched.runtime.merge)
+            return unit_operator(nodes, threads)
+        if kernel == "inductor":
+            return self.inductor(nodes, threads)
+        fn = self.onnxruntime(nodes, threads)
+        # a unit ONNX cannot take runs eagerly wherever it runs alone: so the table says (a merge stage or a
+        # region that cannot be exported says nothing of its units, which may run on ONNX Runtime alone)
+        if len(nodes) == 1 and nodes[0].kind != "region" and (nodes[0].run,) in self.onnxruntime.eager_runs:
+            with self._lock:
+                self.choice[nodes[0].name] = "eager"
+        return fn
+
+    @property
+    def packs(self) -> bool:
+        """Whether some unit runs packed: its values, and so the plan's outputs, may be ``channels_last``."""
+        return "packed" in self.choice.values()
+
+    @property
+    def compile_seconds(self) -> float:
+        return sum(op.compile_seconds for op in (self.inductor, self.onnxruntime) if op is not None)
+
+    @property
+    def eager_units(self) -> list[str]:
+        """Units asked to run on ONNX Runtime that it could not take, which run eagerly."""
+        return list(self.onnxruntime.eager_units) if self.onnxruntime is not None else []
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """What runs, for telling programs apart: the choice, and the compiled kernels' own objects."""
+        return tuple(sorted(self.choice.items())), id(self.inductor), id(self.onnxruntime)
+
+
+def plan_kernels(graph: Any, schedule: Any, device: str = "cpu", inputs: Sequence[Any] | None = None,
+                 shipped: bool = False) -> ChosenKernels:
+    """The kernels ``schedule`` runs ``graph``'s units on: those it recorded (``unit_kernels``, checked against
+    the graph), or, for a plan that records none (written before plans recorded them, or made by hand), the
+    choice of :func:`~opsched.runtime.choice.choose_kernels` for its ``--kernels`` and where it runs (a mapped
+    plan: its platform's devices, as ``opsched map`` chose; ``shipped``: for units pickled to another process).
+    Compiled kernels are compiled for the values the graph computes from ``inputs`` (its flat inputs), which
+    they need."""
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.choice import check_choice, choose_kernels, place_of
+
+    where = place_of([d.kind for d in schedule.devices.devices]) if schedule.devices is not None else device
+    if schedule.unit_kernels is not None:
+        choice = check_choice(schedule.unit_kernels, graph, device=where)
+    else:
+        asked = schedule.options.get("kernels", "eager")
+        check_kernels(asked)
+        choice = choose_kernels(graph, asked, where, shipped)
+    compiled = set(choice.values()) - {"eager", "packed"}
+    for kernel in compiled:
+        check_kernels(kernel)
+    example = all_values(graph, inputs).__getitem__ if compiled and inputs is not None else None
+    return ChosenKernels(choice, example)
+
+
+def kernels_for(graph: Any, asked: str = "eager", device: str = "cpu",
+                example: Callable[[str], Any] | None = None) -> ChosenKernels:
+    """:class:`ChosenKernels` of :func:`~opsched.runtime.choice.choose_kernels`'s choice for ``graph``."""
+    from opsched.runtime.choice import choose_kernels
+
+    check_kernels(asked)
+    return ChosenKernels(choose_kernels(graph, asked, device), example)
 
 
 def check_kernels(kernels: str) -> None:
     """Raise :class:`OpschedError` unless ``kernels`` names kernels this installation can run (a command
     checks before loading anything)."""
-    if kernels not in KERNELS:
-        raise OpschedError(f"unknown kernels {kernels!r}; choose from {', '.join(KERNELS)}")
+    if kernels not in ASKED:
+        raise OpschedError(f"unknown kernels {kernels!r}; choose from {', '.join(ASKED)}")
     if kernels == "onnxruntime":
         try:
             import onnxruntime  # noqa: F401

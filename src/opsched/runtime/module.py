@@ -28,9 +28,10 @@ from opsched.graph.ir import Graph
 from opsched.graph.ops import draws_random
 from opsched.graph.tracing import TRACING
 from opsched.runtime import DEVICES, make_executor
+from opsched.runtime.choice import check_choice
 from opsched.runtime.guards import Guard
-from opsched.runtime.kernels import Operator, cpu_unit_operator, unit_operator
-from opsched.runtime.packed import eager_layout, eager_strides, packs_graph
+from opsched.runtime.kernels import ChosenKernels, Operator, plan_kernels
+from opsched.runtime.packed import eager_layout, eager_strides
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
 
@@ -40,8 +41,10 @@ class OptimizedModule(torch.nn.Module):
     streams (default: PyTorch's current thread count), or on CUDA streams (``device="cuda"``, optionally
     replayed as one CUDA graph; see :mod:`opsched.runtime.cuda`); a plan mapped onto devices, on its devices.
     Inputs and outputs are structured as the model's.
-    ``operator`` gives the callable of each run step (default :func:`unit_operator`; compiled kernels
-    replace it). A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
+    ``operator`` gives the callable of each run step: by default the kernels the plan recorded
+    (:func:`~opsched.runtime.kernels.plan_kernels`); a job passes the
+    :class:`~opsched.runtime.kernels.ChosenKernels` its cost model measured with, which must agree with what
+    the plan records. A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
     (:mod:`opsched.runtime.regions`).
 
     ``guard`` (what :func:`compile` and every job give it) is the call signature the plan was made for and the
@@ -51,7 +54,7 @@ class OptimizedModule(torch.nn.Module):
     (what ``opsched.optimize`` hands back) builds a plan per signature and follows the weights."""
 
     def __init__(self, graph: Graph, schedule: Schedule, cores: int | None = None,
-                 operator: Operator = unit_operator, device: str = "cpu", cuda_graph: bool = False,
+                 operator: Operator | None = None, device: str = "cpu", cuda_graph: bool = False,
                  guard: Guard | None = None):
         super().__init__()
         if cuda_graph and device != "cuda":
@@ -67,6 +70,10 @@ class OptimizedModule(torch.nn.Module):
                                  "that draw them; the model itself answers")
         self.graph = graph
         self.schedule = schedule
+        if operator is None:
+            operator = plan_kernels(graph, schedule, device)
+        elif isinstance(operator, ChosenKernels) and schedule.unit_kernels is not None:
+            _check_same_kernels(operator, check_choice(schedule.unit_kernels, graph))
         if schedule.options.get("regions"):
             # the units it runs back to back fused into regions that a compiler sees whole (see regions.py)
             from opsched.runtime.regions import compiled_regions
@@ -85,11 +92,9 @@ class OptimizedModule(torch.nn.Module):
         # what runs, as the evaluation compares it: two schedules that compile to these same steps, kernels and
         # devices are one program (an IOS search that kept one unit per stage is the sequential schedule)
         self.program_key = (tuple(tuple(steps) for steps in self.program.describe()), repr(where), cuda_graph,
-                            id(operator))
+                            operator.key if isinstance(operator, ChosenKernels) else id(operator))
         # reordered convolutions leave values channels_last (see opsched.runtime.packed); outputs go back as eager's
-        on_cpu = all(w in ("cpu", None) for w in ([where] if isinstance(where, str) else where))
-        self.relayout = eager_strides(graph) if operator in (unit_operator, cpu_unit_operator) and on_cpu \
-            and packs_graph(graph) else None
+        self.relayout = eager_strides(graph) if getattr(operator, "packs", False) else None
 
         self.guard = guard
 
@@ -116,7 +121,7 @@ class OptimizedModule(torch.nn.Module):
 
 def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
             example_inputs: Sequence[Any] | None = None, cores: int | None = None, device: str | None = None,
-            operator: Operator = unit_operator, cuda_graph: bool = False) -> OptimizedModule:
+            operator: Operator | None = None, cuda_graph: bool = False) -> OptimizedModule:
     """A module that runs ``schedule``. Give the captured graph, or the model and the example inputs to
     capture it with (the schedule must have been made for that same graph).
 
@@ -126,7 +131,7 @@ def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
     :class:`OptimizedModule`; ``opsched.optimize`` hands back a module that rebuilds instead). The model's weights and the
     inputs must already be there: a plan made for CUDA is never replayed on the CPU behind the caller's
     back. ``cuda_graph`` replays the whole program as one CUDA graph; ``operator`` gives the callable of
-    each run step (see :mod:`opsched.runtime.kernels`).
+    each run step (default: the kernels the plan recorded; see :mod:`opsched.runtime.kernels`).
     """
     device = device or (schedule.device if schedule.device in DEVICES else "cpu")
     if device not in DEVICES:
@@ -144,7 +149,19 @@ def compile(model_or_graph: torch.nn.Module | Graph, schedule: Schedule,
                    for t in (*n.run.parameters(), *n.run.buffers())], device, "the model's weights")
     guard = None if example_inputs is None else Guard.of(
         tuple(example_inputs), None if isinstance(model_or_graph, Graph) else model_or_graph)
+    if operator is None and example_inputs is not None:  # compiled kernels are compiled for the example inputs
+        operator = plan_kernels(graph, schedule, device, pytree.tree_leaves(tuple(example_inputs)))
     return OptimizedModule(graph, schedule, cores, operator, device=device, cuda_graph=cuda_graph, guard=guard)
+
+
+def _check_same_kernels(kernels: ChosenKernels, recorded: dict[str, str]) -> None:
+    """Refuse to run a plan on other kernels than it records (a unit ONNX Runtime turned out not to take runs
+    eagerly once compiled, which a plan recorded before may not say yet)."""
+    for name, kernel in recorded.items():
+        now = kernels.choice.get(name)
+        if now != kernel and not (kernel == "onnxruntime" and now == "eager"):
+            raise OpschedError(f"the plan runs unit {name!r} on {kernel} kernels, but the kernels given run it on "
+                               f"{now}")
 
 
 def _check_device(tensors: Sequence[Any], device: str, what: str) -> None:

@@ -280,8 +280,8 @@ def packs(unit: Any) -> bool:
 
 
 def packs_graph(graph: Any, examples: bool = True) -> bool:
-    """Whether the CPU executors run the eager units of ``graph`` (a :class:`~opsched.graph.ir.Graph`) through
-    :func:`packed_unit`: some unit packs, and every unit is a GraphModule of operators the rewrite knows to
+    """Whether the eager units of ``graph`` (a :class:`~opsched.graph.ir.Graph`) may run through
+    :func:`packed_unit` (what :func:`opsched.runtime.choice.choose_kernels` asks): some unit packs, and every unit is a GraphModule of operators the rewrite knows to
     read a ``channels_last`` value right, whose addressed values it can lay out as at capture. Values
     leave a packed unit ``channels_last``: one unit that could not read them so keeps the whole graph as
     captured. Without ``examples`` (units pickled for another process lose the example values capture

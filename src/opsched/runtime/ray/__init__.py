@@ -6,7 +6,7 @@ units is on one node, this engine creates one Ray actor there that runs them all
 Ray actor per device that has units, pinned to the device's node through a custom resource the node declares,
 ``opsched_node:<node>`` (each actor takes :data:`NODE_SHARE` of it, and its device's ``threads`` CPUs). An actor
 holds its device's run steps of the plan's lowered program (:mod:`opsched.runtime.lowered`), whose callables
-the local engine's CPU operator (:func:`opsched.runtime.kernels.cpu_unit_operator`) makes there, and runs them
+the kernels the plan chose for them make there (:class:`opsched.runtime.kernels.ChosenKernels`), and runs them
 in the plan's order with ``torch.set_num_threads(threads)``.
 
 A device's units are cut into *segments*: a segment starts at a unit that reads a value not yet on the device

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -21,9 +20,9 @@ import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError
 from opsched.runtime.cpu import CPUExecutor
-from opsched.runtime.kernels import cpu_unit_operator, unit_operator
+from opsched.runtime.kernels import ChosenKernels, plan_kernels
 from opsched.runtime.lowered import Call, LoweredProgram, UnitFailed, lower
-from opsched.runtime.packed import packs_graph
+from opsched.runtime.packed import eager_layout, eager_strides, packs_graph
 from opsched.runtime.program import compile_program
 from opsched.runtime.ray.cluster import (
     NODE_RESOURCE,
@@ -83,22 +82,22 @@ class _Shipped:
 
 class ShippedUnits:
     """A run step's units as the lowered step's callable on its way to an actor: pickled, its units' GraphModules
-    travel as :class:`_Shipped`; in the actor, :meth:`load` makes the local engine's operator of them
-    (:func:`opsched.runtime.kernels.cpu_unit_operator`: actors run on CPUs), which a call then runs."""
+    travel as :class:`_Shipped`; in the actor, :meth:`load` makes their callable on the ``kernel`` the plan
+    chose for them (:class:`~opsched.runtime.kernels.ChosenKernels`), which a call then runs."""
 
-    def __init__(self, nodes: Sequence[Any], threads: int, packed: bool = True):
+    def __init__(self, nodes: Sequence[Any], threads: int, kernel: str):
         self.nodes = tuple(dataclasses.replace(n, run=_Shipped(n.run)) if isinstance(n.run, torch.fx.GraphModule)
                            else n for n in nodes)
         self.threads = threads
-        self.packed = packed  # packs_graph of the whole graph, before pickling: one actor's units cannot tell
+        self.kernel = kernel
         self.fn: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"nodes": self.nodes, "threads": self.threads, "packed": self.packed, "fn": None}
+        return {"nodes": self.nodes, "threads": self.threads, "kernel": self.kernel, "fn": None}
 
     def load(self) -> None:
         if self.fn is None:
-            self.fn = (cpu_unit_operator if self.packed else unit_operator)(list(self.nodes), self.threads)
+            self.fn = ChosenKernels({n.name: self.kernel for n in self.nodes})(list(self.nodes), self.threads)
 
     def __call__(self, *args: Any) -> Any:
         self.load()
@@ -229,8 +228,10 @@ class RayModule:
                                f"plan's are on {', '.join(nodes)}), a segment per call" if len(nodes) > 1 else
                                "one actor for the node makes one call per inference, not one per unit")
         check_nodes(ray.cluster_resources(), nodes, "the connected Ray cluster")
+        kernels = shipped_kernels(graph, schedule)
         lowered = lower(compile_program(schedule, graph, max(d.threads for d in self.devices)),
-                        functools.partial(ShippedUnits, packed=packs_graph(graph, examples=False)))
+                        lambda nodes, threads: ShippedUnits(nodes, threads, kernels.kernel_of(nodes)))
+        self.relayout = eager_strides(graph) if kernels.packs else None
         self.inputs = lowered.inputs
         self.outputs = lowered.outputs
         # what the actors return: each output a unit makes, once (an output may be a graph input, or repeated)
@@ -332,6 +333,8 @@ class RayModule:
             # kept the arrays alive past it, and their release then crashed the process.
             returned = {slot: from_wire(value, copy=True) for slot, value in zip(self._returned, values)}
         outputs = [flat[slot] if slot < self.inputs else returned[slot] for slot in self.outputs]
+        if self.relayout is not None:  # reordered convolutions leave values channels_last: outputs as eager's
+            outputs = eager_layout(outputs, self.relayout)
         if self.graph.out_spec is not None:
             return pytree.tree_unflatten(outputs, self.graph.out_spec)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -426,6 +429,23 @@ class RayModule:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def shipped_kernels(graph: Any, schedule: Any) -> ChosenKernels:
+    """The kernels the plan runs its units on (:func:`~opsched.runtime.kernels.plan_kernels`), which actors run
+    too; raises :class:`ClusterError` (one line) where they cannot: compiled kernels live in this process, and a
+    unit rewritten for the reordered convolutions may need the example values capture recorded, which do not
+    travel with a pickled unit."""
+    compiled = sorted(({schedule.options.get("kernels", "eager")} | set((schedule.unit_kernels or {}).values()))
+                      - {"eager", "packed"})
+    if compiled:
+        raise ClusterError(f"the plan runs units on {compiled[0]} kernels, compiled in this process: the Ray engine "
+                           "runs eager kernels only")
+    kernels = plan_kernels(graph, schedule, shipped=True)
+    if kernels.packs and not packs_graph(graph, examples=False):
+        raise ClusterError("the plan runs reordered convolutions (packed kernels) in a graph that addresses memory "
+                           "as captured, which units shipped to Ray actors cannot: run it on the local engine")
+    return kernels
 
 
 def _unit_failure(unit: str, error: BaseException) -> str:
