@@ -74,3 +74,35 @@ def test_graphs_opsched_cannot_schedule_run_as_dynamo_gave_them():
     assert torch.equal(fn(x), gm(x))
     with pytest.raises(Exception, match="unknown opsched backend option"):
         opsched_backend(gm, [x.detach()], options={"speed": "max"})
+
+
+def test_measured_graphs_go_through_the_one_runner_and_answer_as_the_faster(monkeypatch):
+    # verified against the graph dynamo gave and timed interleaved with it: the plan only where it is faster
+    from opsched import dynamo, pipeline
+
+    torch._dynamo.reset()
+    outcomes, returned = [], []
+    real_run, real_schedule = pipeline.run_workload, dynamo._schedule
+
+    def run_workload(job):
+        outcomes.append(real_run(job))
+        return outcomes[-1]
+
+    def schedule(gm, inputs, options):
+        returned.append((gm, real_schedule(gm, inputs, options)))
+        return returned[-1][1]
+
+    monkeypatch.setattr(pipeline, "run_workload", run_workload)
+    monkeypatch.setattr(dynamo, "_schedule", schedule)
+    model = WithGraphBreak().eval()
+    x = torch.randn(2, 3, 12, 12)
+    fast = torch.compile(model, backend="opsched", options={"method": "sequential"})
+    with torch.no_grad():
+        torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(fast(x + 1), model(x + 1), rtol=1e-4, atol=1e-5)
+    assert len(outcomes) == len(returned) == 2
+    for outcome, (gm, fn) in zip(outcomes, returned):
+        assert {"sequential", "eager"} <= set(outcome.evaluation.measured_ms)
+        assert (fn == gm.forward) == (outcome.chosen == "eager")
+        if hasattr(fn, "module"):
+            fn.module.close()

@@ -1,8 +1,9 @@
 """``torch.compile(model, backend="opsched")``: the same pipeline behind PyTorch's own front door.
 
 Dynamo traces the model and hands each graph it captured (several, where the model has graph breaks) to
-:func:`opsched_backend` with example inputs. Each graph goes through the pipeline: capture -> Graph -> cost
-model -> scheduler -> Schedule -> OptimizedModule, and the compiled schedule replaces it. The backend is
+:func:`opsched_backend` with example inputs. Each graph goes through the one runner, as ``opsched optimize``:
+capture -> Graph -> cost model -> scheduler -> Schedule -> OptimizedModule, verified against the graph and
+timed interleaved with it, and the compiled schedule replaces it where it is faster above the run's noise. The backend is
 registered under the name ``opsched`` through the ``torch_dynamo_backends`` entry point, so installing
 opsched is enough::
 
@@ -11,7 +12,8 @@ opsched is enough::
 
 Options: ``method`` (default ``ios``), ``cost`` (``measured``, the default, profiled here and cached, or
 ``sim:NAME``), ``kernels`` (``eager`` or ``inductor``), ``verify`` (default True: the schedule's outputs
-are compared with the graph's own on the example inputs, and a schedule that differs is not used).
+are compared with the graph's own on the example inputs, and a schedule that differs is not used; with
+measured costs it is also timed against the graph; False: neither).
 
 opsched schedules inference: a graph that needs gradients, or that dynamo traced with symbolic shapes, runs
 as dynamo gave it (a warning says why), as does a graph opsched cannot capture or verify. The compiled
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from opsched.cost.devices import is_simulated
 
 OPTIONS = {"method": "ios", "cost": "measured", "kernels": "eager", "verify": True}
 
@@ -66,27 +70,52 @@ def _unschedulable(example_inputs: Sequence[Any]) -> str | None:
 
 
 def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) -> Callable[..., Any]:
-    from opsched.compare import compare_outputs
-    from opsched.errors import VerificationError
+    """``gm`` through the one runner: captured, costed, scheduled, and, with measured costs, verified against
+    ``gm`` and timed interleaved with it (:func:`opsched.pipeline.run_workload`): the graph as dynamo gave it
+    answers where the plan is not faster above the run's noise. With simulated costs (nothing can be timed
+    here) the plan is verified on the example inputs only. A call the plan was not made for (another stride,
+    a weight ``gm`` holds changed) is answered by ``gm``."""
+    from opsched.errors import SignatureMismatch, StaleWeights, VerificationError
     from opsched.graph.capture import capture
-    from opsched.pipeline import cost_model, method_options, search
+    from opsched.pipeline import Workload, method_options, run_workload
+    from opsched.runtime.guards import Guard
     from opsched.runtime.module import OptimizedModule
 
     graph = capture(gm, inputs, name=f"dynamo-{type(gm).__name__}")
     device = "cuda" if inputs and inputs[0].is_cuda else "cpu"
-    cost, kernels = cost_model(graph, inputs, options["cost"], device=device, kernels=options["kernels"])
-    schedule = search(graph, cost, options["method"], **method_options(options["method"]))
-    # the kernels the costs were measured with (a simulated cost measured none: the plan's own choice)
-    module = OptimizedModule(graph, schedule, operator=kernels, device=device)
-    if options["verify"]:
-        with torch.inference_mode():
-            verdict = compare_outputs(module(*inputs), gm(*inputs))
-        if not verdict.ok:
-            raise VerificationError(f"the schedule's outputs differ from the graph's: {verdict.why}")
+    method = options["method"]
+    simulated = is_simulated(options["cost"])
+    measure = options["verify"] and not simulated
+    outcome = run_workload(Workload(gm, inputs, graph, {method: (method, method_options(method))},
+                                    cost=options["cost"], device=device, kernels=options["kernels"],
+                                    measure=measure))
+    if measure:
+        if outcome.plan() is None:
+            raise VerificationError(f"the schedule does not reproduce the graph: "
+                                    f"{outcome.evaluation.dropped.get(method)}")
+        if outcome.chosen != method:  # not faster than the graph itself above the run's noise
+            return gm.forward
+        module = outcome.modules[method]
+    else:
+        # the kernels the costs were measured with (a simulated cost measured none: the plan's own choice)
+        module = OptimizedModule(graph, outcome.schedules[method], operator=outcome.kernels, device=device,
+                                 guard=Guard.of(inputs, gm))
+        if options["verify"]:
+            from opsched.compare import compare_outputs
+
+            with torch.inference_mode():
+                verdict = compare_outputs(module(*inputs), gm(*inputs))
+            if not verdict.ok:
+                raise VerificationError(f"the schedule's outputs differ from the graph's: {verdict.why}")
+    guard = module.guard
 
     def run(*args: Any) -> Any:
         with torch.inference_mode():
-            return module(*args)
+            try:
+                flat = guard.check(args)
+            except (SignatureMismatch, StaleWeights):
+                return gm.forward(*args)
+            return module.run(flat)
 
     run.module = module  # for inspection: the schedule and program that run
     return run

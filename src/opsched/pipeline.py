@@ -230,7 +230,8 @@ def _raising(error: BaseException) -> Callable[[], Any]:
 @dataclass
 class Workload:
     """One model to optimise: its module (in eval mode, on ``device``) and example inputs, its captured
-    graph, and the schedules to make: ``methods`` maps a name to (scheduler, options)."""
+    graph, and the schedules to make: ``methods`` maps a name to (scheduler, options). ``measure``: on a real
+    device, compile, verify and time the schedules with the peers (False: cost and schedule only)."""
 
     model: Any
     inputs: tuple
@@ -247,6 +248,7 @@ class Workload:
     cuda_graph: bool = False
     say: Callable[[str], Any] = lambda text: None
     profile_progress: Callable[[str, int], Any] | None = None
+    measure: bool = True
 
 
 @dataclass
@@ -343,7 +345,7 @@ def run_workload(job: Workload) -> Outcome:
         schedule.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         schedules[name] = schedule
     outcome = Outcome(cost, schedules, kernels)
-    if simulated:
+    if simulated or not job.measure:
         return outcome
     if job.kernels != "eager":
         # Compiled regions beside compiled units, for every schedule that does not run them yet (IOS chose its
