@@ -705,3 +705,37 @@ def test_calls_on_other_threads_wait_while_a_model_is_traced():
     with TRACING.tracing(), TRACING.calling():  # a call inside this thread's own trace goes on
         pass
     fast.close()
+
+
+def test_a_model_batchs_module_answers_other_batches_and_weight_changes_through_plans_of_its_own():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                  torch.nn.Linear(4 * 6 * 6, 5)).eval() for _ in range(3)]
+    x = torch.randn(2, 3, 6, 6)
+    result = opsched.optimize_batch(models, (x,), methods=["sequential"], repeats=3, cache=False,
+                                    peers=["sequential_models"])
+    module = result.module
+    assert isinstance(module, GuardedModule) and len(module.plans) == 1
+
+    def want(inputs):
+        with torch.no_grad():
+            return tuple(m(inputs) for m in models)
+
+    other = torch.randn(3, 3, 6, 6)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(other), want(other))  # the models answer, one after another
+        module.wait_for_builds()
+        assert len(module.plans) == 2
+        torch.testing.assert_close(module(other), want(other), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        models[1][0].weight.mul_(2)  # a weight changed: every fused plan is made again
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), want(x), rtol=1e-4, atol=1e-5)
+        module.wait_for_builds()
+        torch.testing.assert_close(module(x), want(x), rtol=1e-4, atol=1e-5)
+    strict = opsched.optimize_batch(models, (x,), methods=["sequential"], repeats=3, cache=False,
+                                    peers=["sequential_models"], strict=True).module
+    with pytest.raises(SignatureMismatch, match="input 0: batch 3, plan made for 2"):
+        strict(other)
+    module.close()
+    strict.close()

@@ -195,16 +195,65 @@ def require_a_plan(outcome: Outcome) -> None:
             f"{n}: {why}" for n, why in dropped.items() if n in outcome.schedules))
 
 
-def optimize_batch(models: Sequence[Any], inputs: Any, **options: Any) -> Any:
+def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, wait: bool = False,
+                   max_plans: int = 8, **options: Any) -> Any:
     """Several models as one fused, scheduled, verified program (HiveMind): see
     :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
     (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises
-    :class:`VerificationError` when no fused plan verifies."""
+    :class:`VerificationError` when no fused plan verifies.
+
+    Measured, ``module`` is a :class:`~opsched.runtime.guarded.GuardedModule` called like the batch (the shared
+    inputs, or every model's in order): a fused plan per call signature, made the same way for each new one (in
+    the background, the models answering one after another meanwhile; before answering with ``wait``; refused
+    with ``strict``), made again when a model's weights change; at most ``max_plans`` kept."""
     from opsched.multi.optimize import optimize as optimize_batch
+    from opsched.runtime.guarded import GuardedModule
+    from opsched.runtime.guards import copied
 
     result = optimize_batch(models, inputs, **options)
     require_a_plan(result.outcome)
+    if result.outcome.evaluation is None:  # simulated costs: nothing runs
+        return result
+    builder = BatchBuilder({k: v for k, v in options.items() if k not in ("say", "progress")})
+    batch = result.fusion.batch
+    first = copied(tuple(batch.inputs))
+    result.outcome.guarded = GuardedModule(batch, builder, [builder.plan_of(result, first)], strict=strict,
+                                           wait=wait, max_plans=max_plans)
     return result
+
+
+class BatchBuilder:
+    """How the module :func:`optimize_batch` hands back makes its plans (a
+    :class:`~opsched.runtime.guarded.PlanBuilder`): a new call signature goes through the same job with the first
+    call's ``options``, on the batch's models; a plan whose weights changed is made again whole (its batched
+    units and stacked weights come from the models). ``sequential_models`` chosen, the batch itself answers."""
+
+    def __init__(self, options: dict[str, Any]):
+        self.options = options
+
+    def build(self, batch: Any, inputs: tuple) -> Any:
+        from opsched.multi.optimize import optimize as optimize_batch
+
+        # the call's inputs as the job takes them: shared by the models (or the preprocessing's), or each model's
+        given = tuple(inputs) if batch.preprocess is not None or batch.shared_input else batch.split(inputs)
+        result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)
+        require_a_plan(result.outcome)
+        return self.plan_of(result, inputs)
+
+    def rebuild(self, batch: Any, plan: Any) -> Any:
+        return self.build(batch, plan.inputs)
+
+    @staticmethod
+    def plan_of(result: Any, inputs: tuple) -> Any:
+        """The :class:`~opsched.runtime.guarded.Plan` of a measured model batch's ``result`` (its schedule with
+        the ``models`` section that rebuilds it)."""
+        import dataclasses
+
+        plan = OptimizeBuilder.plan_of(result.outcome, inputs)
+        if plan.chosen == "sequential_models":  # the models one after another: what the batch itself does
+            plan = dataclasses.replace(plan, module=None, note="sequential_models chosen: no plan is faster "
+                                                              "above the run's noise")
+        return dataclasses.replace(plan, schedule=result.plan())
 
 
 @dataclass
