@@ -17,12 +17,13 @@ import statistics
 
 import torch
 
-from opsched.cost.measure import MeasuredCost, stages_of
+from opsched.cost.measure import stages_of
 from opsched.cost.simulate import SimulatedGPU
 from opsched.evaluation import evaluate, reference_outputs
 from opsched.graph.capture import capture
 from opsched.models import load_model
 from opsched.pipeline import method_options, schedule_candidates, search
+from opsched.runtime.profile import measured_cost
 from opsched.schedulers import make_schedule
 
 PUBLISHED_LIOS_RTX3080 = {"inception_v3": "1.59x", "nasnet": "1.36x", "randwire": "1.13x",
@@ -77,7 +78,7 @@ def measured(models: list[str], repeats: int, max_block_size: int) -> None:
         m = load_model(name, batch=1)
         m.model.eval()
         g = capture(m.model, m.inputs)
-        cost = MeasuredCost(g, m.inputs, cores=cores, cache=False)
+        cost = measured_cost(g, m.inputs, cores=cores, cache=False)
         schedules = {k: search(g, cost, k, **method_options(k, max_block_size=max_block_size))
                      for k in ("sequential", "ios")}
         pairs = [(cost.predicted_when_measured[s], cost.measured_stages[s])

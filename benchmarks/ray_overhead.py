@@ -69,16 +69,16 @@ def synthetic(units: int, alternate: bool) -> tuple[Graph, Schedule]:
 
 def heft_plan(model: torch.nn.Module, x: torch.Tensor, name: str, platform: dict = PLATFORM) -> tuple[Graph, Schedule]:
     """``model`` captured and mapped with HEFT onto the two devices, its units measured at 1 thread."""
-    from opsched.cost.measure import MeasuredCost
     from opsched.mapping.plan import to_schedule
     from opsched.mapping.platform import platform_from_dict
     from opsched.mapping.problem import build_problem
     from opsched.mapping.solve import solve
+    from opsched.runtime.profile import measured_cost
 
     graph = capture(model, (x,), name=name)
 
     def measure(device, threads):
-        cost = MeasuredCost(graph, (x,), cores=threads, repeats=5)
+        cost = measured_cost(graph, (x,), cores=threads, repeats=5)
         return [cost.latency[threads][u] for u in range(len(graph))]
 
     problem = build_problem(graph, platform_from_dict(platform, platform["name"]), measure=measure)

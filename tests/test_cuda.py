@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import opsched
-from opsched.cost.measure import MeasuredCost
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.capture import capture
 from opsched.models import load_model
 from opsched.runtime import cuda
 from opsched.runtime.kernels import unit_operator
+from opsched.runtime.profile import measured_cost
 from opsched.runtime.program import compile_program
 from opsched.schedulers import make_schedule
 
@@ -109,7 +109,7 @@ def test_a_cuda_graph_verified_in_inference_mode_then_called_normally(on_gpu):
 @needs_cuda
 def test_measured_costs_on_the_gpu(on_gpu):
     _, inputs, g = on_gpu
-    cost = MeasuredCost(g, inputs, device="cuda", cache=False, repeats=3)
+    cost = measured_cost(g, inputs, device="cuda", cache=False, repeats=3)
     assert cost.thread_options == [1] and cost.capacity >= 1.0
     assert cost.device.startswith("cuda|")
 

@@ -10,7 +10,7 @@ from cuda_standin import CudaStandIn
 from torch import nn
 
 import opsched
-from opsched.cost.measure import SHARING_COPIES, MeasuredCost
+from opsched.cost.measure import SHARING_COPIES
 from opsched.cost.simulate import SimulatedGPU
 from opsched.errors import OpschedError
 from opsched.graph.capture import capture
@@ -18,6 +18,7 @@ from opsched.graph.ir import Graph, Node
 from opsched.runtime import cuda, make_executor
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.merge import merged_operator
+from opsched.runtime.profile import measured_cost
 from opsched.runtime.program import Record, Run, StreamProgram, Wait, compile_program
 from opsched.schedule import from_stages
 from opsched.schedulers import make_schedule
@@ -268,7 +269,7 @@ def test_measured_costs_on_a_gpu_profile_once_and_measure_how_units_share_the_de
     cache = LatencyCache(tmp_path / "c.sqlite")
     standin = CudaStandIn()
     with cuda.use_api(standin):
-        cost = MeasuredCost(g, inputs, cores=2, device="cuda", cache=cache, repeats=2)
+        cost = measured_cost(g, inputs, cores=2, device="cuda", cache=cache, repeats=2)
     assert torch.get_num_threads() == threads
     assert cost.thread_options == [1] and cost.counts["units_measured"] == len(g)
     assert cost.device.startswith("cuda|stand-in")
@@ -286,5 +287,5 @@ def test_measured_costs_on_a_gpu_profile_once_and_measure_how_units_share_the_de
                               + [("concurrent", tuple(tuple(grp) for grp in groups))]
                               + [("concurrent", ((u,),)) for u in range(i["cat"], len(g))], refresh=True)
         assert cost.measure_program(compile_program(make_schedule("lios", g, cost, streams=2), g, 1)) > 0
-        again = MeasuredCost(g, inputs, device="cuda", cache=cache, repeats=2)
+        again = measured_cost(g, inputs, device="cuda", cache=cache, repeats=2)
     assert again.counts["units_cached"] == len(g) and again.fill == cost.fill

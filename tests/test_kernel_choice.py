@@ -115,7 +115,7 @@ def test_a_job_records_the_kernels_it_measured_with_and_its_modules_run_them():
 
     outcome = optimize_once(model, (x,), method="ios", repeats=3, cache=False)
     plan = outcome.plan()
-    assert plan.unit_kernels == outcome.kernels.choice == outcome.cost.operator.choice
+    assert plan.unit_kernels == outcome.kernels.choice == outcome.cost.runs.kernels.choice
     assert "packed" in plan.unit_kernels.values()
     for name, module in outcome.modules.items():
         assert ran_kernels(module) == expected(plan.unit_kernels, module), name

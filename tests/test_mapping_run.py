@@ -28,12 +28,12 @@ class Branchy(nn.Module):
 
 
 def _mapped(model, inputs, method):
-    from opsched.cost.measure import MeasuredCost
+    from opsched.runtime.profile import measured_cost
 
     graph = capture(model, inputs)
 
     def measure(device, threads):
-        cost = MeasuredCost(graph, inputs, cores=threads, repeats=3)
+        cost = measured_cost(graph, inputs, cores=threads, repeats=3)
         return [cost.latency[threads][u] for u in range(len(graph))]
 
     problem = build_problem(graph, load_platform("cpu2"), measure=measure)
@@ -150,8 +150,8 @@ def test_co_running_costs_apply_to_cpu_devices_beside_each_other_and_not_to_one_
 
 def test_measuring_co_running_keeps_the_callers_thread_count():
     # read after the other devices had set theirs, the caller's count came back as 1: map then timed eager there
-    from opsched.cost.corun import co_running_factors
     from opsched.graph.capture import capture
+    from opsched.runtime.corun import co_running_factors
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32)).eval()
     x = torch.randn(4, 32)  # two units

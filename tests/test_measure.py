@@ -8,6 +8,7 @@ from opsched.cost.measure import MeasuredCost, stages_of
 from opsched.graph.capture import capture
 from opsched.models import load_model
 from opsched.pipeline import MAX_REFINEMENTS, search
+from opsched.runtime.profile import measured_cost
 from opsched.schedule import validate
 
 
@@ -21,10 +22,10 @@ def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path, monke
     m, g = small
     monkeypatch.setattr(measure_module, "CACHE_DISAGREEMENT", float("inf"))  # however busy the machine is now
     cache = LatencyCache(tmp_path / "c.sqlite")
-    first = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    first = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=3)
     assert first.counts["units_measured"] == 2 * len(g)  # at 2 threads and at 1
     assert all(first.op_latency(u) > 0 for u in range(len(g)))
-    again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    again = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=3)
     assert again.counts["units_measured"] == 0 and again.counts["units_cached"] == 2 * len(g)
     # the cached timings at each thread count (op_latency also depends on which count the whole graph ran
     # fastest with, timed afresh each time: on a busy machine the choice can differ between the two)
@@ -34,11 +35,11 @@ def test_units_are_measured_once_then_come_from_the_cache(small, tmp_path, monke
 def test_cached_unit_timings_far_from_the_graph_timed_now_are_measured_again(small, tmp_path):
     m, g = small
     cache = LatencyCache(tmp_path / "c.sqlite")
-    first = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    first = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=3)
     for threads, latencies in first.latency.items():  # as if profiled while something else held the cores
         for u in range(len(g)):
             cache.put(first.device, first.signatures[u], "eager", first.batch, str(threads), 50 * latencies[u], 3)
-    again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=3)
+    again = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=3)
     assert again.counts["units_measured"] == 2 * len(g) and again.counts["units_cached"] == 0
     assert sum(again.best) < 10 * sum(first.best)
 
@@ -46,15 +47,15 @@ def test_cached_unit_timings_far_from_the_graph_timed_now_are_measured_again(sma
 def test_a_cache_from_another_device_is_never_used(small, tmp_path, monkeypatch):
     m, g = small
     cache = LatencyCache(tmp_path / "c.sqlite")
-    MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    measured_cost(g, m.inputs, cores=2, cache=cache, repeats=2)
     monkeypatch.setattr(measure_module, "cpu_fingerprint", lambda cores: "cpu|another machine")
-    other = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    other = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=2)
     assert other.counts["units_cached"] == 0
 
 
 def test_refinement_measures_the_winner_until_the_search_returns_it(small):
     m, g = small
-    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    cost = measured_cost(g, m.inputs, cores=2, cache=False, repeats=3)
     schedule = search(g, cost, "ios", max_block_size=12)
     validate(schedule, g)
     assert 1 <= schedule.stats["refinements"] <= MAX_REFINEMENTS
@@ -88,7 +89,7 @@ def test_units_alone_all_run_with_the_thread_count_the_graph_was_fastest_with(sm
     from opsched.schedulers import make_schedule
 
     m, g = small
-    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    cost = measured_cost(g, m.inputs, cores=2, cache=False, repeats=3)
     assert len(set(cost.best_threads)) == 1
     fastest = cost.best_threads[0]
     assert [cost.op_latency(u) for u in range(len(g))] == cost.latency[fastest]
@@ -102,7 +103,7 @@ def test_units_alone_all_run_with_the_thread_count_the_graph_was_fastest_with(sm
 @pytest.mark.parametrize("method,options", [("lios", {"streams": 2}), ("nimble", {})])
 def test_stream_schedules_on_measured_costs_predict_their_measured_run(small, tmp_path, method, options, monkeypatch):
     m, g = small
-    cost = MeasuredCost(g, m.inputs, cores=2, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=3)
+    cost = measured_cost(g, m.inputs, cores=2, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=3)
     measured = []
     real = cost.measure_program
     monkeypatch.setattr(cost, "measure_program", lambda program: measured.append(real(program)) or measured[-1])
@@ -116,11 +117,11 @@ def test_the_thread_count_is_timed_whole_never_taken_from_cached_unit_timings(sm
     m, g = small
     monkeypatch.setattr(measure_module, "CACHE_DISAGREEMENT", float("inf"))  # however busy the machine is now
     cache = LatencyCache(tmp_path / "c.sqlite")
-    MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    measured_cost(g, m.inputs, cores=2, cache=cache, repeats=2)
     timed = []
     real = MeasuredCost._fastest_thread_count
     monkeypatch.setattr(MeasuredCost, "_fastest_thread_count", lambda self: timed.append(1) or real(self))
-    again = MeasuredCost(g, m.inputs, cores=2, cache=cache, repeats=2)
+    again = measured_cost(g, m.inputs, cores=2, cache=cache, repeats=2)
     assert again.counts["units_measured"] == 0 and timed == [1]
 
 
@@ -132,7 +133,7 @@ def test_measuring_at_fewer_threads_leaves_the_callers_thread_count(small, tmp_p
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        MeasuredCost(g, m.inputs, cores=1, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=2)
+        measured_cost(g, m.inputs, cores=1, cache=LatencyCache(tmp_path / "c.sqlite"), repeats=2)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
@@ -145,7 +146,7 @@ def test_a_stream_schedule_slower_than_predicted_makes_hivemind_search_again(sma
     from opsched.runtime.program import Run
 
     m, g = small
-    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    cost = measured_cost(g, m.inputs, cores=2, cache=False, repeats=3)
     cost.contention, cost.sync_overhead = 0.1, 0.0  # as if streams were free: the search first takes several
     one_stream = sum(cost.op_latency(u) for u in range(len(g)))
     real = cost.measure_program
@@ -171,7 +172,7 @@ def test_streams_run_unit_by_unit_teach_nothing_when_kernels_are_compiled(small,
     from opsched.schedulers import make_schedule
 
     m, g = small
-    cost = MeasuredCost(g, m.inputs, cores=2, cache=False, repeats=3)
+    cost = measured_cost(g, m.inputs, cores=2, cache=False, repeats=3)
     schedule = make_schedule("lios", g, cost, streams=2)
     streams = [[g.index[name] for name in names] for names in schedule.streams() if names]
     assert len(streams) == 2

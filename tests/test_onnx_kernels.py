@@ -112,8 +112,8 @@ def test_max_pools_go_back_to_the_kernel_for_onnx_and_give_the_same_values():
 def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_them(tmp_path, monkeypatch):
     import opsched.cost.measure as measure_module
     from opsched.cost.cache import LatencyCache
-    from opsched.cost.measure import MeasuredCost
     from opsched.graph.blocks import split_blocks
+    from opsched.runtime.profile import measured_cost
 
     # the second model must read the cache, however busy the machine was at the first (a cached profile far
     # slower than the graph timed now is measured again, and a one-unit region's price with it)
@@ -122,7 +122,7 @@ def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_the
     model, x, graph = _setup()
     cache = LatencyCache(tmp_path / "c.sqlite")
     values = all_values(graph, [x])
-    cost = MeasuredCost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
+    cost = measured_cost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
                         cache=cache, repeats=3, values=values)
     blocks = [list(b.units) for b in split_blocks(graph)]
     priced = cost.region_latencies(blocks)
@@ -134,21 +134,21 @@ def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_the
     if plan.options.get("regions"):  # each one-group stage is priced as the region it runs as
         one_group = [st for st in plan.stages if len(st.groups) == 1 and st.strategy == "concurrent"]
         assert all(tuple(graph.index[u] for u in st.groups[0]) in cost.regions for st in one_group)
-    module = OptimizedModule(graph, plan, 2, cost.operator)
+    module = OptimizedModule(graph, plan, 2, cost.runs.kernels)
     with torch.inference_mode():
         for a, b in zip(module(x), model(x), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     module.close()
-    again = MeasuredCost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
+    again = measured_cost(graph, [x], cores=2, kernels=kernels_for(graph, "onnxruntime", example=values.__getitem__),
                          cache=cache, repeats=3, values=values)
     assert again.region_latencies(blocks) == priced and again.counts["regions_measured"] == 0
 
 
 def test_eager_kernels_price_no_regions():
-    from opsched.cost.measure import MeasuredCost
+    from opsched.runtime.profile import measured_cost
 
     _, x, graph = _setup()
-    cost = MeasuredCost(graph, [x], cores=2, cache=False, repeats=2)
+    cost = measured_cost(graph, [x], cores=2, cache=False, repeats=2)
     assert cost.region_latencies([list(range(len(graph)))]) is None
     assert "regions" not in make_schedule("ios", graph, cost).options
 

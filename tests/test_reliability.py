@@ -269,16 +269,16 @@ def test_a_full_disk_continues_in_memory(tmp_path):
 
 def test_profiling_with_a_corrupt_cache_does_not_crash(tmp_path, monkeypatch):
     import opsched.cost.measure as measure_module
-    from opsched.cost.measure import MeasuredCost
+    from opsched.runtime.profile import measured_cost
 
     monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(measure_module, "CACHE_DISAGREEMENT", float("inf"))  # however busy the machine is now
     (tmp_path / "costs.sqlite").write_bytes(b"\x00garbage" * 512)
     _, graph, inputs = small_models.branchy(width=2, depth=1, channels=4, size=6)
     with pytest.warns(CacheWarning, match="moved it to"):
-        cost = MeasuredCost(graph, inputs, cores=2, repeats=2)
+        cost = measured_cost(graph, inputs, cores=2, repeats=2)
     assert cost.counts["units_measured"] >= len(graph)
-    again = MeasuredCost(graph, inputs, cores=2, repeats=2)  # the rebuilt cache serves the second run
+    again = measured_cost(graph, inputs, cores=2, repeats=2)  # the rebuilt cache serves the second run
     assert again.counts["units_measured"] == 0 and again.counts["units_cached"] == cost.counts["units_measured"]
 
 

@@ -335,7 +335,7 @@ def map(model: Any, example_inputs: Sequence[Any] | None = None, *, platform: An
         # Several CPU devices busy together: each device's units cost what they do beside the others' (measured
         # for this mapping). The search compared mappings on the units alone; its bound and optimum hold for
         # those, and so below this.
-        from opsched.cost.corun import co_running_factors
+        from opsched.runtime.corun import co_running_factors
 
         say("measuring each device's units beside the other devices' ...")
         devices = [([job.unit for job in solved.mapping.order[d]], platform.devices[d].threads) for d in cpus]

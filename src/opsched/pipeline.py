@@ -149,15 +149,15 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
         return SimulatedGPU(graph, spec), None
     if spec != "measured":
         raise OpschedError(f"--cost takes measured or sim:NAME, got {spec!r}")
-    from opsched.cost.measure import MeasuredCost
     from opsched.graph.interpret import all_values
     from opsched.runtime.kernels import ChosenKernels, kernels_for
+    from opsched.runtime.profile import measured_cost
 
     values = all_values(graph, inputs)
     if not isinstance(kernels, ChosenKernels):
         kernels = kernels_for(graph, kernels, device, values.__getitem__)
-    cost = MeasuredCost(graph, inputs, cores=cores, device=device, kernels=kernels,
-                        cache=None if cache else False, progress=progress, values=values)
+    cost = measured_cost(graph, inputs, kernels, device, progress=progress, values=values, cores=cores,
+                         cache=None if cache else False)
     return cost, kernels
 
 

@@ -28,7 +28,9 @@ stages for Inception V3). This model measures what is cheap and predicts the res
 
 Timing: a warm-up run, then ``repeats`` runs, interleaved when several programs are measured (so that a
 burst of load on a shared machine spreads over all of them instead of skewing one); the median is kept,
-which ignores outliers. Everything runs through the same executor as the final program.
+which ignores outliers. This model runs nothing itself: it asks an :class:`~opsched.runtime.profile.InPlaceRuns`
+(the runtime's, which runs everything through the same executor and kernels as the final program) for the
+timelines it needs, and reads them.
 
 Every measurement goes to the sqlite cache (``cache.py``) under this device's fingerprint, so a second
 search of the same model re-measures nothing.
@@ -36,14 +38,13 @@ search of the same model re-measures nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -51,15 +52,10 @@ import torch
 from opsched.cost.cache import LatencyCache
 from opsched.events import simulate
 from opsched.graph.interpret import all_values
-from opsched.graph.ir import Graph, Node, indices
-from opsched.runtime import make_executor
-from opsched.runtime.kernels import ChosenKernels, kernels_for, unit_operator
-from opsched.runtime.program import staged_program
-from opsched.timing import interleaved_medians
+from opsched.graph.ir import Graph, indices
 
 StageKey = tuple[str, tuple[tuple[int, ...], ...]]  # (strategy, groups of unit indices)
 
-MIN_SAMPLE_SECONDS = 0.002  # a sample of the hand-off probe repeats it until it lasts this long
 CONTENTION_PRIOR = 1.0
 MERGE_PRIOR = 0.85  # optimistic, so that searches try merges and measurement settles them
 SHARING_COPIES = 4  # copies of a unit run at once on a GPU to see how much of the device it fills
@@ -79,42 +75,32 @@ def cpu_fingerprint(cores: int) -> str:
             f"mkldnn {torch.backends.mkldnn.is_available()}|convolution weights reordered once")
 
 
-def cuda_fingerprint() -> str:
-    """What makes GPU timings comparable: the GPU, its compute capability, CUDA and PyTorch versions."""
-    from opsched.runtime.cuda import current_api
-
-    return current_api().describe()
-
-
 class MeasuredCost:
     """Latencies of ``graph``'s units measured on this CPU with ``cores`` threads (default: PyTorch's
-    count), or on the current GPU (``device="cuda"``, timed with CUDA events), the example ``inputs``
-    feeding the graph. ``kernels`` runs each unit on the kernel chosen for it, as the plan will
-    (:class:`~opsched.runtime.kernels.ChosenKernels`; default: the eager choice for ``device``, see
-    :func:`opsched.runtime.choice.choose_kernels`); a unit's kernel is part of its key in the cache. ``cache=None`` uses the default cache file; ``False``
-    turns caching off. ``values`` (every unit's output on ``inputs``, see
+    count), or on the current GPU (timed with CUDA events), the example ``inputs`` feeding the graph. It runs
+    nothing itself: ``runs`` (an :class:`~opsched.runtime.profile.InPlaceRuns` of the graph on the CPU or the
+    GPU, each unit on the kernel the plan runs it on, a warm-up and ``runs.repeats`` runs each time; a unit's
+    kernel is part of its key in the cache) times what it asks for, and it reads the timelines;
+    :func:`opsched.runtime.profile.measured_cost` makes both. ``cache=None`` uses the default cache file;
+    ``False`` turns caching off. ``values`` (every unit's output on ``inputs``, see
     :func:`opsched.graph.interpret.all_values`) saves computing them again when the caller has them.
     On a GPU ``cores`` does not apply (see the module docstring)."""
 
     name = "measured"
 
-    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], cores: int | None = None, device: str = "cpu",
-                 kernels: ChosenKernels | None = None,
-                 cache: LatencyCache | bool | None = None, repeats: int = 9,
-                 progress: Callable[[str, int], Any] | None = None, values: dict[str, Any] | None = None):
+    def __init__(self, graph: Graph, inputs: Sequence[torch.Tensor], runs: Any, cores: int | None = None,
+                 cache: LatencyCache | bool | None = None, values: dict[str, Any] | None = None):
         self.graph = graph
-        self.gpu = device == "cuda"
+        self.gpu = runs.device == "cuda"
         self.cores = 1 if self.gpu else cores or torch.get_num_threads()
         self.capacity = float(self.cores)
         self.fill: list[float] | None = None  # on a GPU: the fraction of the device each unit fills
-        self.operator = kernels if kernels is not None else kernels_for(graph, "eager", device)
-        self.kernels = self.operator.asked  # the kernels asked for, a column of the cache
-        self.repeats = repeats
+        self.runs = runs
+        self.kernels = runs.kernels.asked  # the kernels asked for, a column of the cache
+        self.repeats = runs.repeats
         self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
-        self.where = device
-        self.device = cpu_fingerprint(self.cores) if device == "cpu" else cuda_fingerprint()
+        self.device = cpu_fingerprint(self.cores) if not self.gpu else runs.device_description()
         self.cache = LatencyCache() if cache is None or cache is True else (cache or None)
-        self.progress = progress or (lambda what, total: _NoProgress())
         self.values = values if values is not None else all_values(graph, inputs)
         self.signatures = [self._unit_signature(u) for u in range(len(graph))]
         self.thread_options = sorted({max(1, self.cores // k) for k in range(1, self.cores + 1)}, reverse=True)
@@ -289,8 +275,8 @@ class MeasuredCost:
                     self.measured_stages[stage] = ms
                     self.counts["stages_cached"] += 1
         elif wanted:
-            program = staged_program(self.graph, stages, self.cores, threads)
-            runs = self._run_in_place([program], f"measuring a schedule of {len(stages)} stages")[0]
+            runs = self.runs.stages([stages], [self.cores], f"measuring a schedule of {len(stages)} stages",
+                                    [threads] if threads else None)[0]
             stage_of = {u: k for k, (_, groups) in enumerate(stages) for g in groups for u in g}
             durations: dict[int, list[float]] = {k: [] for k, s in enumerate(stages) if s in cached}
             for timeline in runs:
@@ -316,7 +302,7 @@ class MeasuredCost:
         end: what a stream schedule's prediction is replaced by (its timeline from unit latencies knows
         nothing of streams slowing each other on shared cores)."""
         started = time.perf_counter()
-        runs = self._run_in_place([program], "measuring a stream schedule")[0]
+        runs = self.runs.programs([program], "measuring a stream schedule")[0]
         self.profile_seconds += time.perf_counter() - started
         return statistics.median(max(finish for *_, finish in timeline) * 1000.0 for timeline in runs)
 
@@ -372,9 +358,8 @@ class MeasuredCost:
         if not missing:
             return
         order = [("concurrent", [[u]]) for u in range(len(self.graph))]
-        programs = [(threads, staged_program(self.graph, order, threads)) for threads in missing]
-        timelines = self._run_in_place([p for _, p in programs], f"profiling {len(self.graph)} units")
-        for (threads, _), runs in zip(programs, timelines):
+        timelines = self.runs.stages([order] * len(missing), missing, f"profiling {len(self.graph)} units")
+        for threads, runs in zip(missing, timelines):
             per_unit: list[list[float]] = [[] for _ in range(len(self.graph))]
             for timeline in runs:
                 for _, units, start, finish in timeline:
@@ -396,51 +381,14 @@ class MeasuredCost:
         there is one thread count, which is not timed.)"""
         if len(self.thread_options) == 1:
             return self.thread_options[0], None
-        order = [("concurrent", [[u]]) for u in range(len(self.graph))]
-        executors = [make_executor(staged_program(self.graph, order, t), self.operator, self.where)
-                     for t in self.thread_options]
-        args = [self.values[name] for name in self.graph.inputs]
-        caller_threads = torch.get_num_threads()
-        try:  # on the CPU only: a GPU has one thread option
-            times = interleaved_medians([lambda e=e: e(*args) for e in executors], self.repeats, warmup=1)
-        finally:
-            for e in executors:
-                e.close()
-            torch.set_num_threads(caller_threads)
+        times = self.runs.whole(self.thread_options)  # on the CPU only: a GPU has one thread option
         ms, threads = min(zip(times, self.thread_options), key=lambda pair: (pair[0], -pair[1]))
         return threads, ms
-
-    def _run_in_place(self, programs: Sequence[Any], label: str,
-                      kernels: ChosenKernels | None = None) -> list[list[list]]:
-        """Run each program ``repeats`` times (after a warm-up), interleaved, recording timelines; its units on
-        ``kernels`` (default: the graph's)."""
-        executors = [make_executor(p, kernels or self.operator, self.where) for p in programs]
-        args = [self.values[name] for name in self.graph.inputs]
-        timelines: list[list[list]] = [[] for _ in programs]
-        caller_threads = torch.get_num_threads()
-        try:
-            with self.progress(label, len(programs) * (self.repeats + 1)) as bar:
-                for executor in executors:
-                    executor(*args)
-                    bar.update(1)
-                for _ in range(self.repeats):
-                    for k, executor in enumerate(executors):
-                        executor(*args, record_timeline=True)
-                        timelines[k].append(executor.timeline)
-                        bar.update(1)
-        finally:
-            for executor in executors:
-                executor.close()
-            # The caller's thread count, not the one measured at: measuring a 1-thread device of opsched map left
-            # the process on one thread, and map then timed eager on one thread (1.5x slower than on two).
-            torch.set_num_threads(caller_threads)
-        return timelines
 
     def _measure_regions(self, regions: Sequence[tuple[int, ...]]) -> None:
         """Time ``regions`` in place: the whole graph run in order with each of them compiled as one region
         (the other units one by one), each region's time read from the timeline. A region that a read from
         outside cuts in several (see :mod:`opsched.runtime.regions`) counts the time of all its parts."""
-        from opsched.runtime.regions import compiled_regions
         from opsched.schedule import from_stages
 
         region_of = {u: k for k, region in enumerate(regions) for u in region}
@@ -452,15 +400,13 @@ class MeasuredCost:
             elif k not in started:
                 started.add(k)
                 stages.append(("concurrent", [list(regions[k])]))
-        fused, _ = compiled_regions(self.graph, from_stages(self.graph, self, "regions", stages), each_stage=True)
-        order = [("concurrent", [[k]]) for k in range(len(fused))]
-        program = staged_program(fused, order, self.cores)
-        runs = self._run_in_place([program], f"profiling {len(regions)} compiled regions")[0]
+        names, runs = self.runs.regions(from_stages(self.graph, self, "regions", stages), self.cores,
+                                        f"profiling {len(regions)} compiled regions")
         samples: list[list[float]] = [[] for _ in regions]
         for timeline in runs:
             total = [0.0] * len(regions)
             for _, units, start, finish in timeline:
-                k = region_of.get(self.graph.index[fused.nodes[units[0]].name])
+                k = region_of.get(self.graph.index[names[units[0]]])
                 if k is not None:
                     total[k] += (finish - start) * 1000.0
             for k, ms in enumerate(total):
@@ -478,25 +424,7 @@ class MeasuredCost:
         cached = self._cached(key, f"cores={self.cores}")
         if cached is not None:
             return cached
-        nodes = [Node("a", args=("x",), run=_identity), Node("b", args=("x",), run=_identity)]
-        tiny = Graph(nodes, inputs=["x"])
-        # One thread a step: empty steps open no parallel region, and a worker given several threads would be
-        # ended after every call (see opsched.runtime.cpu), a cost a real call pays once, not per stage.
-        one = make_executor(staged_program(tiny, [("concurrent", [[0, 1]])], self.cores, [[[1, 1]]]), unit_operator,
-                            self.where)
-        two = make_executor(staged_program(tiny, [("concurrent", [[0], [1]])], self.cores, [[[1], [1]]]),
-                            unit_operator, self.where)
-        if self.gpu:  # the device's time, from events: the host's clock would count launches, not the GPU
-            from opsched.runtime.cuda import current_api, time_cuda
-
-            x = torch.zeros(1, device=current_api().device)
-            t_one, t_two = (time_cuda(lambda run=run: run(x), repeats=self.repeats) for run in (one, two))
-        else:
-            x = torch.zeros(1)
-            t_one, t_two = interleaved_medians([lambda: one(x), lambda: two(x)], self.repeats,
-                                               min_sample_seconds=MIN_SAMPLE_SECONDS)
-        one.close()
-        two.close()
+        t_one, t_two = self.runs.handoff(self.cores)
         handoff = max(0.0, t_two - t_one)
         self._store(key, f"cores={self.cores}", handoff, self.repeats)
         return handoff
@@ -511,14 +439,7 @@ class MeasuredCost:
         together = [self._cached(self.signatures[u], key) for u in range(len(self.graph))]
         if any(t is None for t in together):
             n = len(self.graph)
-            nodes = list(self.graph.nodes) + [dataclasses.replace(node, name=f"{node.name}~copy{c}")
-                                              for c in range(1, copies) for node in self.graph.nodes]
-            side_by_side = Graph(nodes, inputs=self.graph.inputs, name=f"{self.graph.name}~copies")
-            stages = [("concurrent", [[u + c * n] for c in range(copies)]) for u in range(n)]
-            runs = self._run_in_place([staged_program(side_by_side, stages, 1)],
-                                      f"profiling {n} units, {copies} copies at once",
-                                      self.operator.copies({node.name: original.name for node, original in zip(
-                                          nodes[n:], list(self.graph.nodes) * (copies - 1))}))[0]
+            runs = self.runs.copies(copies, f"profiling {n} units, {copies} copies at once")
             per_unit: list[list[float]] = [[] for _ in range(n)]
             for timeline in runs:
                 spans: dict[int, tuple[float, float]] = {}
@@ -542,7 +463,7 @@ class MeasuredCost:
 
     def _unit_signature(self, u: int) -> str:
         node = self.graph.nodes[u]
-        doc = {"kernel": self.operator.choice[node.name], "kind": node.kind, "ops": list(node.ops),
+        doc = {"kernel": self.runs.choice[node.name], "kind": node.kind, "ops": list(node.ops),
                "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
                "inputs": [_describe_value(self.values[a]) for a in node.args], "shape": _plain(node.shape),
                "dtype": node.dtype, "flops": node.flops, "param_bytes": node.param_bytes}
@@ -587,19 +508,3 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     return repr(value)
-
-
-def _identity(x: Any) -> Any:
-    return x
-
-
-class _NoProgress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def update(self, n: int) -> None:
-        pass
-

@@ -50,7 +50,7 @@ class Problem:
     # with the units; 0 where nothing runs, and for other devices).
     handoff: float = 0.0
     # By device index, how much slower its units run beside the other CPU devices' than alone (measured for a
-    # mapping; a device not named: 1): see :mod:`opsched.cost.corun` and :meth:`beside`. ``times`` are the units
+    # mapping; a device not named: 1): see :mod:`opsched.runtime.corun` and :meth:`beside`. ``times`` are the units
     # alone.
     co_running: Mapping[int, float] = field(default_factory=dict)
 
