@@ -220,8 +220,8 @@ def test_optimize_measured_runs_verifies_and_times_every_schedule(capsys, tmp_pa
                          str(tmp_path / "again.json"), "--json")
     assert json.loads(out)["cost_model"]["units_measured"] == 0
     # run: the plan executes and verifies; another batch or another model is refused in one line
-    code, out, err = run(capsys, "run", "squeezenet", "--image-size", "48", "--plan", str(plan), "--repeats", "2",
-                         "--json")
+    # (at the image size the plan's call was made for, unless another is asked)
+    code, out, err = run(capsys, "run", "squeezenet", "--plan", str(plan), "--repeats", "2", "--json")
     assert code == 0, err and json.loads(out)["max_abs_error"] <= 1e-3
     code, _, err = run(capsys, "run", "squeezenet", "--image-size", "48", "--batch", "2", "--plan", str(plan))
     assert code == 2 and "batch 1" in err and len(err.strip().splitlines()) == 1

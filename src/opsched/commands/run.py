@@ -78,7 +78,9 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
 
         loaded, graph, names = rebuild_batch(load, plan, device)
     else:
-        at_batch = argparse.Namespace(**{**vars(args), "batch": args.batch or plan.batch})
+        # at the plan's batch, and at the image size its call was made for unless another is asked
+        at_batch = argparse.Namespace(**{**vars(args), "batch": args.batch or plan.batch,
+                                         "image_size": args.image_size or _recorded_image_size(plan, args)})
         loaded, graph, _, _ = load_and_capture(at_batch, args.models[0], device)
     baseline = "eager" if load is None else "sequential_models"
     schedule_module.validate(plan, graph)
@@ -126,6 +128,15 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     if not args.json:
         _print(result, ev, plan, label, baseline, cores, ray_summary, args)
     return result
+
+
+def _recorded_image_size(plan: Any, args: argparse.Namespace) -> int | None:
+    """The height and width of the one square image the plan's call was made for (``opsched optimize`` records
+    its inputs), where no input shape is given."""
+    shapes = [i.get("shape") for i in plan.inputs or [] if isinstance(i, dict)]
+    if args.input_shape or len(shapes) != 1 or not isinstance(shapes[0], list) or len(shapes[0]) != 4:
+        return None
+    return shapes[0][3] if shapes[0][2] == shapes[0][3] else None
 
 
 def _trace(args: argparse.Namespace, outcome: Any, plan: Any, label: str, inputs: tuple, cores: int, device: str,
