@@ -106,3 +106,41 @@ def test_measured_graphs_go_through_the_one_runner_and_answer_as_the_faster(monk
         assert (fn == gm.forward) == (outcome.chosen == "eager")
         if hasattr(fn, "module"):
             fn.module.close()
+
+
+class Convs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Conv2d(3, 16, 3, padding=1)
+        self.b = torch.nn.Conv2d(16, 16, 3, padding=1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).relu()
+
+
+@pytest.mark.filterwarnings("error::opsched.dynamo.OpschedBackendWarning")
+def test_the_weights_dynamo_passes_as_inputs_are_held_by_the_plan_and_followed():
+    # dynamo hands the parameters over as graph inputs: the plan holds them (so its convolutions can be
+    # reordered once) and a weight changed in place, or replaced, is answered by the graph, never stale
+    from opsched import dynamo
+
+    torch._dynamo.reset()
+    model = Convs().eval()
+    x = torch.randn(1, 3, 16, 16)
+    graph = torch.fx.symbolic_trace(lambda x, wa, ba, wb, bb: torch.nn.functional.conv2d(
+        torch.relu(torch.nn.functional.conv2d(x, wa, ba, padding=1)), wb, bb, padding=1).relu())
+    params = [model.a.weight, model.a.bias, model.b.weight, model.b.bias]
+    fn = dynamo._schedule(graph, (x, *params), {**dynamo.OPTIONS, "cost": "sim:v100"})
+    from opsched.runtime.packed import PackedUnit
+
+    lowered = fn.module.executor.lowered
+    assert any(isinstance(c.fn, PackedUnit) for k in range(len(lowered.streams)) for c in lowered.calls(k))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, *params), model(x), rtol=1e-4, atol=1e-5)
+        model.a.weight.mul_(2)  # in place, as an optimizer step
+        torch.testing.assert_close(fn(x, *params), model(x), rtol=1e-4, atol=1e-5)
+        other = torch.nn.Parameter(model.b.weight.detach() * 3)
+        torch.testing.assert_close(fn(x, *params[:2], other, params[3]),
+                                   torch.nn.functional.conv2d(torch.relu(model.a(x)), other, model.b.bias,
+                                                              padding=1).relu(), rtol=1e-4, atol=1e-5)
+    fn.module.close()

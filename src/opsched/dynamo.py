@@ -60,6 +60,35 @@ def opsched_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
         return gm.forward
 
 
+class _HoldingWeights(torch.nn.Module):
+    """``gm`` holding as its own the parameters dynamo passes it as inputs, and called with the other inputs:
+    a plan's units then hold their weights, as a model's units do (the reordered convolutions need weights a
+    unit holds), and the plan's guard watches those same parameters (their version counters and storage), so
+    that a weight updated in place is seen and the graph answers until dynamo compiles again."""
+
+    def __init__(self, gm: torch.fx.GraphModule, inputs: Sequence[Any]):
+        super().__init__()
+        self.gm = gm
+        self.held = [k for k, x in enumerate(inputs) if isinstance(x, torch.nn.Parameter)]
+        self.weights = torch.nn.ParameterList([inputs[k] for k in self.held])  # the parameters themselves
+        self.arity = len(inputs)
+
+    def rest(self, inputs: Sequence[Any]) -> tuple:
+        """The inputs of a call of ``gm`` other than the parameters held."""
+        held = set(self.held)
+        return tuple(x for k, x in enumerate(inputs) if k not in held)
+
+    def holds(self, inputs: Sequence[Any]) -> bool:
+        """Whether a call of ``gm`` passes the very parameters held."""
+        return len(inputs) == self.arity and all(inputs[k] is w for k, w in zip(self.held, self.weights))
+
+    def forward(self, *rest: Any) -> Any:
+        args = list(rest)
+        for k, weight in zip(self.held, self.weights):  # positions in ascending order: each lands where it was
+            args.insert(k, weight)
+        return self.gm(*args)
+
+
 def _unschedulable(example_inputs: Sequence[Any]) -> str | None:
     for x in example_inputs:
         if not isinstance(x, torch.Tensor):
@@ -81,12 +110,14 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     from opsched.runtime.guards import Guard
     from opsched.runtime.module import OptimizedModule
 
-    graph = capture(gm, inputs, name=f"dynamo-{type(gm).__name__}")
+    held = _HoldingWeights(gm, inputs)
+    rest = held.rest(inputs)
+    graph = capture(held, rest, name=f"dynamo-{type(gm).__name__}")
     device = "cuda" if inputs and inputs[0].is_cuda else "cpu"
     method = options["method"]
     simulated = is_simulated(options["cost"])
     measure = options["verify"] and not simulated
-    outcome = run_workload(Workload(gm, inputs, graph, {method: (method, method_options(method))},
+    outcome = run_workload(Workload(held, rest, graph, {method: (method, method_options(method))},
                                     cost=options["cost"], device=device, kernels=options["kernels"],
                                     measure=measure))
     if measure:
@@ -99,12 +130,12 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     else:
         # the kernels the costs were measured with (a simulated cost measured none: the plan's own choice)
         module = OptimizedModule(graph, outcome.schedules[method], operator=outcome.kernels, device=device,
-                                 guard=Guard.of(inputs, gm))
+                                 guard=Guard.of(rest, held))
         if options["verify"]:
             from opsched.compare import compare_outputs
 
             with torch.inference_mode():
-                verdict = compare_outputs(module(*inputs), gm(*inputs))
+                verdict = compare_outputs(module(*rest), gm(*inputs))
             if not verdict.ok:
                 raise VerificationError(f"the schedule's outputs differ from the graph's: {verdict.why}")
     guard = module.guard
@@ -112,7 +143,9 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     def run(*args: Any) -> Any:
         with torch.inference_mode():
             try:
-                flat = guard.check(args)
+                if not held.holds(args):  # a parameter replaced by another tensor
+                    return gm.forward(*args)
+                flat = guard.check(held.rest(args))
             except (SignatureMismatch, StaleWeights):
                 return gm.forward(*args)
             return module.run(flat)
