@@ -46,10 +46,10 @@ def one_model(name: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
     fast = result.module
     fast.say = lambda text: None
     plan = next(iter(fast.plans.values()))
-    module = plan.module if plan.module is not None else result.evaluation.modules[plan.schedule.options["measured_as"]]
+    module = plan.module if plan.module is not None else result.evaluation.modules[plan.schedule.measured.measured_as]
     if plan.module is None:  # eager was chosen: optimize's module would call the model; time the plan instead
         plan.module = module
-    return {"case": name, "chosen": result.chosen, "plan": plan.schedule.options["measured_as"],
+    return {"case": name, "chosen": result.chosen, "plan": plan.schedule.measured.measured_as,
             "check_us": check_us(lambda: module.guard.check((x,)), lambda: fast.watch.changed()),
             "configurations": {"unchecked": _unchecked(module, (x,)), "guarded plan": lambda: module(x),
                                "optimize's module": lambda: fast(x)}}
@@ -61,9 +61,9 @@ def ensemble(count: int = 16) -> dict:
     x = torch.randn(1, 1, 32, 32)
     result = opsched.optimize_batch(models, (x,), repeats=5)
     plan = result.plan()
-    module = result.outcome.modules[plan.options["measured_as"]]
+    module = result.outcome.modules[plan.measured.measured_as]
     inputs = tuple(result.fusion.batch.inputs)
-    return {"case": f"{count} LeNet-5, one fused graph", "chosen": result.chosen, "plan": plan.options["measured_as"],
+    return {"case": f"{count} LeNet-5, one fused graph", "chosen": result.chosen, "plan": plan.measured.measured_as,
             "check_us": check_us(lambda: module.guard.check(inputs)),
             "configurations": {"unchecked": _unchecked(module, inputs), "guarded plan": lambda: module(*inputs)}}
 

@@ -16,7 +16,7 @@ from opsched.runtime import packed
 from opsched.runtime.choice import check_choice, choose_kernels, place_of
 from opsched.runtime.kernels import ChosenKernels, kernels_for, plan_kernels
 from opsched.runtime.module import OptimizedModule
-from opsched.schedule import ScheduleError, from_dict
+from opsched.schedule import RunSettings, ScheduleError, from_dict
 from opsched.schedulers import make_schedule
 from tests.support.small_models import build, recipes
 
@@ -210,7 +210,7 @@ class ViewAfterBranches(torch.nn.Module):
 def test_an_eager_plan_with_regions_runs_each_region_on_the_plans_kernels():
     model, x = ViewAfterBranches().eval(), torch.randn(2, 3, 6, 6)
     graph, plan = graph_and_plan(model, (x,))
-    plan.options["regions"] = True
+    plan.run = RunSettings(regions=True)
     assert "packed" in choose_kernels(graph).values()
     module = OptimizedModule(graph, plan, 2)
     with torch.inference_mode():
@@ -256,7 +256,7 @@ def test_compile_runs_a_plan_on_compiled_kernels_for_its_example_inputs():
 
     model, x = Branches().eval(), torch.randn(1, 3, 8, 8)
     graph, plan = graph_and_plan(model, (x,))
-    plan.options["kernels"] = "onnxruntime"
+    plan.run = RunSettings(kernels="onnxruntime")
     module = opsched.compile(graph, plan, (x,))  # (before, it ran eager kernels without a word)
     assert set(ran_kernels(module).values()) == {"other"}
     sessions = [c.fn for c in module.executor.lowered.calls(0)]

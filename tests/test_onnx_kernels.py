@@ -131,7 +131,7 @@ def test_the_measured_cost_model_prices_blocks_as_regions_and_ios_plans_with_the
                                                                          if len(b) == 1]
     plan = make_schedule("ios", graph, cost)
     assert plan.bounds["lower_bound"] <= plan.predicted_latency
-    if plan.options.get("regions"):  # each one-group stage is priced as the region it runs as
+    if plan.run.regions:  # each one-group stage is priced as the region it runs as
         one_group = [st for st in plan.stages if len(st.groups) == 1 and st.strategy == "concurrent"]
         assert all(tuple(graph.index[u] for u in st.groups[0]) in cost.regions for st in one_group)
     module = OptimizedModule(graph, plan, 2, cost.runs.kernels)

@@ -246,7 +246,7 @@ def test_one_python_call_per_job_returns_what_the_command_reports(tmp_path, monk
     ev = result.evaluation
     assert result.chosen == ev.tie[0] and min(result.measured_ms, key=result.measured_ms.get) in ev.tie
     plan = result.plan()
-    assert plan.options["chosen"]["name"] == result.chosen and plan.options["measured_as"] in result.schedules
+    assert plan.measured.chosen["name"] == result.chosen and plan.measured.measured_as in result.schedules
     plan.save(tmp_path / "plan.json")
     with torch.inference_mode():
         assert torch.allclose(result.module(x), model(x), atol=1e-5)  # the chosen configuration, called as the model

@@ -13,7 +13,7 @@ from opsched.graph.capture import capture
 from opsched.models import load_model
 from opsched.runtime.module import OptimizedModule
 from opsched.runtime.regions import compiled_regions
-from opsched.schedule import from_stages, validate
+from opsched.schedule import RunSettings, from_stages, validate
 from opsched.schedulers import make_schedule
 
 
@@ -68,7 +68,7 @@ def test_every_schedule_of_a_random_network_runs_the_same_with_regions(randwire,
     fused, plan = compiled_regions(graph, schedule)
     validate(plan, fused)
     assert len(fused) <= len(graph)
-    schedule.options["regions"] = True
+    schedule.run = RunSettings(regions=True)
     assert verify(OptimizedModule(graph, schedule, 2), m.model, m.inputs).max_abs_error < 1e-5
 
 
@@ -78,7 +78,7 @@ def test_regions_compiled_by_inductor_match_eager():
 
     model, x, graph = _graph()
     schedule = make_schedule("sequential", graph, TableCost(graph))
-    schedule.options["regions"] = True
+    schedule.run = RunSettings(regions=True)
     operator = kernels_for(graph, "inductor", example=all_values(graph, [x]).__getitem__)
     module = OptimizedModule(graph, schedule, 2, operator)
     assert len(module.program.runs()) == 1  # the whole graph compiled as one region
@@ -94,7 +94,7 @@ def test_one_compiler_serves_units_and_the_regions_named_after_them():
     operator = kernels_for(graph, "inductor", example=all_values(graph, [x]).__getitem__)
     schedule = make_schedule("sequential", graph, TableCost(graph))
     units = OptimizedModule(graph, schedule, 2, operator)
-    schedule.options["regions"] = True
+    schedule.run = RunSettings(regions=True)
     regions = OptimizedModule(graph, schedule, 2, operator)
     assert verify(units, model, (x,)).ok and verify(regions, model, (x,)).ok
 
@@ -138,14 +138,14 @@ def test_ios_runs_a_block_as_a_compiled_region_only_where_that_is_cheaper(factor
     assert plain.predicted_latency == 7.0
     widths = [len(st.groups) for st in plan.stages]
     if factor == 0.5:  # every block a region (the branches' 3.5 < 4), joined into one run of all 10 units
-        assert plan.options["regions"] is True and widths == [1]
+        assert plan.run.regions is True and widths == [1]
         assert plan.predicted_latency == pytest.approx(5.0)
         assert cost.asked[-1] == [tuple(range(len(graph)))]  # the joined run was priced as what runs
         from opsched.commands.optimize import explain
 
         assert explain(plan, graph, cost).startswith("1 of 1 blocks of several units run as compiled regions")
     elif factor == 0.95:  # the branches stay side by side (6.65 > 4); the runs around them pay as regions
-        assert plan.options["regions"] is True and widths == [1, 2, 1]
+        assert plan.run.regions is True and widths == [1, 2, 1]
         assert plan.predicted_latency == pytest.approx(0.95 + 3 + 0.95 * 3)
     else:  # regions cost more than units: the plan without them
         assert "regions" not in plan.options and plan.predicted_latency == 7.0
@@ -156,7 +156,7 @@ def test_a_plan_with_regions_priced_by_the_cost_model_runs_and_matches_eager():
     model, x, graph = _graph()
     cost = _RegionPricedTable(graph, 0.5)
     plan = make_schedule("ios", graph, cost)
-    assert plan.options["regions"] is True
+    assert plan.run.regions is True
     module = OptimizedModule(graph, plan, 2)
     with torch.inference_mode():
         torch.testing.assert_close(module(x), model(x))
@@ -170,10 +170,10 @@ def test_a_schedule_with_regions_joins_its_runs_and_is_predicted_as_them():
     cost = _RegionPricedTable(graph, 0.5)
     plan = with_regions(make_schedule("sequential", graph, TableCost(graph)), graph, cost)
     validate(plan, graph)
-    assert plan.options["regions"] is True and len(plan.stages) == 1 and plan.predicted_latency == pytest.approx(5.0)
+    assert plan.run.regions is True and len(plan.stages) == 1 and plan.predicted_latency == pytest.approx(5.0)
     assert plan.bounds["lower_bound"] <= plan.predicted_latency + 1e-9
     unpriced = with_regions(make_schedule("sequential", graph, TableCost(graph)), graph, TableCost(graph))
-    assert unpriced.options["regions"] is True and unpriced.predicted_latency == 10.0  # tables fuse nothing
+    assert unpriced.run.regions is True and unpriced.predicted_latency == 10.0  # tables fuse nothing
 
 
 def test_units_whose_attributes_have_the_same_names_keep_their_own_in_one_region():

@@ -22,6 +22,7 @@ it was made.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,8 @@ def plan_file(module: Any) -> Schedule:
         raise OpschedError("no call signature of this module has a verified schedule to save")
     first = with_schedule[0]  # the first made that has a schedule
     head = schedule_from_dict(_plain(first.schedule))
-    head.options["chosen"] = {**head.options.get("chosen", {}), "name": first.chosen}
+    if head.measured is not None:
+        head.measured = dataclasses.replace(head.measured, chosen={**head.measured.chosen, "name": first.chosen})
     head.inputs, head.input_structure = inputs_record(first.inputs)
     head.build = {k: v for k, v in module.builder.options.items() if k in BUILD_OPTIONS}
     head.signatures = [{**dict(zip(("inputs", "input_structure"), inputs_record(p.inputs))), "chosen": p.chosen,
@@ -102,8 +104,8 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
     if tolerance is not None:
         options["tolerance"] = tolerance
     builder = OptimizeBuilder(options)
-    entries = [((head.inputs, head.input_structure), head.options.get("chosen", {}).get("name", head.method),
-                head.options.get("measured_ms", {}), "", head)]
+    entries = [((head.inputs, head.input_structure), head.measured.chosen["name"] if head.measured else head.method,
+                dict(head.measured.measured_ms) if head.measured else {}, "", head)]
     for k, sig in enumerate(head.signatures):
         if not isinstance(sig, dict) or not isinstance(sig.get("inputs"), list):
             raise ScheduleError(f"{path}: signature {k} does not record its inputs")
@@ -127,7 +129,7 @@ def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record:
     except (TypeError, ValueError, RuntimeError) as e:
         raise ScheduleError(f"{path}: the inputs it records cannot be made ({e})") from None
     signature = call_signature(inputs)
-    runs_schedule = schedule is not None and chosen == schedule.options.get("measured_as")
+    runs_schedule = schedule is not None and schedule.measured is not None and chosen == schedule.measured.measured_as
     if not runs_schedule:
         return Plan(signature, inputs, None, chosen, schedule, measured_ms, note, stale=chosen != "eager")
     try:
@@ -164,5 +166,5 @@ def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options
     device = schedule.device if schedule.device in ("cpu", "cuda") else "cpu"
     kernels = plan_kernels(graph, schedule, device, flat)
     module = OptimizedModule(graph, schedule, cores, kernels, device=device,
-                             cuda_graph=bool(schedule.options.get("cuda_graph")), guard=Guard.of(inputs, model))
+                             cuda_graph=schedule.run.cuda_graph, guard=Guard.of(inputs, model))
     return module, verify(module, model, inputs, options.get("tolerance"))

@@ -175,7 +175,7 @@ class OptimizeBuilder:
         if plan.chosen == "eager":
             return dataclasses.replace(plan, stale=False)  # nothing derived from the weights
         schedule = plan.schedule
-        if schedule is None or plan.chosen != schedule.options.get("measured_as"):
+        if schedule is None or schedule.measured is None or plan.chosen != schedule.measured.measured_as:
             return self.build(model, plan.inputs)  # a peer, made again whole
         try:
             module, verdict = recompile(model, plan.inputs, schedule, self.options)

@@ -23,7 +23,7 @@ from opsched.errors import OpschedError
 from opsched.evaluation import Candidate, Evaluation, evaluate, module_runner, reference_outputs
 from opsched.graph.blocks import DEFAULT_MAX_SIZE
 from opsched.graph.ir import Graph
-from opsched.schedule import Schedule
+from opsched.schedule import Measurement, Schedule
 from opsched.schedulers import make_schedule
 
 MAX_REFINEMENTS = 8
@@ -131,7 +131,8 @@ def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
 
     # (a cost model that prices no regions prices each joined run as its units, one after another)
     plan = from_stages(graph, cost, schedule.method, joined_runs(stages_of(schedule, graph)),
-                       stats=dict(schedule.stats), options={**schedule.options, "regions": True})
+                       stats=dict(schedule.stats), options=dict(schedule.options),
+                       run=dataclasses.replace(schedule.run, regions=True))
     plan.device, plan.batch, plan.bounds = schedule.device, schedule.batch, lower_bounds(graph, cost)
     return plan
 
@@ -315,12 +316,12 @@ class Outcome:
             return None
         # a copy: reading the plan never changes the schedule the job made
         kernels = self.kernels.choice if self.kernels is not None else self.schedules[best].unit_kernels
-        return dataclasses.replace(self.schedules[best], unit_kernels=dict(kernels) if kernels else None, options={
-            **self.schedules[best].options, "measured_as": best,
-            "chosen": {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
-            "measured_ms": {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
-            "tie": list(ev.tie),  # beaten by none above the run's noise; the first was chosen
-            "same_program_spread": round(ev.noise_floor, 4)})
+        return dataclasses.replace(self.schedules[best], unit_kernels=dict(kernels) if kernels else None,
+                                   measured=Measurement(
+            best, {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
+            {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
+            list(ev.tie),  # beaten by none above the run's noise; the first was chosen
+            round(ev.noise_floor, 4)))
 
 
 def run_workload(job: Workload) -> Outcome:
@@ -339,9 +340,7 @@ def run_workload(job: Workload) -> Outcome:
         job.say(f"scheduling with {name} ...")
         schedule = search(job.graph, cost, method, **options)
         schedule.device = job.cost if simulated else job.device
-        schedule.options["kernels"] = job.kernels
-        if job.cuda_graph:
-            schedule.options["cuda_graph"] = True
+        schedule.run = dataclasses.replace(schedule.run, kernels=job.kernels, cuda_graph=job.cuda_graph)
         schedule.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         schedules[name] = schedule
     outcome = Outcome(cost, schedules, kernels)
@@ -352,11 +351,11 @@ def run_workload(job: Workload) -> Outcome:
         # own, block by block): which pays is measured. A stream schedule's regions are its streams' runs of
         # units (four different small networks on ONNX Runtime: a session per network and stream).
         for name, schedule in list(schedules.items()):
-            if schedule.options.get("regions") or schedule.devices is not None:
+            if schedule.run.regions or schedule.devices is not None:
                 continue
             schedules[f"{name}+regions"] = (
                 with_regions(schedule, job.graph, cost) if schedule.stages is not None
-                else dataclasses.replace(schedule, options={**schedule.options, "regions": True}))
+                else dataclasses.replace(schedule, run=dataclasses.replace(schedule.run, regions=True)))
     evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=cores, device=job.device, peers=job.peers,
                    tolerance=job.tolerance, repeats=job.repeats, cuda_graph=job.cuda_graph, say=job.say)
     return outcome

@@ -211,6 +211,47 @@ class ModelsSection:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class RunSettings:
+    """How a plan runs, as asked: the kernels (``--kernels``: ``eager``, ``inductor`` or ``onnxruntime``),
+    whether its back-to-back units run as compiled regions (:mod:`opsched.runtime.regions`), and whether its
+    program replays as one CUDA graph. In a plan's JSON, the ``kernels``, ``regions`` and ``cuda_graph`` of its
+    ``options``."""
+
+    kernels: str = "eager"
+    regions: bool = False
+    cuda_graph: bool = False
+
+    def to_options(self) -> dict[str, Any]:
+        return {"kernels": self.kernels, **({"regions": True} if self.regions else {}),
+                **({"cuda_graph": True} if self.cuda_graph else {})}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What the runner measured and chose when it made a plan: the configuration whose schedule this is
+    (``measured_as``), what was chosen overall (``chosen``: its ``name``, ``kind`` and ``threads``; possibly a
+    peer), every verified configuration's median milliseconds, those beaten by none above the run's noise
+    (``tie``, the first chosen) and how far one program timed twice differed (``same_program_spread``). In a
+    plan's JSON, these fields of its ``options``."""
+
+    measured_as: str
+    chosen: dict[str, Any]
+    measured_ms: dict[str, float]
+    tie: list[str] = field(default_factory=list)
+    same_program_spread: float | None = None
+
+    def to_options(self) -> dict[str, Any]:
+        out = {"measured_as": self.measured_as, "chosen": dict(self.chosen), "measured_ms": dict(self.measured_ms),
+               "tie": list(self.tie)}
+        if self.same_program_spread is not None:
+            out["same_program_spread"] = self.same_program_spread
+        return out
+
+
+RUN_KERNELS = ("eager", "inductor", "onnxruntime")  # what --kernels asks for
+
+
 @dataclass
 class Schedule:
     method: str
@@ -224,7 +265,9 @@ class Schedule:
     batch: int | None = None
     stats: dict[str, Any] = field(default_factory=dict)
     bounds: dict[str, Any] = field(default_factory=dict)
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)  # the scheduler's own settings (streams, limits, ...)
+    run: RunSettings = field(default_factory=RunSettings)  # how it runs, as asked
+    measured: Measurement | None = None  # what the runner measured and chose (None: not measured)
     devices: DevicesSection | None = None
     models: ModelsSection | None = None
     # the call a plan of opsched.optimize was made for (one entry per flat input), how more plans are made,
@@ -282,7 +325,10 @@ class Schedule:
         doc["ops"] = [asdict(o) for o in self.ops]
         doc["stats"] = self.stats
         doc["bounds"] = self.bounds
-        doc["options"] = self.options
+        # one JSON object, as plans have always been written: the scheduler's settings, how the plan runs and
+        # what was measured
+        doc["options"] = {**self.options, **self.run.to_options(),
+                          **(self.measured.to_options() if self.measured is not None else {})}
         if self.devices is not None:
             doc["devices"] = self.devices.to_dict()
         if self.models is not None:
@@ -336,6 +382,7 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
         raise ScheduleError(f"{source}: malformed schedule ({type(e).__name__}: {e})") from None
     if doc.get("unit_kernels") is not None:
         schedule.unit_kernels = unit_kernels(doc["unit_kernels"], source)
+    schedule.run, schedule.measured = _run_and_measurement(schedule.options, source)
     if schedule.batch is not None and (not isinstance(schedule.batch, int) or isinstance(schedule.batch, bool)
                                        or schedule.batch < 1):
         raise ScheduleError(f"{source}: batch must be a positive integer or null, got {json.dumps(schedule.batch)}")
@@ -359,6 +406,29 @@ def from_dict(doc: Any, source: str = "<schedule>") -> Schedule:
                                 f"{o.start}..{o.finish})" + (" that names no device of the plan"
                                                              if schedule.devices is not None else ""))
     return schedule
+
+
+def _run_and_measurement(options: dict[str, Any], source: str) -> tuple[RunSettings, Measurement | None]:
+    """A plan's run settings and measurement, taken out of its JSON ``options`` (which keeps the scheduler's own
+    settings), checked."""
+    kernels = options.pop("kernels", "eager")
+    if kernels not in RUN_KERNELS:
+        raise ScheduleError(f"{source}: options.kernels must be one of {', '.join(RUN_KERNELS)}, got "
+                            f"{json.dumps(kernels)}")
+    run = RunSettings(kernels, bool(options.pop("regions", False)), bool(options.pop("cuda_graph", False)))
+    if "measured_as" not in options:
+        return run, None
+    fields = {k: options.pop(k) for k in ("measured_as", "chosen", "measured_ms", "tie", "same_program_spread")
+              if k in options}
+    chosen, ms = fields.get("chosen", {"name": fields["measured_as"], "kind": "schedule"}), fields.get("measured_ms", {})
+    spread = fields.get("same_program_spread")
+    if not (isinstance(fields["measured_as"], str) and isinstance(chosen, dict) and isinstance(chosen.get("name"), str)
+            and isinstance(ms, dict) and all(isinstance(v, (int, float)) for v in ms.values())
+            and isinstance(fields.get("tie", []), list) and (spread is None or isinstance(spread, (int, float)))):
+        raise ScheduleError(f"{source}: the measurement in options (measured_as, chosen, measured_ms, tie, "
+                            "same_program_spread) is malformed")
+    return run, Measurement(fields["measured_as"], chosen, {str(k): float(v) for k, v in ms.items()},
+                            [str(t) for t in fields.get("tie", [])], spread)
 
 
 def unit_kernels(doc: Any, source: str) -> dict[str, str]:
@@ -610,7 +680,7 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
 
     Stages run back to back. Group ``i`` of a concurrent stage runs on stream ``i``, its units one after
     another, their latencies stretched to the stage's latency when the cost model says running the groups
-    together slows them (contention, capacity). A merge stage runs on stream 0. With ``options["regions"]``
+    together slows them (contention, capacity). A merge stage runs on stream 0. With ``run.regions``
     the runtime fuses each run of one-group stages into a compiled region, and a one-group stage is priced
     as the region of its units where the cost model can (``region_latencies``; IOS joins each run into one
     stage).
@@ -618,7 +688,7 @@ def from_stages(graph: Graph, cost: CostModel, method: str, stages: Sequence[tup
     ops: list[OpTiming] = []
     out_stages: list[Stage] = []
     clock = 0.0
-    regions = bool(extra.get("options", {}).get("regions"))
+    regions = extra.get("run", RunSettings()).regions
     if regions:  # asked together, so that a measured cost model profiles the runs it has not seen in one go
         cost.region_latencies([groups[0] for strategy, groups in stages if strategy == "concurrent" and len(groups) == 1])
     for strategy, groups in stages:

@@ -35,6 +35,7 @@ from opsched.graph.capture import capture
 from opsched.runtime.guarded import GuardedModule, Plan, PlanBuilder
 from opsched.runtime.guards import Guard, call_signature
 from opsched.runtime.module import OptimizedModule
+from opsched.schedule import Measurement
 from opsched.schedulers import make_schedule
 from support.small_models import METHOD_OPTIONS, RecipeModel, recipes
 
@@ -61,7 +62,7 @@ class QuickBuilder(PlanBuilder):
             n.latency = float(self.rng.randint(1, 9))
         method = self.rng.choice(METHODS)
         schedule = make_schedule(method, graph, TableCost(graph, capacity=2), **METHOD_OPTIONS[method])
-        schedule.options["measured_as"] = method
+        schedule.measured = Measurement(method, {"name": method, "kind": "schedule"}, {})
         flat = pytree.tree_leaves(inputs)
         module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
         verdict = verify(module, model, inputs, _tolerance(flat))

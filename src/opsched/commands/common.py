@@ -147,8 +147,8 @@ def measured_fields(outcome: Any, plan: Any) -> dict[str, Any]:
     ev = outcome.evaluation
     out: dict[str, Any] = {
         "measured_ms": dict(ev.measured_ms), "threads": {n: t for n, t in ev.threads.items() if t is not None},
-        "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(), "plan_method": plan.options["measured_as"],
-        "max_error": ev.errors[plan.options["measured_as"]], "max_abs_error": ev.abs_errors[plan.options["measured_as"]],
+        "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(), "plan_method": plan.measured.measured_as,
+        "max_error": ev.errors[plan.measured.measured_as], "max_abs_error": ev.abs_errors[plan.measured.measured_as],
         "max_errors": dict(ev.errors), "max_abs_errors": dict(ev.abs_errors), "dropped": dict(ev.dropped),
         "warnings": ev.warnings + outcome.notes,
     }

@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out.update({"measured_ms": dict(ev.measured_ms),
                     "threads": {n: t for n, t in ev.threads.items() if t is not None},
                     "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(),
-                    "plan_method": plan.options["measured_as"], "max_error": max(result.model_errors),
-                    "max_abs_error": ev.abs_errors[plan.options["measured_as"]], "model_errors": result.model_errors,
+                    "plan_method": plan.measured.measured_as, "max_error": max(result.model_errors),
+                    "max_abs_error": ev.abs_errors[plan.measured.measured_as], "model_errors": result.model_errors,
                     "dropped": dict(ev.dropped), "warnings": ev.warnings + outcome.notes})
     plan.save(plan_path)
     out["plan"] = str(plan_path)

@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def signature_rows(plan) -> list[dict[str, Any]]:
     """Each call signature a plan file holds: its inputs' shapes, the configuration chosen and its measured ms."""
-    rows = [{"inputs": [i.get("shape") for i in plan.inputs], "chosen": plan.options.get("chosen", {}).get("name"),
-             "measured_ms": plan.options.get("measured_ms", {})}]
+    rows = [{"inputs": [i.get("shape") for i in plan.inputs], "chosen": plan.measured.chosen.get("name") if plan.measured else None,
+             "measured_ms": dict(plan.measured.measured_ms) if plan.measured else {}}]
     rows += [{"inputs": [i.get("shape") for i in s["inputs"]], "chosen": s.get("chosen"),
               "measured_ms": s.get("measured_ms", {})} for s in plan.signatures]
     return rows
@@ -94,7 +94,7 @@ def explain(schedule, graph, cost) -> str:
         return f"{streams} stream(s); units wait only on inputs from other streams"
     concurrent = sum(1 for st in schedule.stages if st.strategy == "concurrent" and len(st.groups) > 1)
     merges = sum(1 for st in schedule.stages if st.strategy == "merge")
-    if schedule.options.get("regions"):
+    if schedule.run.regions:
         blocks = schedule.stats.get("region_blocks", 0)
         return (f"{blocks} of {schedule.stats.get('blocks_of_several', '?')} blocks of several units run as "
                 f"compiled regions (the compiler fuses across their units), {concurrent} concurrent stage(s) and "

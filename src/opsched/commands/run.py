@@ -69,7 +69,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
     if device == "cuda" and not torch.cuda.is_available():
         raise OpschedError(f"{args.plan} was made for cuda; PyTorch sees no CUDA device here")
-    cuda_graph = args.cuda_graph or bool(plan.options.get("cuda_graph"))
+    cuda_graph = args.cuda_graph or plan.run.cuda_graph
     if cuda_graph and device != "cuda":
         raise OpschedError(f"--cuda-graph needs a plan made for cuda; {args.plan} was made for {plan.device}")
     names = None
@@ -85,9 +85,9 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     baseline = "eager" if load is None else "sequential_models"
     schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
-    kernels = plan.options.get("kernels", "eager")
-    label = plan.options.get("measured_as", plan.method)  # "ios", or "ios+regions" for compiled regions
-    chosen = plan.options.get("chosen") or {"name": label, "kind": "schedule"}
+    kernels = plan.run.kernels
+    label = plan.measured.measured_as if plan.measured else plan.method  # "ios", or "ios+regions" with regions
+    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
     inputs = tuple(loaded.inputs)
     from opsched.runtime.kernels import plan_kernels
 
@@ -209,8 +209,8 @@ def _engine(args: argparse.Namespace, plan: Any) -> str:
                            "run it with --engine local")
     if args.trace:
         raise OpschedError("--trace records the local engine's threads; it cannot be used with --engine ray")
-    if plan.options.get("kernels", "eager") != "eager":
-        raise OpschedError(f"--engine ray runs eager kernels; {args.plan} asks for {plan.options['kernels']}")
+    if plan.run.kernels != "eager":
+        raise OpschedError(f"--engine ray runs eager kernels; {args.plan} asks for {plan.run.kernels}")
     from opsched.runtime.ray import import_ray
 
     import_ray(local=args.address is None)  # a missing Ray is said before the model is loaded

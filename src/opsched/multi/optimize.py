@@ -111,7 +111,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()
     if plan is not None and outcome.evaluation is not None:  # simulated costs: nothing was run
-        module = outcome.modules[plan.options["measured_as"]]
+        module = outcome.modules[plan.measured.measured_as]
         result.model_errors = model_errors(module, batch, cores)
     return result
 

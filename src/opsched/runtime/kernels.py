@@ -313,7 +313,7 @@ def plan_kernels(graph: Any, schedule: Any, device: str = "cpu", inputs: Sequenc
     if schedule.unit_kernels is not None:
         choice = check_choice(schedule.unit_kernels, graph, device=where)
     else:
-        asked = schedule.options.get("kernels", "eager")
+        asked = schedule.run.kernels
         check_kernels(asked)
         choice = choose_kernels(graph, asked, where, shipped)
     compiled = set(choice.values()) - {"eager", "packed"}

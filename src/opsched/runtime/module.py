@@ -44,7 +44,7 @@ class OptimizedModule(torch.nn.Module):
     ``operator`` gives the callable of each run step: by default the kernels the plan recorded
     (:func:`~opsched.runtime.kernels.plan_kernels`); a job passes the
     :class:`~opsched.runtime.kernels.ChosenKernels` its cost model measured with, which must agree with what
-    the plan records. A schedule with ``options["regions"]`` runs its back-to-back units as compiled regions
+    the plan records. A schedule with ``run.regions`` runs its back-to-back units as compiled regions
     (:mod:`opsched.runtime.regions`).
 
     ``guard`` (what :func:`compile` and every job give it) is the call signature the plan was made for and the
@@ -74,7 +74,7 @@ class OptimizedModule(torch.nn.Module):
             operator = plan_kernels(graph, schedule, device)
         elif isinstance(operator, ChosenKernels) and schedule.unit_kernels is not None:
             _check_same_kernels(operator, check_choice(schedule.unit_kernels, graph))
-        if schedule.options.get("regions"):
+        if schedule.run.regions:
             # the units it runs back to back fused into regions that a compiler sees whole (see regions.py)
             from opsched.runtime.regions import compiled_regions
 

@@ -9,7 +9,7 @@ unit read by a later stage outside its region, or returned by the graph. A regio
 becomes one :class:`~opsched.graph.ir.Node` whose ``run`` is a GraphModule with the units' operators
 inlined and named after its last unit (whose value it returns); concurrent and merge stages keep their
 units. The result is a new graph and the same schedule on it, run by the usual backends;
-:class:`~opsched.runtime.module.OptimizedModule` applies it to a plan whose ``options["regions"]`` is set.
+:class:`~opsched.runtime.module.OptimizedModule` applies it to a plan whose ``run.regions`` is set.
 
 >>> import torch
 >>> from opsched.graph.capture import capture
@@ -69,7 +69,7 @@ def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False)
     for stage, chosen in zip(plan.stages, threads):
         stage.threads = chosen
     plan.cost, plan.device, plan.batch = schedule.cost, schedule.device, schedule.batch
-    plan.options = {**schedule.options, "regions": True}
+    plan.options, plan.run = dict(schedule.options), dataclasses.replace(schedule.run, regions=True)
     return fused, plan
 
 
@@ -89,7 +89,7 @@ def _stream_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
                      for units in streams]
     plan = from_streams(fused, _CarriedCost(fused), schedule.method, fused_streams)
     plan.cost, plan.device, plan.batch = schedule.cost, schedule.device, schedule.batch
-    plan.options = {**schedule.options, "regions": True}
+    plan.options, plan.run = dict(schedule.options), dataclasses.replace(schedule.run, regions=True)
     return fused, plan
 
 

@@ -41,7 +41,7 @@ from collections.abc import Callable
 from opsched.cost.base import CostModel
 from opsched.graph.blocks import DEFAULT_MAX_SIZE, split_blocks
 from opsched.graph.ir import Graph, can_merge, components, indices
-from opsched.schedule import Schedule, from_stages, joined_runs
+from opsched.schedule import RunSettings, Schedule, from_stages, joined_runs
 
 
 def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int = 8, split: bool = True,
@@ -105,7 +105,7 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
         several = sum(1 for b in blocks if len(b) > 1)
         with_regions = from_stages(graph, cost, "ios", joined_runs(region_stages),
                                    stats={**stats, "region_blocks": region_blocks, "blocks_of_several": several},
-                                   options={**options, "regions": True})
+                                   options=options, run=RunSettings(regions=True))
         started = time.perf_counter() - searched
         if with_regions.predicted_latency < schedule.predicted_latency:
             schedule = with_regions

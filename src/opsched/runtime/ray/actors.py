@@ -436,7 +436,7 @@ def shipped_kernels(graph: Any, schedule: Any) -> ChosenKernels:
     too; raises :class:`ClusterError` (one line) where they cannot: compiled kernels live in this process, and a
     unit rewritten for the reordered convolutions may need the example values capture recorded, which do not
     travel with a pickled unit."""
-    compiled = sorted(({schedule.options.get("kernels", "eager")} | set((schedule.unit_kernels or {}).values()))
+    compiled = sorted(({schedule.run.kernels} | set((schedule.unit_kernels or {}).values()))
                       - {"eager", "packed"})
     if compiled:
         raise ClusterError(f"the plan runs units on {compiled[0]} kernels, compiled in this process: the Ray engine "
