@@ -264,3 +264,21 @@ def test_compile_runs_a_plan_on_compiled_kernels_for_its_example_inputs():
     with torch.inference_mode():
         torch.testing.assert_close(module(x), model(x), rtol=1e-4, atol=1e-5)
     module.close()
+
+
+@needs_onednn
+def test_a_saved_plan_runs_from_python_on_its_recorded_kernels(tmp_path):
+    import opsched
+
+    torch.manual_seed(0)
+    model, x = Branches().eval(), torch.randn(1, 3, 8, 8)
+    path = tmp_path / "plan.json"
+    opsched.optimize(model, (x,), method="sequential", repeats=3, cache=False).plan().save(path)
+    outcome = opsched.run(path, model, (x,), repeats=3)
+    label = outcome.requested
+    assert {"eager", label} <= set(outcome.measured_ms) and outcome.evaluation.errors[label] < 1e-5
+    assert ran_kernels(outcome.modules[label]) == expected(outcome.kernels.choice, outcome.modules[label])
+    # a plan is a schedule of the graph, whatever its weights; a model of another graph is refused in one line
+    assert opsched.run(path, Branches().eval(), (x,), repeats=3).evaluation.errors[label] < 1e-5
+    with pytest.raises(ScheduleError, match="made for another graph"):
+        opsched.run(path, ViewAfterBranches().eval(), (torch.randn(2, 3, 6, 6),), repeats=3)

@@ -1,7 +1,7 @@
 """opsched: inter-operator scheduling for PyTorch inference.
 
-One call per job: ``optimize`` (one model), ``optimize_batch`` (a model batch), ``map`` (several devices); see
-:mod:`opsched.jobs`. ``load`` makes ``optimize``'s module again from its plan file (:mod:`opsched.deploy`). The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
+One call per job: ``optimize`` (one model), ``optimize_batch`` (a model batch), ``map`` (several devices),
+``run`` (a saved plan of any kind on its model); see :mod:`opsched.jobs`. ``load`` makes ``optimize``'s module again from its plan file (:mod:`opsched.deploy`). The names that need PyTorch (these, ``capture``, ``run_graph``, ``compile``, ``verify``,
 ``OptimizedModule``) are
 imported on first use, so that working with DAG JSON graphs (and ``opsched schedule``) does not pay for
 importing torch; ``Graph`` and ``Node`` too, so that importing the package itself is quick (the ``opsched``
@@ -27,7 +27,7 @@ _LAZY = {"Graph": "opsched.graph.ir", "Node": "opsched.graph.ir",
          "capture": "opsched.graph.capture", "run_graph": "opsched.graph.interpret", "compile": "opsched.runtime.module", "verify": "opsched.evaluation",
          "OptimizedModule": "opsched.runtime.module",
          "GuardedModule": "opsched.runtime.guarded", "load": "opsched.deploy",
-         "optimize": "opsched.jobs", "optimize_batch": "opsched.jobs", "map": "opsched.jobs"}
+         "optimize": "opsched.jobs", "optimize_batch": "opsched.jobs", "map": "opsched.jobs", "run": "opsched.jobs"}
 
 __all__ = [
     "CaptureError",
@@ -49,6 +49,7 @@ __all__ = [
     "map",
     "optimize",
     "optimize_batch",
+    "run",
     "run_graph",
     "verify",
 ]

@@ -1,6 +1,6 @@
 """One Python call per job, returning what its command reports: ``opsched.optimize`` (one model),
-``opsched.optimize_batch`` (a model batch: ``opsched.multi`` is the package it builds on) and ``opsched.map``
-(a model mapped onto several devices).
+``opsched.optimize_batch`` (a model batch: ``opsched.multi`` is the package it builds on), ``opsched.map``
+(a model mapped onto several devices) and ``opsched.run`` (a saved plan of any kind, run on its model).
 
 Each goes the one way every command goes (see :mod:`opsched.pipeline`): cost -> search -> compile ->
 evaluate (verify against the model's own outputs, time interleaved with the peers, choose the fastest), and
@@ -392,6 +392,50 @@ def single_device_plans(problem: Any) -> dict[str, Any]:
         name = f"{device.name} alone"
         plans[name] = to_schedule(problem, mapping, timeline, name, 0.0, False, {})
     return plans
+
+
+def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = None, baseline: str = "eager",
+        threads: int | None = None, tolerance: float | None = None, repeats: int = 15, cuda_graph: bool = False,
+        engine: Callable[[str, int], Sequence[Any]] | None = None) -> Outcome:
+    """Run ``plan`` (a :class:`~opsched.schedule.Schedule` of any kind, or its file's path) on ``model`` (for a
+    model batch's plan, the batch) fed ``example_inputs``, on the device it was made for, every unit on the
+    kernel it records: verified against the model and timed interleaved with ``baseline`` (``eager``;
+    ``sequential_models`` for a batch) and with the peer the plan chose, if it chose one. ``graph`` is the model
+    captured, when the caller has it; ``engine(label, cores)`` gives the candidates that run the plan elsewhere
+    (the Ray engine's actors) instead of this process. Returns the :class:`~opsched.pipeline.Outcome` (its
+    ``requested`` is the plan's label: ``ios``, or ``ios+regions``); raises
+    :class:`~opsched.schedule.ScheduleError` when the plan is not this model's and :class:`VerificationError`
+    when it does not reproduce it."""
+    import torch
+    import torch.utils._pytree as pytree
+
+    from opsched import schedule as schedule_module
+    from opsched.pipeline import evaluate_plans
+    from opsched.runtime.kernels import plan_kernels
+
+    if not isinstance(plan, schedule_module.Schedule):
+        plan = schedule_module.load(plan)
+    device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
+    if cuda_graph and device != "cuda":
+        raise OpschedError(f"a CUDA graph needs a plan made for cuda; this one was made for {plan.device}")
+    inputs = tuple(example_inputs)
+    if graph is None:
+        from opsched.graph.capture import capture
+
+        graph = capture(model, inputs)
+    schedule_module.validate(plan, graph)
+    cores = threads or torch.get_num_threads()
+    label = plan.measured.measured_as if plan.measured else plan.method
+    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
+    kernels = plan_kernels(graph, plan, device, pytree.tree_leaves(inputs))
+    elsewhere = list(engine(label, cores)) if engine is not None else []
+    outcome = Outcome(None, {} if engine is not None else {label: plan}, kernels, graph=graph, requested=label)
+    peers = [baseline] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != baseline else [])
+    evaluate_plans(outcome, graph, model, inputs, cores=cores, device=device, peers=peers, tolerance=tolerance,
+                   repeats=repeats, cuda_graph=cuda_graph or plan.run.cuda_graph, extra=elsewhere)
+    if label not in outcome.evaluation.measured_ms:
+        raise VerificationError(f"the plan does not run as it should: {outcome.evaluation.dropped.get(label)}")
+    return outcome
 
 
 class UnitCosts:

@@ -19,7 +19,7 @@ from typing import Any
 
 from opsched.commands.common import count, flat, load_and_capture, read_plan
 from opsched.cost.devices import is_simulated
-from opsched.errors import OpschedError, VerificationError
+from opsched.errors import OpschedError
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -63,8 +63,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     given the actors to end)."""
     import torch
 
-    from opsched import schedule as schedule_module
-    from opsched.pipeline import Outcome, evaluate_plans
+    from opsched.jobs import run as run_plan
 
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
     if device == "cuda" and not torch.cuda.is_available():
@@ -83,28 +82,22 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
                                          "image_size": args.image_size or _recorded_image_size(plan, args)})
         loaded, graph, _, _ = load_and_capture(at_batch, args.models[0], device)
     baseline = "eager" if load is None else "sequential_models"
-    schedule_module.validate(plan, graph)
     cores = args.threads or torch.get_num_threads()
     kernels = plan.run.kernels
-    label = plan.measured.measured_as if plan.measured else plan.method  # "ios", or "ios+regions" with regions
-    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
     inputs = tuple(loaded.inputs)
-    from opsched.runtime.kernels import plan_kernels
-
-    # the kernels the plan records (or, for an older plan, chooses as it was made): the local engine's, which
-    # the Ray engine runs as well
-    chosen_kernels = plan_kernels(graph, plan, device, flat(inputs))
     engine = "ray" if cluster else "local"
-    outcome = Outcome(None, {} if engine == "ray" else {label: plan}, chosen_kernels, graph=graph)
-    extra, ray_summary = [], None
-    if engine == "ray":
-        extra, ray_summary = _ray_candidates(ray_run, graph, plan, label, inputs, cores, cluster)
-    peers = [baseline] + ([chosen["name"]] if chosen["kind"] == "peer" and chosen["name"] != baseline else [])
-    evaluate_plans(outcome, graph, loaded.model, inputs, cores=cores, device=device, peers=peers,
-                   tolerance=args.tolerance, repeats=args.repeats, cuda_graph=cuda_graph, extra=extra)
-    ev = outcome.evaluation
-    if label not in ev.measured_ms:
-        raise VerificationError(f"the plan does not run as it should: {ev.dropped.get(label)}")
+    ray_summary: dict[str, Any] = {}
+
+    def on_ray(label: str, cores: int) -> list:
+        candidates, about = _ray_candidates(ray_run, graph, plan, label, inputs, cores, cluster)
+        ray_summary.update(about)
+        return candidates
+
+    outcome = run_plan(plan, loaded.model, inputs, graph=graph, baseline=baseline, threads=cores,
+                       tolerance=args.tolerance, repeats=args.repeats, cuda_graph=cuda_graph,
+                       engine=on_ray if engine == "ray" else None)
+    ev, label = outcome.evaluation, outcome.requested
+    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
     ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
@@ -126,7 +119,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     if args.trace:
         result["trace"] = _trace(args, outcome, plan, label, inputs, cores, device, cuda_graph, loaded.name)
     if not args.json:
-        _print(result, ev, plan, label, baseline, cores, ray_summary, args)
+        _print(result, ev, plan, label, baseline, cores, ray_summary if engine == "ray" else None, args)
     return result
 
 
