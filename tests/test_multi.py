@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from opsched.cli import main
 from opsched.cost.table import TableCost
+from opsched.errors import SignatureMismatch
 from opsched.graph.interpret import all_values, run_graph
 from opsched.multi import ModelBatch, MultiError, combine, fuse, fuse_graph
 from opsched.multi.optimize import MULTI_PEERS, optimize
@@ -910,3 +911,14 @@ def test_renamed_and_wrapped_copies_train_fused_and_keep_their_own_names():
         FusedTraining([_train_cnn(), _RenamedCNN(swap=True)], (x,))
     with pytest.raises(MultiError, match="number, shape or order"):
         FusedTraining([_train_cnn(), torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten())], (x,))
+
+
+def test_fuse_goes_through_the_one_runner_verified_and_timed_beside_the_models():
+    models = [_randomised(Residual(), k) for k in range(3)]
+    x = torch.randn(1, 3, 8, 8)
+    module = fuse(models, (x,), cache=False, repeats=3)
+    assert {"sequential", "sequential_models"} <= set(module.outcome.measured_ms)  # timed beside the models
+    with torch.no_grad():
+        _outputs_match(module(x), models, [(x,)] * 3)
+    with pytest.raises(SignatureMismatch, match="batch 2, plan made for 1"):  # made for its inputs' signature
+        module(torch.randn(2, 3, 8, 8))

@@ -137,12 +137,15 @@ def model_errors(module: Callable[..., Any], batch: ModelBatch, cores: int) -> l
 
 def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "sequential", cost: str = "measured",
          rewrites: Sequence[str] = REWRITES, cores: int | None = None, tolerance: float | None = None,
-         cache: bool = True, preprocess: torch.nn.Module | None = None) -> torch.nn.Module:
+         cache: bool = True, preprocess: torch.nn.Module | None = None, repeats: int = 15) -> torch.nn.Module:
     """One module running every model of the batch, fused where it pays and scheduled with ``method``:
-    called like the batch (the shared inputs, or every model's inputs in order), it returns a tuple with each
-    model's outputs; ``preprocess`` runs once on the shared inputs and every model reads its result. Raises
-    :class:`MultiError` when some model's outputs differ from its own forward by more than ``tolerance`` (scaled
-    to each output's magnitude; default: the output dtype's, see :mod:`opsched.compare`).
+    called like the batch (the shared inputs, or every model's inputs in order, with the signature of
+    ``inputs``), it returns a tuple with each model's outputs; ``preprocess`` runs once on the shared inputs and
+    every model reads its result. With measured costs it goes through the one runner (:func:`optimize`, the
+    models one after another as the baseline): verified against every model's own forward and timed beside
+    them, its ``outcome`` holding the figures. Raises :class:`MultiError` when some model's outputs differ from
+    its own forward by more than ``tolerance`` (scaled to each output's magnitude; default: the output dtype's,
+    see :mod:`opsched.compare`).
 
     >>> import torch
     >>> models = [torch.nn.Conv2d(3, 4, 3) for _ in range(4)]
@@ -155,6 +158,17 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     from opsched.pipeline import cost_model, default_streams, method_options, search
     from opsched.runtime.module import OptimizedModule
 
+    if not is_simulated(cost):
+        result = optimize(models, inputs, methods=[method], cost=cost, rewrites=rewrites, cores=cores,
+                          tolerance=tolerance, repeats=repeats, cache=cache, peers=("sequential_models",),
+                          preprocess=preprocess)
+        ev = result.outcome.evaluation
+        if method not in ev.measured_ms:
+            raise MultiError(f"the fused plan does not reproduce the models: {ev.dropped.get(method)}")
+        module = result.outcome.modules[method]
+        module.fusion, module.outcome = result.fusion, result.outcome
+        return module
+    # simulated costs: nothing can be timed here, the plan is verified on the example inputs
     batch = model_batch(models, inputs, preprocess)
     for m in batch.models:
         m.eval()
