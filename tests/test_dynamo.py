@@ -120,8 +120,8 @@ class Convs(torch.nn.Module):
 
 @pytest.mark.filterwarnings("error::opsched.dynamo.OpschedBackendWarning")
 def test_the_weights_dynamo_passes_as_inputs_are_held_by_the_plan_and_followed():
-    # dynamo hands the parameters over as graph inputs: the plan holds them (so its convolutions can be
-    # reordered once) and a weight changed in place, or replaced, is answered by the graph, never stale
+    # dynamo hands the parameters over as graph inputs: with freeze the plan holds them (so its convolutions can
+    # be reordered once) and a weight changed in place, or replaced, is answered by the graph, never stale
     from opsched import dynamo
 
     torch._dynamo.reset()
@@ -130,7 +130,7 @@ def test_the_weights_dynamo_passes_as_inputs_are_held_by_the_plan_and_followed()
     graph = torch.fx.symbolic_trace(lambda x, wa, ba, wb, bb: torch.nn.functional.conv2d(
         torch.relu(torch.nn.functional.conv2d(x, wa, ba, padding=1)), wb, bb, padding=1).relu())
     params = [model.a.weight, model.a.bias, model.b.weight, model.b.bias]
-    fn = dynamo._schedule(graph, (x, *params), {**dynamo.OPTIONS, "cost": "sim:v100"})
+    fn = dynamo._schedule(graph, (x, *params), {**dynamo.OPTIONS, "cost": "sim:v100", "freeze": True})
     from opsched.runtime.packed import PackedUnit
 
     lowered = fn.module.executor.lowered
@@ -143,4 +143,19 @@ def test_the_weights_dynamo_passes_as_inputs_are_held_by_the_plan_and_followed()
         torch.testing.assert_close(fn(x, *params[:2], other, params[3]),
                                    torch.nn.functional.conv2d(torch.relu(model.a(x)), other, model.b.bias,
                                                               padding=1).relu(), rtol=1e-4, atol=1e-5)
+    fn.module.close()
+
+
+def test_by_default_the_parameters_stay_inputs_and_a_write_through_data_is_seen():
+    from opsched import dynamo
+
+    model = Convs().eval()
+    x = torch.randn(1, 3, 16, 16)
+    graph = torch.fx.symbolic_trace(lambda x, wa, ba, wb, bb: torch.nn.functional.conv2d(
+        torch.relu(torch.nn.functional.conv2d(x, wa, ba, padding=1)), wb, bb, padding=1).relu())
+    params = [model.a.weight, model.a.bias, model.b.weight, model.b.bias]
+    with torch.no_grad():  # as the backend schedules a graph whose inputs require gradients (opsched_backend)
+        fn = dynamo._schedule(graph, (x, *params), {**dynamo.OPTIONS, "cost": "sim:v100"})
+        model.a.weight.data.mul_(2)  # off the version counter: only a plan that reads the weights sees it
+        torch.testing.assert_close(fn(x, *params), model(x), rtol=1e-4, atol=1e-5)
     fn.module.close()

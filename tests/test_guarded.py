@@ -739,3 +739,20 @@ def test_a_model_batchs_module_answers_other_batches_and_weight_changes_through_
         strict(other)
     module.close()
     strict.close()
+
+
+def test_a_preprocessed_model_batch_makes_plans_for_other_batches_too():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU()).eval() for _ in range(2)]
+    preprocess = torch.nn.Sequential(torch.nn.AvgPool2d(2)).eval()
+    raw = torch.randn(2, 3, 12, 12)
+    result = opsched.optimize_batch(models, (raw,), preprocess=preprocess, methods=["sequential"], repeats=3,
+                                    cache=False, peers=["sequential_models"], wait=True)
+    other = torch.randn(3, 3, 12, 12)
+    with torch.inference_mode():
+        got = result.module(other)  # built before answering (wait): a fused plan, not the models' own
+        want = tuple(m(preprocess(other)) for m in models)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    plan = result.module.plans[next(reversed(result.module.plans))]
+    assert not plan.note.startswith("no plan"), plan.note
+    result.module.close()

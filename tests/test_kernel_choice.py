@@ -282,3 +282,6 @@ def test_a_saved_plan_runs_from_python_on_its_recorded_kernels(tmp_path):
     assert opsched.run(path, Branches().eval(), (x,), repeats=3).evaluation.errors[label] < 1e-5
     with pytest.raises(ScheduleError, match="made for another graph"):
         opsched.run(path, ViewAfterBranches().eval(), (torch.randn(2, 3, 6, 6),), repeats=3)
+    simulated = opsched.optimize(model, (x,), cost="sim:v100").plan()
+    with pytest.raises(OpschedError, match="made for a simulated device"):
+        opsched.run(simulated, model, (x,))

@@ -917,7 +917,7 @@ def test_fuse_goes_through_the_one_runner_verified_and_timed_beside_the_models()
     models = [_randomised(Residual(), k) for k in range(3)]
     x = torch.randn(1, 3, 8, 8)
     module = fuse(models, (x,), cache=False, repeats=3)
-    assert {"sequential", "sequential_models"} <= set(module.outcome.measured_ms)  # timed beside the models
+    assert {"sequential", "sequential_models"} <= set(module.measured_ms)  # timed beside the models
     with torch.no_grad():
         _outputs_match(module(x), models, [(x,)] * 3)
     with pytest.raises(SignatureMismatch, match="batch 2, plan made for 1"):  # made for its inputs' signature

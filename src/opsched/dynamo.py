@@ -13,7 +13,11 @@ opsched is enough::
 Options: ``method`` (default ``ios``), ``cost`` (``measured``, the default, profiled here and cached, or
 ``sim:NAME``), ``kernels`` (``eager`` or ``inductor``), ``verify`` (default True: the schedule's outputs
 are compared with the graph's own on the example inputs, and a schedule that differs is not used; with
-measured costs it is also timed against the graph; False: neither).
+measured costs it is also timed against the graph; False: neither), ``freeze`` (default False: the parameters
+dynamo passes as graph inputs stay inputs, read afresh on every call; True: the plan holds them, as inductor's
+``freezing`` does, so that its convolutions can be reordered once, and its guard watches them: a parameter
+updated in place or replaced is answered by the graph, but a write through ``.data``, which PyTorch keeps off
+the version counter, is not seen).
 
 opsched schedules inference: a graph that needs gradients, or that dynamo traced with symbolic shapes, runs
 as dynamo gave it (a warning says why), as does a graph opsched cannot capture or verify. The compiled
@@ -30,7 +34,7 @@ import torch
 
 from opsched.cost.devices import is_simulated
 
-OPTIONS = {"method": "ios", "cost": "measured", "kernels": "eager", "verify": True}
+OPTIONS = {"method": "ios", "cost": "measured", "kernels": "eager", "verify": True, "freeze": False}
 
 
 class OpschedBackendWarning(UserWarning):
@@ -61,15 +65,15 @@ def opsched_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opt
 
 
 class _HoldingWeights(torch.nn.Module):
-    """``gm`` holding as its own the parameters dynamo passes it as inputs, and called with the other inputs:
-    a plan's units then hold their weights, as a model's units do (the reordered convolutions need weights a
-    unit holds), and the plan's guard watches those same parameters (their version counters and storage), so
-    that a weight updated in place is seen and the graph answers until dynamo compiles again."""
+    """``gm`` holding as its own the parameters dynamo passes it as inputs (with ``freeze``; else none), and
+    called with the other inputs: a plan's units then hold their weights, as a model's units do (the reordered
+    convolutions need weights a unit holds), and the plan's guard watches those same parameters (their version
+    counters and storage), so that a weight updated in place is seen and the graph answers."""
 
-    def __init__(self, gm: torch.fx.GraphModule, inputs: Sequence[Any]):
+    def __init__(self, gm: torch.fx.GraphModule, inputs: Sequence[Any], freeze: bool = True):
         super().__init__()
         self.gm = gm
-        self.held = [k for k, x in enumerate(inputs) if isinstance(x, torch.nn.Parameter)]
+        self.held = [k for k, x in enumerate(inputs) if freeze and isinstance(x, torch.nn.Parameter)]
         self.weights = torch.nn.ParameterList([inputs[k] for k in self.held])  # the parameters themselves
         self.arity = len(inputs)
 
@@ -110,7 +114,7 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
     from opsched.runtime.guards import Guard
     from opsched.runtime.module import OptimizedModule
 
-    held = _HoldingWeights(gm, inputs)
+    held = _HoldingWeights(gm, inputs, options["freeze"])
     rest = held.rest(inputs)
     graph = capture(held, rest, name=f"dynamo-{type(gm).__name__}")
     device = "cuda" if inputs and inputs[0].is_cuda else "cpu"
@@ -124,9 +128,9 @@ def _schedule(gm: torch.fx.GraphModule, inputs: tuple, options: dict[str, Any]) 
         if outcome.plan() is None:
             raise VerificationError(f"the schedule does not reproduce the graph: "
                                     f"{outcome.evaluation.dropped.get(method)}")
-        if outcome.chosen != method:  # not faster than the graph itself above the run's noise
+        if outcome.evaluation.kinds[outcome.chosen] != "schedule":  # not faster than the graph above the noise
             return gm.forward
-        module = outcome.modules[method]
+        module = outcome.modules[outcome.chosen]  # the method's plan, or the same with compiled regions
     else:
         # the kernels the costs were measured with (a simulated cost measured none: the plan's own choice)
         module = OptimizedModule(graph, outcome.schedules[method], operator=outcome.kernels, device=device,

@@ -162,7 +162,8 @@ class OptimizeBuilder:
         chosen = ev.chosen
         schedule = outcome.plan(chosen if ev.kinds[chosen] == "schedule" else None)
         module = None if chosen == "eager" else ev.modules.get(chosen)
-        note = "eager chosen: no plan is faster above the run's noise" if chosen == "eager" else ""
+        note = "eager chosen: no plan is faster above the run's noise" if chosen == "eager" else \
+            f"{chosen} chosen, which has no single callable: the model answers" if module is None else ""
         return Plan(call_signature(inputs), inputs, module, chosen, schedule,
                     dict(ev.measured_ms), note)
 
@@ -214,7 +215,8 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     require_a_plan(result.outcome)
     if result.outcome.evaluation is None:  # simulated costs: nothing runs
         return result
-    builder = BatchBuilder({k: v for k, v in options.items() if k not in ("say", "progress")})
+    # (the batch's own preprocessing goes with each build: see BatchBuilder.build)
+    builder = BatchBuilder({k: v for k, v in options.items() if k not in ("say", "progress", "preprocess")})
     batch = result.fusion.batch
     first = copied(tuple(batch.inputs))
     result.outcome.guarded = GuardedModule(batch, builder, [builder.plan_of(result, first)], strict=strict,
@@ -232,10 +234,15 @@ class BatchBuilder:
         self.options = options
 
     def build(self, batch: Any, inputs: tuple) -> Any:
+        from opsched.multi.combine import MultiError, input_layout
         from opsched.multi.optimize import optimize as optimize_batch
 
         # the call's inputs as the job takes them: shared by the models (or the preprocessing's), or each model's
-        given = tuple(inputs) if batch.preprocess is not None or batch.shared_input else batch.split(inputs)
+        shared = batch.preprocess is not None or batch.shared_input
+        given = tuple(inputs) if shared else batch.split(inputs)
+        if not shared and len({input_layout(args) for args in given}) == 1:
+            raise MultiError("every model's inputs have one layout in this call, and a batch first called with "
+                             "each model's own inputs reads them all: no fused plan is made for it")
         result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)
         require_a_plan(result.outcome)
         return self.plan_of(result, inputs)
@@ -253,7 +260,9 @@ class BatchBuilder:
         if plan.chosen == "sequential_models":  # the models one after another: what the batch itself does
             plan = dataclasses.replace(plan, module=None, note="sequential_models chosen: no plan is faster "
                                                               "above the run's noise")
-        return dataclasses.replace(plan, schedule=result.plan())
+        # the plan's own schedule, with the models section that rebuilds it
+        models = result.plan().models if plan.schedule is not None else None
+        return dataclasses.replace(plan, schedule=plan.schedule and dataclasses.replace(plan.schedule, models=models))
 
 
 @dataclass
@@ -397,15 +406,17 @@ def single_device_plans(problem: Any) -> dict[str, Any]:
 def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = None, baseline: str = "eager",
         threads: int | None = None, tolerance: float | None = None, repeats: int = 15, cuda_graph: bool = False,
         engine: Callable[[str, int], Sequence[Any]] | None = None) -> Outcome:
-    """Run ``plan`` (a :class:`~opsched.schedule.Schedule` of any kind, or its file's path) on ``model`` (for a
-    model batch's plan, the batch) fed ``example_inputs``, on the device it was made for, every unit on the
-    kernel it records: verified against the model and timed interleaved with ``baseline`` (``eager``;
-    ``sequential_models`` for a batch) and with the peer the plan chose, if it chose one. ``graph`` is the model
-    captured, when the caller has it; ``engine(label, cores)`` gives the candidates that run the plan elsewhere
-    (the Ray engine's actors) instead of this process. Returns the :class:`~opsched.pipeline.Outcome` (its
-    ``requested`` is the plan's label: ``ios``, or ``ios+regions``); raises
-    :class:`~opsched.schedule.ScheduleError` when the plan is not this model's and :class:`VerificationError`
-    when it does not reproduce it."""
+    """Run ``plan`` (a :class:`~opsched.schedule.Schedule` of any kind, or its file's path) on ``model`` fed
+    ``example_inputs``, on the device it was made for, every unit on the kernel it records: verified against
+    the model and timed interleaved with ``baseline`` and with the peer the plan chose, if it chose one.
+    ``graph`` is the model captured, when the caller has it; a model batch's plan runs on its fused graph, which
+    the caller makes (:func:`opsched.multi.load.rebuild_batch` gives the batch and the graph; the baseline is
+    then ``sequential_models``). ``engine(label, cores)`` gives the candidates that run the plan elsewhere (the
+    Ray engine's actors) instead of this process. Returns the :class:`~opsched.pipeline.Outcome` (its
+    ``requested`` is the plan's label: ``ios``, or ``ios+regions``); raises :class:`OpschedError` (one line) for
+    a plan that cannot run here (a simulated device, a mapping onto devices this machine lacks, CUDA without a
+    GPU, a model batch's plan without its graph), :class:`~opsched.schedule.ScheduleError` when the plan is not
+    this model's and :class:`VerificationError` when it does not reproduce it."""
     import torch
     import torch.utils._pytree as pytree
 
@@ -415,6 +426,10 @@ def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = No
 
     if not isinstance(plan, schedule_module.Schedule):
         plan = schedule_module.load(plan)
+    check_runs_here(plan)
+    if plan.kind == "model batch" and graph is None:
+        raise OpschedError("a model batch's plan runs on its fused graph: pass graph= (see "
+                           "opsched.multi.load.rebuild_batch)")
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
     if cuda_graph and device != "cuda":
         raise OpschedError(f"a CUDA graph needs a plan made for cuda; this one was made for {plan.device}")
@@ -436,6 +451,25 @@ def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = No
     if label not in outcome.evaluation.measured_ms:
         raise VerificationError(f"the plan does not run as it should: {outcome.evaluation.dropped.get(label)}")
     return outcome
+
+
+def check_runs_here(plan: Any, source: str = "the plan") -> dict[str, int] | None:
+    """Raise :class:`OpschedError` (one line) unless ``plan`` can run on this machine: not made for a simulated
+    device, a mapping onto devices this machine has (its units per device are returned), CUDA where PyTorch sees
+    a GPU."""
+    import torch
+
+    devices = None
+    if plan.kind == "mapping":
+        from opsched.mapping.execute import check_runnable
+
+        devices = check_runnable(plan)  # refuses simulated devices in one line
+    if is_simulated(plan.device):
+        raise OpschedError(f"{source} was made for a simulated device ({plan.device}); it can be shown "
+                           "(opsched show) but not run here")
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        raise OpschedError(f"{source} was made for cuda; PyTorch sees no CUDA device here")
+    return devices
 
 
 class UnitCosts:

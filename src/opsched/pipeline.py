@@ -317,7 +317,7 @@ class Outcome:
         # a copy: reading the plan never changes the schedule the job made
         kernels = self.kernels.choice if self.kernels is not None else self.schedules[best].unit_kernels
         return dataclasses.replace(self.schedules[best], unit_kernels=dict(kernels) if kernels else None,
-                                   measured=Measurement(
+                                   options=dict(self.schedules[best].options), measured=Measurement(
             best, {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
             {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
             list(ev.tie),  # beaten by none above the run's noise; the first was chosen

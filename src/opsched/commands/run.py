@@ -18,20 +18,14 @@ import sys
 from typing import Any
 
 from opsched.commands.common import count, flat, load_and_capture, read_plan
-from opsched.cost.devices import is_simulated
 from opsched.errors import OpschedError
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    plan = read_plan(args.plan)
-    devices = None
-    if plan.kind == "mapping":
-        from opsched.mapping.execute import check_runnable
+    from opsched.jobs import check_runs_here
 
-        devices = check_runnable(plan)  # refuses simulated devices in one line
-    if is_simulated(plan.device):
-        raise OpschedError(f"{args.plan} was made for a simulated device ({plan.device}); it can be shown "
-                           "(opsched show) but not run here")
+    plan = read_plan(args.plan)
+    devices = check_runs_here(plan, args.plan)
     engine = _engine(args, plan)
     if plan.kind != "model batch" and (len(args.models) > 1 or args.copies is not None
                                        or args.preprocess is not None):
@@ -66,8 +60,6 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     from opsched.jobs import run as run_plan
 
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
-    if device == "cuda" and not torch.cuda.is_available():
-        raise OpschedError(f"{args.plan} was made for cuda; PyTorch sees no CUDA device here")
     cuda_graph = args.cuda_graph or plan.run.cuda_graph
     if cuda_graph and device != "cuda":
         raise OpschedError(f"--cuda-graph needs a plan made for cuda; {args.plan} was made for {plan.device}")

@@ -37,7 +37,9 @@ def _as_tuple(inputs: Any) -> tuple:
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 
 
-def _layout(inputs: tuple) -> tuple:
+def input_layout(inputs: tuple) -> tuple:
+    """What makes two models' arguments one shared input of a batch: how they nest, and each tensor's shape,
+    dtype and device."""
     leaves, spec = pytree.tree_flatten(inputs)
     return spec, tuple((tuple(t.shape), t.dtype, t.device.type) if isinstance(t, torch.Tensor) else repr(t)
                        for t in leaves)
@@ -68,7 +70,7 @@ class ModelBatch(torch.nn.Module):
         per_model = [_as_tuple(i) for i in example_inputs]
         self.raw_inputs: tuple | None = None
         if preprocess is not None:
-            if len({_layout(i) for i in per_model}) != 1:
+            if len({input_layout(i) for i in per_model}) != 1:
                 raise MultiError("preprocessing runs once on one input: the models must all read the same input")
             self.raw_inputs = per_model[0]
             with torch.no_grad():
@@ -78,7 +80,7 @@ class ModelBatch(torch.nn.Module):
         if len(devices) > 1:
             raise MultiError(f"the models and inputs of a batch must be on one device, found {', '.join(sorted(devices))}")
         self.device = devices.pop() if devices else "cpu"  # a device type: cpu, cuda or meta
-        self.shared_input = len({_layout(i) for i in per_model}) == 1
+        self.shared_input = len({input_layout(i) for i in per_model}) == 1
         self.per_model = [per_model[0]] * len(models) if self.shared_input else per_model
         self.inputs = self.raw_inputs or (per_model[0] if self.shared_input else tuple(a for i in per_model for a in i))
         self._arity = [len(i) for i in per_model]

@@ -143,7 +143,8 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
     ``inputs``), it returns a tuple with each model's outputs; ``preprocess`` runs once on the shared inputs and
     every model reads its result. With measured costs it goes through the one runner (:func:`optimize`, the
     models one after another as the baseline): verified against every model's own forward and timed beside
-    them, its ``outcome`` holding the figures. Raises :class:`MultiError` when some model's outputs differ from
+    them, its ``measured_ms`` holding the figures (the module refuses a call after a model's weights changed:
+    :class:`~opsched.errors.StaleWeights`; :func:`opsched.optimize_batch`'s module rebuilds instead). Raises :class:`MultiError` when some model's outputs differ from
     its own forward by more than ``tolerance`` (scaled to each output's magnitude; default: the output dtype's,
     see :mod:`opsched.compare`).
 
@@ -166,7 +167,7 @@ def fuse(models: Sequence[torch.nn.Module], inputs: Any, *, method: str = "seque
         if method not in ev.measured_ms:
             raise MultiError(f"the fused plan does not reproduce the models: {ev.dropped.get(method)}")
         module = result.outcome.modules[method]
-        module.fusion, module.outcome = result.fusion, result.outcome
+        module.fusion, module.measured_ms = result.fusion, dict(ev.measured_ms)
         return module
     # simulated costs: nothing can be timed here, the plan is verified on the example inputs
     batch = model_batch(models, inputs, preprocess)
