@@ -179,11 +179,17 @@ def test_double_and_back(optimized):
         assert close(fast(x), model(x))
 
 
-def test_modes_no_plan_is_made_for_are_answered_by_the_model(optimized):
+def test_autocast_calls_get_a_plan_of_their_own_and_other_modes_are_answered_by_the_model(optimized):
     model, x, fast, _ = optimized
     with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
-        got, want = fast(x), model(x)
-    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+        got, want = fast(x), model(x)  # the model answers at once; a plan is made under the same autocast
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+        fast.wait_for_builds()
+        plan = fast.plans[next(reversed(fast.plans))]
+        assert plan.signature[1] == (("cpu", torch.bfloat16),) and "no plan" not in plan.note, plan.note
+        got = fast(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)  # bfloat16's own rounding
     leaf = x.clone().requires_grad_()
     out = fast(leaf)
     out.sum().backward()  # gradients through the input: the model answered
@@ -194,9 +200,8 @@ def test_modes_no_plan_is_made_for_are_answered_by_the_model(optimized):
         assert torch.equal(fast(x), twin(x))  # batch statistics, as the model in training mode
     model.eval()
     fast.strict = True
-    with pytest.raises(SignatureMismatch, match=r"autocast on \(cpu bfloat16\), plan made with it off"), \
-            torch.autocast("cpu", torch.bfloat16):
-        fast(x)
+    with pytest.raises(SignatureMismatch, match="input 0: batch 3"), torch.autocast("cpu", torch.bfloat16):
+        fast(torch.randn(3, *x.shape[1:]))
 
 
 def test_memory_layouts_unlike_capture_get_their_own_plan():
@@ -663,10 +668,17 @@ def test_weights_made_in_inference_mode_are_watched():
     watch.update()
 
 
-def test_optimize_under_autocast_is_refused():
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1)).eval()
-    with torch.autocast("cpu", torch.bfloat16), pytest.raises(OpschedError, match="autocast off"):
-        opsched.optimize(model, (torch.randn(1, 3, 4, 4),), repeats=2, cache=False)
+def test_optimize_under_autocast_makes_the_plan_for_autocast_calls():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 1)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        fast = opsched.optimize(model, (x,), repeats=2, cache=False).module
+        plan = next(iter(fast.plans.values()))
+        with torch.no_grad():
+            got, want = fast(x), model(x)
+    assert plan.signature[1] == (("cpu", torch.bfloat16),) and got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    fast.close()
 
 
 def test_calls_on_other_threads_wait_while_a_model_is_traced():

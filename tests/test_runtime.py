@@ -363,3 +363,31 @@ def test_a_gate_lets_every_waiter_through_once_set_and_setting_it_twice_is_harml
         w.join(timeout=5)
     assert sorted(through) == [0, 1, 2, 3]
     gate.wait()  # open for good
+
+
+def test_every_stream_runs_in_the_callers_autocast():
+    # autocast is thread-local: a branch on a worker thread ran in float32 while the caller's ran in bfloat16
+    from opsched.graph.capture import capture
+    from opsched.runtime.module import OptimizedModule
+
+    class TwoBranches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.a(x), self.b(x)
+
+    model, x = TwoBranches().eval(), torch.randn(4, 16)
+    graph = capture(model, (x,))
+    for n in graph.nodes:
+        n.latency = 1.0
+    plan = from_streams(graph, TableCost(graph), "two", [[0], [1]])
+    module = OptimizedModule(graph, plan, 2)
+    assert len(module.program.streams) == 2
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        got, want = module.run([x]), model(x)
+    assert [g.dtype for g in got] == [w.dtype for w in want] == [torch.bfloat16] * 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    module.close()

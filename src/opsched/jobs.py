@@ -91,10 +91,8 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
         return outcome
     from opsched.models.spec import rebatch
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
-    from opsched.runtime.guards import call_signature, copied
+    from opsched.runtime.guards import copied
 
-    if call_signature(tuple(example_inputs))[1]:
-        raise OpschedError("plans are made with autocast off: call opsched.optimize outside torch.autocast")
     builder = OptimizeBuilder({**options, "name": name})
     first = copied(tuple(example_inputs))  # the user's own tensors may change later
     outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, first)],

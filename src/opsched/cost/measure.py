@@ -100,6 +100,10 @@ class MeasuredCost:
         self.repeats = runs.repeats
         self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
         self.device = cpu_fingerprint(self.cores) if not self.gpu else runs.device_description()
+        # timed under the caller's autocast (every stream's thread runs in it): such timings are another device's
+        autocast = [f"{d} {torch.get_autocast_dtype(d)}" for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        if autocast:
+            self.device += f"|autocast {', '.join(autocast)}"
         self.cache = LatencyCache() if cache is None or cache is True else (cache or None)
         self.values = values if values is not None else all_values(graph, inputs)
         self.signatures = [self._unit_signature(u) for u in range(len(graph))]

@@ -26,6 +26,7 @@ garbage collected.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -35,6 +36,7 @@ from typing import Any
 
 import torch
 
+from opsched.runtime.guards import autocast_now, in_autocast
 from opsched.runtime.kernels import Operator
 from opsched.runtime.lowered import Call, LoweredProgram, Record, Remaining, StreamFailed, UnitFailed, lower
 from opsched.runtime.program import StreamProgram
@@ -123,6 +125,13 @@ class ThreadedCall:
         self.wide = [False] * len(lowered.streams)  # per stream: ran a step on more than one CPU thread
         self.lock = threading.Lock()
         self.error: BaseException | None = None
+        # the caller's autocast, which is thread-local: every stream's thread runs its steps in it, as the
+        # caller's own thread runs eager
+        self.autocast = autocast_now()
+
+    def caller_modes(self) -> contextlib.AbstractContextManager:
+        """The caller's autocast, to enter on a stream's thread (nothing where it is off)."""
+        return in_autocast(self.autocast)
 
     def fail(self, error: BaseException) -> None:
         """Keep the call's first error, and set every event: no stream waits forever on one that stopped."""
@@ -239,7 +248,8 @@ class _Worker:
         with torch.inference_mode():  # entered once: a few microseconds of every call otherwise
             while (item := self._queue.get()) is not None:
                 call, stream = item
-                call.run_stream(stream)
+                with call.caller_modes():
+                    call.run_stream(stream)
                 # A call holds its values and steps (whose callables hold the units): held here while waiting for
                 # the next one, it would keep them alive after the call returned, and after its module was dropped.
                 del item, call

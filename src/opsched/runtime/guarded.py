@@ -12,9 +12,10 @@ On each call, :class:`GuardedModule`
    at a time, a line said when it starts and ends), used from the next matching call on. ``wait=True`` builds it
    before answering; ``strict=True`` raises :class:`~opsched.errors.SignatureMismatch` naming what differs.
 
-Calls under autocast and calls on a model in training mode are answered by the model itself (plans are made for
-eval mode without autocast), as are calls that need gradients through an input (a plan runs in inference mode
-and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
+A call under autocast is a signature of its own: its plan is made, measured and verified under that same
+autocast, and runs in it on every stream's thread (autocast is thread-local; the executors enter the caller's).
+Calls on a model in training mode are answered by the model itself (plans are made for eval mode), as are calls
+that need gradients through an input (a plan runs in inference mode and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
 
 Builds run on a private copy of the model (``copy.deepcopy``, shared by builds while the weights stay the
 same, and made again after a build whose units torch.fx traced, which hold the copy's own modules), so that
@@ -40,7 +41,15 @@ import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
 from opsched.graph.tracing import TRACING
-from opsched.runtime.guards import WeightWatch, call_signature, copied, describe, difference, flat_signature
+from opsched.runtime.guards import (
+    WeightWatch,
+    autocast_of,
+    call_signature,
+    copied,
+    describe,
+    difference,
+    flat_signature,
+)
 
 
 def say_on_stderr(text: str) -> None:
@@ -128,9 +137,7 @@ class GuardedModule(torch.nn.Module):
                 return plan.module.run(flat)
             with TRACING.calling():
                 return plan.module(*inputs)
-        inputs_of, autocast, *_ = signature
-        if autocast:
-            return self._refused(inputs, difference(signature, (inputs_of, (), *signature[2:])))
+        inputs_of = signature[0]
         if any(len(s) == 5 and s[4] for s in inputs_of):
             return self._refused(inputs, "an input asks for gradients, which a plan does not give (it runs in "
                                          "inference mode)")
@@ -151,7 +158,7 @@ class GuardedModule(torch.nn.Module):
         return self._model_answers(inputs)
 
     def _refused(self, inputs: tuple, why: str) -> Any:
-        """A call no plan is made for (autocast, gradients, training mode): the model answers, or with
+        """A call no plan is made for (gradients, training mode): the model answers, or with
         ``strict`` the call is refused."""
         if self.strict:
             raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
@@ -193,8 +200,9 @@ class GuardedModule(torch.nn.Module):
         old = self.plans.get(signature)
         try:
             model = self._private_model(generation)
-            plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
-                self.builder.build(model, inputs)
+            with autocast_of(signature):  # made, measured and verified in the call's autocast (thread-local)
+                plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
+                    self.builder.build(model, inputs)
             if _traced_with_fx(plan):
                 # its units hold the copy's own modules, which the next capture of the copy would swap out
                 # under it: the next build copies again
@@ -257,8 +265,6 @@ class GuardedModule(torch.nn.Module):
     def prepare(self, *inputs: Any) -> Plan:
         """Build the plan for a call with ``inputs`` now (unless one serves it already) and return it."""
         signature = call_signature(inputs)
-        if signature[1]:
-            raise OpschedError("plans are made with autocast off: prepare them outside torch.autocast")
         plan = self.plans.get(signature)
         if plan is None or plan.stale:
             self._build_now(signature, inputs)

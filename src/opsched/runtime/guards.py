@@ -26,6 +26,7 @@ call. A write through ``tensor.data`` bypasses PyTorch's version counter and is 
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -42,8 +43,7 @@ _DEVICE_TYPES = ("cpu", "cuda")
 def modes() -> tuple:
     """The caller's thread state a plan depends on: autocast per device type (and its dtype) and the
     deterministic-algorithms setting."""
-    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES if torch.is_autocast_enabled(d))
-    return autocast, torch.are_deterministic_algorithms_enabled()
+    return autocast_now(), torch.are_deterministic_algorithms_enabled()
 
 
 def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
@@ -55,6 +55,27 @@ def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
     return flat, (tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
                         if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat), *modes(),
                   structure)
+
+
+def autocast_now() -> tuple:
+    """The calling thread's autocast: (device type, dtype) for each device type it is on for."""
+    return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES if torch.is_autocast_enabled(d))
+
+
+def in_autocast(states: tuple) -> contextlib.AbstractContextManager:
+    """The autocast ``states`` (as :func:`autocast_now` gives them), to enter on another thread: autocast is
+    thread-local (nothing to enter where it is off)."""
+    if not states:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    for device, dtype in states:
+        stack.enter_context(torch.autocast(device, dtype))
+    return stack
+
+
+def autocast_of(signature: tuple) -> contextlib.AbstractContextManager:
+    """The autocast a call of ``signature`` was made under (see :func:`in_autocast`)."""
+    return in_autocast(signature[1])
 
 
 def call_signature(inputs: tuple) -> tuple:

@@ -144,7 +144,7 @@ class DevicesCall(ThreadedCall):
     def run_stream(self, k: int) -> None:
         device = self.executor.devices[k]
         try:
-            with torch.inference_mode(), \
+            with torch.inference_mode(), self.caller_modes(), \
                     (self.cuda.use_stream(self.executor._streams[k]) if device is not None
                      else contextlib.nullcontext()):
                 self._run_steps(k, device)
