@@ -768,3 +768,40 @@ def test_a_preprocessed_model_batch_makes_plans_for_other_batches_too():
     plan = result.module.plans[next(reversed(result.module.plans))]
     assert not plan.note.startswith("no plan"), plan.note
     result.module.close()
+
+
+def test_a_plan_file_holds_the_plans_made_without_autocast_and_loads_them_so(tmp_path):
+    # the file records calls, not modes: under autocast, a loaded plan would be guarded as an autocast one
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    result = opsched.optimize(model, (x,), method="sequential", repeats=2, cache=False)
+    fast = result.module
+    fast.wait = True
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        fast(x)  # a plan of its own for autocast calls
+    assert {p.signature[1] for p in fast.plans.values()} == {(), (("cpu", torch.bfloat16),)}
+    path = tmp_path / "plan.json"
+    result.save(path)
+    assert json.loads(path.read_text()).get("signatures", []) == []  # the autocast plan is not written
+    with torch.autocast("cpu", torch.bfloat16):
+        loaded = opsched.load(path, model)
+    assert [p.signature[1] for p in loaded.plans.values()] == [()]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-4, atol=1e-5)
+    fast.close()
+    loaded.close()
+
+
+def test_a_peer_onnx_runtime_cannot_run_is_left_out_with_its_reason(monkeypatch):
+    from opsched import peers
+    from opsched.pipeline import peer_candidates
+
+    def fails(model, inputs, cores):
+        raise RuntimeError("Could not find an implementation for Conv(11) node with name ''")
+
+    monkeypatch.setattr(peers, "onnxruntime", fails)
+    model, x = torch.nn.Linear(4, 4).eval(), torch.randn(2, 4)
+    found, notes = peer_candidates(model, (x,), 1, ("eager", "onnxruntime"))
+    assert [c.name for c in found] == ["eager"] and notes == [
+        "onnxruntime left out: RuntimeError: Could not find an implementation for Conv(11) node with name ''"]

@@ -43,14 +43,16 @@ BUILD_OPTIONS = ("method", "cost", "device", "kernels", "peers", "threads", "str
 def plan_file(module: Any) -> Schedule:
     """The plan file of a :class:`~opsched.runtime.guarded.GuardedModule`: its first signature's schedule with
     every signature it serves from the weights as they are (a plan built from weights that changed since is
-    written once rebuilt, at its signature's next call). Raises :class:`OpschedError` when no signature has a
-    verified schedule."""
+    written once rebuilt, at its signature's next call), and made without autocast (a plan made under autocast is
+    made again at its first such call after loading: the file records calls, not modes). Raises
+    :class:`OpschedError` when no signature has a verified schedule."""
     from opsched.runtime.guards import inputs_record
 
     changed = module.watch.changed()
     if changed:
         raise OpschedError(f"{changed} since the last call: call the module once (its plans are rebuilt), then save")
-    plans = sorted((p for p in list(module.plans.values()) if not p.stale), key=lambda p: p.made or 0)  # a copy
+    plans = sorted((p for p in list(module.plans.values()) if not p.stale and not p.signature[1]),
+                   key=lambda p: p.made or 0)  # a copy
     with_schedule = [p for p in plans if p.schedule is not None]
     if not with_schedule:
         raise OpschedError("no call signature of this module has a verified schedule to save")
@@ -121,13 +123,21 @@ def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record:
                  measured_ms: dict[str, float], note: str, schedule: Schedule | None, options: dict) -> Any:
     """One signature's plan, made for ``model`` and verified; a peer's (other than eager) is marked stale, so
     that its first call makes it again."""
-    from opsched.runtime.guarded import Plan
-    from opsched.runtime.guards import call_signature, describe, example_inputs
+    from opsched.runtime.guards import example_inputs, without_autocast
 
     try:
         inputs = example_inputs(*record)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ScheduleError(f"{path}: the inputs it records cannot be made ({e})") from None
+    with without_autocast():  # a plan file's plans were made without autocast: so are they made and guarded here
+        return _made_again(path, model, inputs, chosen, measured_ms, note, schedule, options)
+
+
+def _made_again(path: str | Path, model: torch.nn.Module, inputs: tuple, chosen: str, measured_ms: dict[str, float],
+                note: str, schedule: Schedule | None, options: dict) -> Any:
+    from opsched.runtime.guarded import Plan
+    from opsched.runtime.guards import call_signature, describe
+
     signature = call_signature(inputs)
     runs_schedule = schedule is not None and schedule.measured is not None and chosen == schedule.measured.measured_as
     if not runs_schedule:

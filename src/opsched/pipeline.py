@@ -192,7 +192,10 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
     for name in ("onnxruntime", "onnxruntime_models", "onnxruntime_concurrent"):
         if name in peers:
             say(f"ONNX Runtime sessions ({name}) ...")
-            found, note = getattr(peer_runners, name)(model, inputs, cores)
+            try:
+                found, note = getattr(peer_runners, name)(model, inputs, cores)
+            except Exception as e:  # noqa: BLE001 - a peer ONNX Runtime cannot run (a bfloat16 graph) is reported
+                found, note = [], f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             candidates += found
             if note:
                 notes.append(f"{name} left out: {note}")

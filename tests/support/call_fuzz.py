@@ -65,21 +65,26 @@ class QuickBuilder(PlanBuilder):
         schedule.measured = Measurement(method, {"name": method, "kind": "schedule"}, {})
         flat = pytree.tree_leaves(inputs)
         module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
-        verdict = verify(module, model, inputs, _tolerance(flat))
+        verdict = verify(module, model, inputs, _tolerance(flat, model, inputs))
         assert verdict.ok, f"{method}: {verdict.why}"
         return Plan(call_signature(inputs), inputs, module, method, schedule)
 
     def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
         self.built += 1
-        module, verdict = recompile(model, plan.inputs, plan.schedule, {**self.options,
-                                                                       "tolerance": _tolerance(plan.inputs)})
+        module, verdict = recompile(model, plan.inputs, plan.schedule, {
+            **self.options, "tolerance": _tolerance(plan.inputs, model, plan.inputs)})
         assert verdict.ok, verdict.why
         return Plan(plan.signature, plan.inputs, module, plan.chosen, plan.schedule)
 
 
-def _tolerance(flat: Sequence[Any]) -> float:
-    dtypes = [t.dtype for t in pytree.tree_leaves(list(flat)) if isinstance(t, torch.Tensor)]
-    return TOLERANCE.get(dtypes[0], 1e-4) if dtypes else 1e-4
+def _tolerance(flat: Sequence[Any], model: torch.nn.Module, inputs: tuple) -> float:
+    """The tolerance of the model's outputs as they come out now (under autocast, bfloat16's: the
+    inputs' dtype would ask float32's of a bfloat16 answer)."""
+    with torch.no_grad():
+        outputs = [t for t in pytree.tree_leaves(model(*inputs)) if isinstance(t, torch.Tensor)]
+    dtypes = [t.dtype for t in outputs] or [t.dtype for t in pytree.tree_leaves(list(flat))
+                                             if isinstance(t, torch.Tensor)]
+    return max((TOLERANCE.get(d, 1e-4) for d in dtypes), default=1e-4)
 
 
 @st.composite

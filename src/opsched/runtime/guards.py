@@ -73,6 +73,14 @@ def in_autocast(states: tuple) -> contextlib.AbstractContextManager:
     return stack
 
 
+def without_autocast() -> contextlib.AbstractContextManager:
+    """Autocast off on this thread for every device type it is on for now."""
+    stack = contextlib.ExitStack()
+    for device, _ in autocast_now():
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
+
+
 def autocast_of(signature: tuple) -> contextlib.AbstractContextManager:
     """The autocast a call of ``signature`` was made under (see :func:`in_autocast`)."""
     return in_autocast(signature[1])

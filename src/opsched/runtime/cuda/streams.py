@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -94,7 +94,12 @@ class CUDAExecutor:
     def __call__(self, *inputs: torch.Tensor, record_timeline: bool = False) -> list[Any]:
         values = self.lowered.start(inputs)  # the count of inputs checked in either mode
         if not self._use_graph:
-            return self._launch(values, record_timeline)
+            with _no_cast_cache():
+                return self._launch(values, record_timeline)
+        if torch.is_autocast_enabled("cuda"):
+            # autocast's cached casts of the weights would be recorded by address and freed when the autocast ends
+            raise CudaError("a CUDA graph is not captured or replayed under autocast (the weights' casts it would "
+                            "record are freed when autocast ends): run the plan on streams, without cuda_graph")
         if record_timeline:
             raise CudaError("a replayed CUDA graph has no per-unit timeline; record it without cuda_graph")
         if self._graph is None:
@@ -199,6 +204,21 @@ class CUDAExecutor:
             self._static_outputs = self._launch(self.lowered.start(self._static_inputs), False, kept)
         del kept  # every value lived until capture ended; their memory is the graph's now
         self._graph = graph
+
+
+@contextlib.contextmanager
+def _no_cast_cache() -> Iterator[None]:
+    """Under autocast, no cached casts of the weights: every stream is launched from this one thread, which
+    shares one cache, and a cast made on one stream would be read on another with nothing ordering the two
+    (each stream casts for itself instead)."""
+    if not torch.is_autocast_enabled("cuda") or not torch.is_autocast_cache_enabled():
+        yield
+        return
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(True)
 
 
 def autograd_off(persistent: bool) -> contextlib.AbstractContextManager:
