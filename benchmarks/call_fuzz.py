@@ -64,6 +64,7 @@ def main() -> None:
         counts["refused"] += len(result["refused"])
         if result["wrong"]:
             examples["wrong"].append({"case": repr(case), "wrong": result["wrong"][:3]})
+            print(f"wrong: {examples['wrong'][-1]}", flush=True)  # at once: a long run may be stopped
         examples["refused"] += result["refused"][:1]
         if counts["sequences"] % 250 == 0:
             print(f"{counts['sequences']} sequences, {counts['calls']} calls, {counts['wrong']} wrong, "
