@@ -438,8 +438,7 @@ def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = No
         graph = capture(model, inputs)
     schedule_module.validate(plan, graph)
     cores = threads or torch.get_num_threads()
-    label = plan.measured.measured_as if plan.measured else plan.method
-    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
+    label, chosen = plan_choice(plan)
     kernels = plan_kernels(graph, plan, device, pytree.tree_leaves(inputs))
     elsewhere = list(engine(label, cores)) if engine is not None else []
     outcome = Outcome(None, {} if engine is not None else {label: plan}, kernels, graph=graph, requested=label)
@@ -449,6 +448,13 @@ def run(plan: Any, model: Any, example_inputs: Sequence[Any], *, graph: Any = No
     if label not in outcome.evaluation.measured_ms:
         raise VerificationError(f"the plan does not run as it should: {outcome.evaluation.dropped.get(label)}")
     return outcome
+
+
+def plan_choice(plan: Any) -> tuple[str, dict[str, Any]]:
+    """What ``plan`` is, as its run measured it (``ios``, or ``ios+regions`` with compiled regions; its method
+    where it was not measured), and what that run chose (a schedule, or a peer)."""
+    label = plan.measured.measured_as if plan.measured else plan.method
+    return label, plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
 
 
 def check_runs_here(plan: Any, source: str = "the plan") -> dict[str, int] | None:

@@ -57,6 +57,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     given the actors to end)."""
     import torch
 
+    from opsched.jobs import plan_choice
     from opsched.jobs import run as run_plan
 
     device = plan.device if plan.device in ("cpu", "cuda") else "cpu"  # a mapped plan runs on its CPU devices
@@ -88,8 +89,8 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     outcome = run_plan(plan, loaded.model, inputs, graph=graph, baseline=baseline, threads=cores,
                        tolerance=args.tolerance, repeats=args.repeats, cuda_graph=cuda_graph,
                        engine=on_ray if engine == "ray" else None)
-    ev, label = outcome.evaluation, outcome.requested
-    chosen = plan.measured.chosen if plan.measured else {"name": label, "kind": "schedule"}
+    ev = outcome.evaluation
+    label, chosen = plan_choice(plan)
     ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),

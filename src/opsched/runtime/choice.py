@@ -33,9 +33,9 @@ from __future__ import annotations
 from typing import Any
 
 from opsched.errors import OpschedError
+from opsched.schedule import RUN_KERNELS as ASKED  # what --kernels asks for: a plan-format name list
 from opsched.schedule import ScheduleError, unit_kernels
 
-ASKED = ("eager", "inductor", "onnxruntime")  # what --kernels asks for
 PLACES = ("cpu", "cuda", "cpu+cuda")  # where a plan's units run: the CPU, one GPU, or devices of both kinds
 
 
