@@ -12,11 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support import call_fuzz
 from support.small_models import branchy, schedule_all
 
 import opsched
 from opsched.errors import OpschedError, SignatureMismatch, StaleWeights
+from opsched.runtime import guards
 from opsched.runtime.guarded import GuardedModule
 from opsched.runtime.guards import WeightWatch, call_signature, difference
 
@@ -265,6 +267,32 @@ def test_signature_differences_in_words():
     watch.update()
     norm.weight.data = torch.ones(2)  # the version counter does not move; the storage does
     assert watch.changed().startswith("weight changed (moved to new storage")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([(2, 3), (1, 3, 4, 4), (0, 2), ()]),
+                          st.sampled_from([torch.float32, torch.float64, torch.int64]),
+                          st.booleans(), st.booleans()), min_size=1, max_size=4),
+       st.booleans())
+def test_the_signature_of_positional_tensors_is_the_one_the_general_walk_gives(entries, grad):
+    # calls of positional tensors only take a quicker path (guards.flat_signature): it must give the very
+    # signature pytree's walk gives, or a plan file's signatures would not match the calls they were made for
+    inputs = []
+    for shape, dtype, transposed, wants_grad in entries:
+        t = torch.zeros(shape, dtype=dtype)
+        if transposed and t.dim() >= 2:
+            t = t.transpose(0, 1)
+        inputs.append(t.requires_grad_() if wants_grad and dtype.is_floating_point else t)
+    inputs = tuple(inputs)
+    with torch.set_grad_enabled(grad):
+        quick = guards.flat_signature(inputs)
+        plain, guards._PLAIN = guards._PLAIN, set()
+        try:
+            walked = guards.flat_signature(inputs)
+        finally:
+            guards._PLAIN = plain
+    assert quick[1] == walked[1] and hash(quick[1]) == hash(walked[1])
+    assert all(a is b for a, b in zip(quick[0], walked[0])) and len(quick[0]) == len(walked[0])
 
 
 def test_saving_a_module_whose_weights_just_changed_is_refused(optimized, tmp_path):

@@ -408,6 +408,27 @@ def test_training_small_cnns_for_20_steps_stays_within_the_target_of_each_model_
     assert result["method"] == "channels" and result["max_param_diff"] <= _noise_bound(result), result
     assert result["also"]["fused_vmap"]["max_param_diff"] <= _noise_bound(result)
     assert set(result["ms_per_step"]) == {"sequential_models", "fused", "fused_vmap"}
+    assert result["verified"] and result["also"]["fused_vmap"]["verified"], result
+    low, high = result["speedup_interval_99"]
+    assert low <= result["speedup"] <= high and result["steps"] == 19  # 1 + 2 * 9 rounds, each training alike
+
+
+def test_a_training_with_dropout_is_compared_in_distribution_only():
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 4))
+              for _ in range(2)]
+    result = compare_training(models, (torch.randn(6, 8),), steps=3)
+    assert result["verified"] is None and result["why"].startswith("model 0's 1 draws other numbers"), result
+
+
+def test_a_fused_training_that_steps_a_model_at_another_rate_is_not_verified(monkeypatch):
+    # the check the training comparison makes is the runner's (each model's parameters at their own scale): a
+    # fused step that gives one model another model's rate must fail it, naming that model
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)) for _ in range(3)]
+    step = FusedTraining.step
+    monkeypatch.setattr(FusedTraining, "step", lambda self, lrs: step(self, [lrs[0], lrs[1], lrs[1]]))
+    result = compare_training(models, (torch.randn(6, 8),), steps=9, lrs=[0.05, 0.1, 0.2])
+    assert not result["verified"] and result["why"].startswith("model 2:"), result
 
 
 BATCH_FILE = '''

@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from opsched.compare import compare_outputs
 from opsched.multi.channels import NotStackable, channel_stacked, trace
 from opsched.multi.combine import MultiError
 from opsched.multi.optimize import model_batch
+from opsched.noise import beats, ratio_interval
+from opsched.timing import interleaved_samples
 
 METHODS = ("auto", "channels", "vmap")
 
@@ -238,14 +240,18 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
                      method: str = "auto", also: Sequence[str | tuple[str, dict]] = (),
                      device: str = "cpu") -> dict[str, Any]:
     """Train copies of ``models`` (SGD, each with its rate; cross-entropy against fixed seeded random labels)
-    one after another and fused, step by step interleaved (the order rotating every step): milliseconds per
-    step (medians, the first step left out) and the largest difference between their parameters after
-    ``steps`` steps (``max_param_diff``). ``method`` is :class:`FusedTraining`'s; each of ``also`` (a method,
-    say ``"vmap"``, or a pair ``(label, FusedTraining options)``) trains one more fused copy that way, timed
-    in the same rotation as ``fused_<label>``, with its ``max_param_diff`` in ``also``. ``float32_noise`` says
-    what a ``max_param_diff`` is to be read against: how far the models trained one after another in float32 end
-    from the same training in float64. ``repeats`` is accepted for the command's sake; ``steps`` are the timed
-    rounds. ``device="cuda"``: the models and inputs are on the CUDA device of the CUDA backend's interface
+    one after another and fused, timed as the runner times plans (:func:`opsched.timing.interleaved_samples`:
+    interleaved rounds, each timed step after an untimed one, so that about ``steps`` steps are taken, the same
+    number by each): milliseconds per step (medians), the speedup with its 99% bootstrap interval and whether it
+    is ``above_noise``; and each model trained fused checked against the same model trained alone as every job
+    checks outputs (:func:`opsched.compare.compare_outputs`, its parameters as one output at their own scale):
+    ``verified``, ``param_error`` (the worst scaled error), ``why`` (the first model that differs), and the
+    largest difference between their parameters (``max_param_diff``). ``method`` is :class:`FusedTraining`'s;
+    each of ``also`` (a method, say ``"vmap"``, or a pair ``(label, FusedTraining options)``) trains one more
+    fused copy that way, timed in the same rounds as ``fused_<label>``, with its verdict in ``also``.
+    ``float32_noise`` says what a ``max_param_diff`` is to be read against: how far the models trained one after
+    another in float32 end from the same training in float64. ``repeats`` is accepted for the command's sake.
+    ``device="cuda"``: the models and inputs are on the CUDA device of the CUDA backend's interface
     (:func:`opsched.runtime.cuda.api.current_api`), every step runs on its current stream and is timed from
     a synchronised device to a synchronised device."""
     if device == "cuda":
@@ -290,28 +296,68 @@ def _compare(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: in
             trainer.step(rates)
         return step_fused
 
-    runs = [("sequential_models", step_apart), *((name, stepper(t)) for name, t in fused.items())]
-    times: dict[str, list[float]] = {name: [] for name, _ in runs}
+    names = ["sequential_models", *fused]
+    taken = dict.fromkeys(names, 0)
     synchronize = api.synchronize if api is not None else (lambda: None)
-    for i in range(steps):
-        for name, run in runs[i % len(runs):] + runs[:i % len(runs)]:
-            synchronize()
-            started = time.perf_counter()
-            run()
-            synchronize()
-            times[name].append((time.perf_counter() - started) * 1e3)
 
-    def diff(trainer: FusedTraining) -> float:
-        return max((trainer.state_of(k)[name] - p).abs().max().item()
-                   for k, m in enumerate(apart) for name, p in m.named_parameters())
+    def timed(name: str, step: Any) -> Any:
+        def run() -> None:
+            step()
+            synchronize()  # the device's work is part of the step's time
+            taken[name] += 1
+        return run
 
-    ms = {name: statistics.median(t[1:] or t) for name, t in times.items()}  # the first step warms up
+    # the one runner's timing: interleaved rounds, each sample after an untimed lead-in step (so every training
+    # takes 1 + 2 * rounds steps, the same number), from a synchronised device on
+    rounds = max(1, (steps - 1) // 2)
+    samples = dict(zip(names, interleaved_samples(
+        [timed(name, step) for name, step in zip(names, [step_apart, *map(stepper, fused.values())])], rounds,
+        around=[(synchronize, None)] * len(names))))
+    if len(set(taken.values())) != 1:
+        raise MultiError(f"the trainings took different numbers of steps ({taken})")
+    taken_steps = taken["sequential_models"]
+
+    drawing = _draws_in_training(models)
+
+    def agreement(trainer: FusedTraining) -> dict[str, Any]:
+        """Each model trained fused against the same model trained alone, as every job verifies outputs: all
+        its parameters as one output, at their own scale (opsched.compare). With dropout active the two draw
+        other masks and agree in distribution only: no verdict (None)."""
+        verdicts = []
+        for k, m in enumerate(apart):
+            state = trainer.state_of(k)
+            names = [name for name, _ in m.named_parameters()]
+            verdicts.append(compare_outputs(torch.cat([state[n].detach().flatten() for n in names]),
+                                            torch.cat([p.detach().flatten() for _, p in m.named_parameters()])))
+        worst = max(range(len(verdicts)), key=lambda k: (not verdicts[k].ok, verdicts[k].error))
+        if drawing:
+            return {"verified": None, "param_error": verdicts[worst].error,
+                    "max_param_diff": max(v.abs_error for v in verdicts),
+                    "why": f"{drawing} draws other numbers fused than alone: the two agree in distribution, not "
+                           "number for number"}
+        return {"verified": all(v.ok for v in verdicts), "param_error": verdicts[worst].error,
+                "max_param_diff": max(v.abs_error for v in verdicts),
+                "why": f"model {worst}: {verdicts[worst].why}" if not verdicts[worst].ok else ""}
+
+    ms = {name: statistics.median(s) for name, s in samples.items()}
+    ratio, low, high = ratio_interval(samples["sequential_models"], samples["fused"])
     main = fused["fused"]
-    return {"steps": steps, "models": len(models), "max_param_diff": diff(main),
-            "float32_noise": _float32_noise(models, args, labels, rates, steps, apart), "ms_per_step": ms,
-            "speedup": ms["sequential_models"] / ms["fused"], "method": main.method, "fallback": main.fallback,
-            "also": {name: {"method": t.method, "max_param_diff": diff(t), "fused_speedup": ms[name] / ms["fused"]}
+    return {"steps": taken_steps, "rounds": rounds, "models": len(models), **agreement(main),
+            "float32_noise": _float32_noise(models, args, labels, rates, taken_steps, apart), "ms_per_step": ms,
+            "speedup": ratio, "speedup_interval_99": [low, high],
+            "above_noise": beats(samples["fused"], samples["sequential_models"]),
+            "method": main.method, "fallback": main.fallback,
+            "also": {name: {"method": t.method, **agreement(t), "fused_speedup": ms[name] / ms["fused"]}
                      for name, t in fused.items() if name != "fused"}}
+
+
+def _draws_in_training(models: Sequence[torch.nn.Module]) -> str | None:
+    """The first dropout module of ``models`` that draws in training mode (its path), or None."""
+    for k, model in enumerate(models):
+        for path, module in model.named_modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+                return f"model {k}'s {path or type(module).__name__}"
+    return None
 
 
 def _float32_noise(models: Sequence[torch.nn.Module], args: Sequence[Any], labels: torch.Tensor,

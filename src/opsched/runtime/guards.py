@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
+import itertools
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -50,15 +52,37 @@ def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
     """The flat list of a call's inputs (``inputs``: its positional arguments, nested as the model takes them)
     and the call's signature: hashable, equal for two calls exactly when one plan serves both. The structure
     of the inputs is part of it (``{"a": x, "b": y}`` is not ``(x, y)``)."""
-    flat, structure = pytree.tree_flatten(inputs)
-    grad = torch.is_grad_enabled()
-    return flat, (tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
-                        if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat), *modes(),
-                  structure)
+    if inputs and set(map(type, inputs)) == _PLAIN:
+        # the common call, positional tensors only: the same signature as below without pytree's walk and one
+        # Python step per tensor (this runs on every call: see docs/calls.md, "What the guard costs")
+        flat = list(inputs)
+        structure = _flat_structure(len(flat))
+        grads = map(_REQUIRES_GRAD, flat) if torch.is_grad_enabled() else itertools.repeat(False)
+        described = tuple(zip(map(_SHAPE, flat), map(torch.Tensor.stride, flat), map(_DTYPE, flat),
+                              map(_DEVICE, flat), grads))
+    else:
+        flat, structure = pytree.tree_flatten(inputs)
+        grad = torch.is_grad_enabled()
+        described = tuple((t.shape, t.stride(), t.dtype, t.device, grad and t.requires_grad)
+                          if isinstance(t, torch.Tensor) else (type(t), _hashable(t)) for t in flat)
+    return flat, (described, *modes(), structure)
+
+
+_PLAIN = {torch.Tensor}
+_SHAPE, _DTYPE, _DEVICE = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@functools.cache
+def _flat_structure(count: int) -> pytree.TreeSpec:
+    """How ``count`` positional tensors nest, as pytree says (a tensor is one of its leaves)."""
+    return pytree.tree_flatten(tuple(range(count)))[1]
 
 
 def autocast_now() -> tuple:
     """The calling thread's autocast: (device type, dtype) for each device type it is on for."""
+    if not (torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")):
+        return ()
     return tuple((d, torch.get_autocast_dtype(d)) for d in _DEVICE_TYPES if torch.is_autocast_enabled(d))
 
 
@@ -194,8 +218,8 @@ class WeightWatch:
             self._walk()
             return
         self.steps = _STEPS_TAKEN[0]
-        found = list(map(dict.get, self.tables, self.names))
-        self.identities = list(map(id, found))  # None's where a module has no tensor under that name
+        self.found = list(map(dict.get, self.tables, self.names))  # None where a module has no tensor by that name
+        found = self.found
         present = [(slot, t) for slot, t in zip(self.slots, found) if t is not None]
         self.tensors = [t for _, t in present]
         self.ids = {id(t) for t in self.tensors}
@@ -215,9 +239,9 @@ class WeightWatch:
             return self.in_training()
         if _MODULES_REGISTERED[0] != self.structure and self._restructured():
             return "a module of the model was replaced or added"
-        identities = list(map(id, map(dict.get, self.tables, self.names)))
-        if identities != self.identities:
-            return _which([slot[2] for slot in self.slots], identities, self.identities,
+        if not all(map(operator.is_, map(dict.get, self.tables, self.names), self.found)):
+            return _which([slot[2] for slot in self.slots], list(map(id, map(dict.get, self.tables, self.names))),
+                          list(map(id, self.found)),
                           "replaced (load_state_dict(assign=True), .to() or a new tensor), added or removed")
         try:
             versions = list(map(_VERSION, self.versioned))
