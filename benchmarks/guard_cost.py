@@ -6,14 +6,15 @@ in turn; the figure is the median over rounds of the mean call):
 
 - ``unchecked``: the OptimizedModule with no guard, called as before the guards (flatten, run);
 - ``guarded plan``: ``module(x)``, the OptimizedModule with its guard (signature, weights, modes);
-- ``optimize's module``: the GuardedModule ``opsched.optimize`` hands back (the weights watched, the signature
-  looked up among its plans, the plan run unchecked).
+- ``optimize's module``: the GuardedModule ``opsched.optimize`` (``optimize_batch``) hands back (the weights
+  watched, the signature looked up among its plans, the plan run unchecked);
+- ``weights not followed``: the same with ``follow_weights=False`` (the modules watched, not the tensors).
 
-The guard's own cost is also timed alone (``check_us``: the plan's guard, and for one model the look at the
-weights optimize's module adds), free of the noise of the calls around it.
+The guard's parts are also timed alone (``check_us``: the plan's whole guard, the call's signature, the look
+at the weights), free of the noise of the calls around it.
 
 Models: ResNet-18 and SqueezeNet 1.1 at batch 1 (224 px), and 16 LeNet-5 run as one fused graph
-(``opsched.optimize_batch``, whose module is the guarded plan). Each model's plan is the schedule
+(``opsched.optimize_batch``). Each model's plan is the schedule
 ``opsched.optimize`` made and verified (its sequential schedule where eager was chosen: the guard's cost is
 the same for every schedule).
 
@@ -32,6 +33,7 @@ from sweep import machine
 
 import opsched
 from opsched.noise import ratio_interval
+from opsched.runtime.guards import WeightWatch, flat_signature
 
 
 def lenet() -> torch.nn.Module:
@@ -50,9 +52,9 @@ def one_model(name: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
     if plan.module is None:  # eager was chosen: optimize's module would call the model; time the plan instead
         plan.module = module
     return {"case": name, "chosen": result.chosen, "plan": plan.schedule.measured.measured_as,
-            "check_us": check_us(lambda: module.guard.check((x,)), lambda: fast.watch.changed()),
+            "check_us": _parts(module, (x,)),
             "configurations": {"unchecked": _unchecked(module, (x,)), "guarded plan": lambda: module(x),
-                               "optimize's module": lambda: fast(x)}}
+                               **_optimizes(fast, (x,))}}
 
 
 def ensemble(count: int = 16) -> dict:
@@ -63,9 +65,29 @@ def ensemble(count: int = 16) -> dict:
     plan = result.plan()
     module = result.outcome.modules[plan.measured.measured_as]
     inputs = tuple(result.fusion.batch.inputs)
+    fast = result.module
+    fast.say = lambda text: None
+    only = next(iter(fast.plans.values()))
+    if only.module is None:  # the models one after another were chosen: time the fused plan instead
+        only.module = module
     return {"case": f"{count} LeNet-5, one fused graph", "chosen": result.chosen, "plan": plan.measured.measured_as,
-            "check_us": check_us(lambda: module.guard.check(inputs)),
-            "configurations": {"unchecked": _unchecked(module, inputs), "guarded plan": lambda: module(*inputs)}}
+            "check_us": _parts(module, inputs),
+            "configurations": {"unchecked": _unchecked(module, inputs), "guarded plan": lambda: module(*inputs),
+                               **_optimizes(fast, inputs)}}
+
+
+def _optimizes(fast, inputs):
+    """optimize's module called, with its weights followed and not (a shallow copy sharing its plans, watching
+    the modules only)."""
+    light = copy.copy(fast)
+    light.watch = WeightWatch(fast.model, tensors=False)
+    return {"optimize's module": lambda: fast(*inputs), "weights not followed": lambda: light(*inputs)}
+
+
+def _parts(module, inputs) -> dict[str, float]:
+    """Microseconds of the plan's guard, of the call's signature and of the look at the weights, each alone."""
+    return dict(zip(("guard", "signature", "weights"), check_us(
+        lambda: module.guard.check(inputs), lambda: flat_signature(inputs), module.guard.weights.changed)))
 
 
 def _unchecked(module, inputs):
@@ -129,7 +151,8 @@ def main() -> None:
                 row["over_unchecked"][name] = {"ratio": round(ratio, 4), "interval_99": [round(low, 4), round(high, 4)],
                                                "extra_us": round((medians[name] - medians["unchecked"]) * 1e3, 1)}
         rows.append(row)
-        print(f"{row['case']}: the guard alone {row['check_us'][0]:.1f} us; unchecked {medians['unchecked']:.3f} ms; " + "; ".join(
+        print(f"{row['case']}: the guard alone {row['check_us']['guard']:.1f} us (signature "
+              f"{row['check_us']['signature']:.1f}, weights {row['check_us']['weights']:.1f}); unchecked {medians['unchecked']:.3f} ms; " + "; ".join(
             f"{n} {v['ratio']:.3f}x (99% {v['interval_99'][0]:.3f}-{v['interval_99'][1]:.3f}, {v['extra_us']:+.1f} us)"
             for n, v in row["over_unchecked"].items()))
     with Path(args.out).open("a") as f:

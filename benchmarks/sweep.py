@@ -43,7 +43,8 @@ def models() -> list[str]:
 
 
 def machine() -> dict:
-    """Where and with what a row was measured."""
+    """Where, when and with what a row was measured: the machine, the versions, the date and the commit of
+    opsched (``+changes`` when the working tree differed from it)."""
     import os
 
     import torch
@@ -58,8 +59,13 @@ def machine() -> dict:
     cpuinfo = Path("/proc/cpuinfo")
     names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
              if line.startswith("model name")]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                           cwd=Path(__file__).parent, check=False).stdout.strip()
     return {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {names[0] if names else platform.processor()}",
-            "versions": versions, "date": date.today().isoformat()}
+            "versions": versions, "date": date.today().isoformat(),
+            "commit": (commit + ("+changes" if dirty else "")) or None}
 
 
 def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:

@@ -170,6 +170,28 @@ def test_every_kind_of_weight_update_is_followed(optimized, update):
     assert any("will be rebuilt from the new weights" in line for line in lines), lines
 
 
+def test_weights_not_followed_keep_their_plan_until_refresh_and_modes_are_still_seen():
+    # follow_weights=False: the owner promises to announce weight changes with refresh(); a change it does not
+    # announce is answered with the old weights (documented), refresh() makes the plans again, and a module out
+    # of eval mode is still seen
+    torch.manual_seed(0)
+    model = Counted(Flatten()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), follow_weights=False, wait=True, say=lambda line: None)
+    fast.prepare(x)
+    with torch.no_grad():
+        before = fast(x)
+        _in_place(model)
+        calls = model.calls
+        assert torch.equal(fast(x), before) and model.calls == calls  # the plan of the old weights answered
+        fast.refresh()
+        assert close(fast(x), model(x)) and not close(before, model(x))
+        model.model.conv[1].train()
+        calls = model.calls
+        assert close(fast(x), model(x)) and model.calls == calls + 2  # the model answered (and was asked again)
+    fast.close()
+
+
 def test_double_and_back(optimized):
     model, x, fast, _ = optimized
     fast.wait = True

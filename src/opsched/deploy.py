@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from opsched.errors import OpschedError, VerificationError, first_line
+from opsched.runtime.dynamic import dims_from_record, dims_record
 from opsched.schedule import Schedule, ScheduleError
 from opsched.schedule import from_dict as schedule_from_dict
 from opsched.schedule import load as load_schedule
@@ -62,6 +63,8 @@ def plan_file(module: Any) -> Schedule:
         head.measured = dataclasses.replace(head.measured, chosen={**head.measured.chosen, "name": first.chosen})
     head.inputs, head.input_structure = inputs_record(first.inputs)
     head.build = {k: v for k, v in module.builder.options.items() if k in BUILD_OPTIONS}
+    if module.dynamic:
+        head.build["dynamic"] = dims_record(module.dynamic)
     head.signatures = [{**dict(zip(("inputs", "input_structure"), inputs_record(p.inputs))), "chosen": p.chosen,
                         "measured_ms": {n: round(ms, 4) for n, ms in p.measured_ms.items()}, "note": p.note,
                         "plan": _plain(p.schedule)} for p in plans if p is not first]
@@ -83,12 +86,12 @@ def save(module: Any, path: str | Path) -> None:
 
 
 def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait: bool = False,
-         max_plans: int = 8, tolerance: float | None = None,
+         max_plans: int = 8, follow_weights: bool = True, tolerance: float | None = None,
          say: Callable[[str], Any] | None = None) -> Any:
     """The optimized module of the plan file at ``path`` for ``model`` (in eval mode, on the plan's device),
     built in this process: a :class:`~opsched.runtime.guarded.GuardedModule` serving every signature the file
-    holds, making plans for new ones as ``opsched.optimize`` would (``strict``, ``wait``, ``max_plans`` as
-    there). See the module's docstring for what is checked."""
+    holds, making plans for new ones as ``opsched.optimize`` would (``strict``, ``wait``, ``max_plans``,
+    ``follow_weights`` as there). See the module's docstring for what is checked."""
     from opsched.jobs import OptimizeBuilder
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
 
@@ -115,8 +118,9 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
         entries.append(((sig["inputs"], sig.get("input_structure")), str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
                         str(sig.get("note", "")), schedule))
     plans = [_loaded_plan(path, model, builder, *entry, options) for entry in entries]
+    dynamic = dims_from_record(head.build["dynamic"], str(path)) if "dynamic" in (head.build or {}) else ()
     return GuardedModule(model, builder, plans, strict=strict, wait=wait, max_plans=max(max_plans, len(plans)),
-                         say=say or say_on_stderr)
+                         follow_weights=follow_weights, dynamic=dynamic, say=say or say_on_stderr)
 
 
 def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record: list, chosen: str,

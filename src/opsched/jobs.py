@@ -66,7 +66,8 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
              max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
              cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
              batch_sizes: Sequence[int] = (), strict: bool = False, wait: bool = False, max_plans: int = 8,
-             say: Callable[[str], Any] = lambda text: None, progress: Any = None) -> Outcome:
+             follow_weights: bool = True, dynamic_shapes: Any = None, say: Callable[[str], Any] = lambda text: None,
+             progress: Any = None) -> Outcome:
     """Capture ``model`` (in eval mode, with its inputs, on ``device``) unless its ``graph`` is given, schedule
     it with sequential, greedy, LIOS and ``method``, and on a real device compile every schedule, verify it
     against the model and time it interleaved with the peers (eager; with ``peers`` or compiled ``kernels``
@@ -77,17 +78,31 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     signature, made the same way for each new one (in the background, the model answering meanwhile; before
     answering with ``wait``; refused with ``strict``), rebuilt when the model's weights change; at most
     ``max_plans`` kept. ``batch_sizes`` makes the plans for those batch sizes now (the example inputs repeated
-    or cut along their first dimension)."""
+    or cut along their first dimension). ``follow_weights=False``: the weights are not looked at on each call
+    (see :class:`~opsched.runtime.guarded.GuardedModule`; ``module.refresh()`` after changing them).
+    ``dynamic_shapes`` (torch.export's form: ``({1: Dim("length", min=8, max=512)},)``) declares dimensions
+    whose sizes vary: torch.export is asked whether the model keeps them free (a refusal raises
+    :class:`~opsched.errors.CaptureError`), and each new size within the ranges gets its plan from the schedule
+    made for the example (captured, compiled, verified, timed beside the model; no search): see
+    :mod:`opsched.runtime.dynamic`."""
     if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise OpschedError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    dims = ()
+    if dynamic_shapes is not None:
+        from opsched.runtime.dynamic import check_with_export, dynamic_dims
+
+        dims = dynamic_dims(dynamic_shapes, example_inputs, model)
+        note = check_with_export(model, tuple(example_inputs), dynamic_shapes)
+        if note:
+            say(note)
     options = {"method": method, "cost": cost, "device": device, "kernels": kernels, "peers": peers,
                "threads": threads, "streams": streams, "max_group_size": max_group_size, "max_groups": max_groups,
                "max_block_size": max_block_size, "tolerance": tolerance, "repeats": repeats, "cache": cache,
                "cuda_graph": cuda_graph}
     outcome = optimize_once(model, example_inputs, name=name, graph=graph, say=say, progress=progress, **options)
     if outcome.evaluation is None:
-        if batch_sizes:
-            raise OpschedError("batch_sizes needs measured costs: a simulated device runs nothing")
+        if batch_sizes or dims:
+            raise OpschedError("batch_sizes and dynamic_shapes need measured costs: a simulated device runs nothing")
         return outcome
     from opsched.models.spec import rebatch
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
@@ -96,7 +111,8 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     builder = OptimizeBuilder({**options, "name": name})
     first = copied(tuple(example_inputs))  # the user's own tensors may change later
     outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, first)],
-                                    strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1))
+                                    strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1),
+                                    follow_weights=follow_weights, dynamic=dims)
     outcome.guarded.say = say  # the job's own progress lines while it makes the batch sizes asked for
     for b in batch_sizes:
         outcome.guarded.prepare(*[rebatch(x, b) for x in example_inputs])
@@ -185,6 +201,48 @@ class OptimizeBuilder:
                                        note=f"the plan rebuilt from the new weights does not verify: {verdict.why}")
         return dataclasses.replace(plan, module=module, stale=False, note="rebuilt from the new weights")
 
+    def resize(self, model: Any, plan: Any, inputs: tuple) -> Any:
+        """The plan for ``inputs``, which differ from ``plan``'s only in the sizes of dimensions declared dynamic
+        (:mod:`opsched.runtime.dynamic`): the model captured on them, ``plan``'s schedule compiled for that
+        graph, verified against the model and timed beside it through the runner (:func:`evaluate_plans`), the
+        schedule chosen only where it beats the model above the run's noise. No costs measured, no search: a
+        plan made whole where the graph has other units at this size, or where a peer was chosen."""
+        import dataclasses
+
+        import torch
+        import torch.utils._pytree as pytree
+
+        from opsched.graph.capture import capture
+        from opsched.pipeline import evaluate_plans
+        from opsched.runtime.guards import describe
+        from opsched.runtime.kernels import plan_kernels
+
+        schedule = plan.schedule
+        if schedule is None or schedule.measured is None or plan.chosen not in ("eager", schedule.measured.measured_as):
+            return self.build(model, inputs)
+        graph = capture(model, inputs, name=self.options.get("name"))
+        if {n.name for n in graph.nodes} != {op.name for op in schedule.ops}:
+            return self.build(model, inputs)  # other units at this size (control flow on a size)
+        flat = pytree.tree_leaves(inputs)
+        device = self.options.get("device", "cpu")
+        origin = schedule.stats.get("scheduled_for") or describe(plan.signature)  # the size it was searched at
+        sized = dataclasses.replace(
+            schedule, fingerprint=graph.fingerprint, measured=None, options=dict(schedule.options),
+            batch=int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None,
+            stats={**schedule.stats, "scheduled_for": origin})
+        name = schedule.measured.measured_as
+        outcome = Outcome(None, {name: sized}, plan_kernels(graph, sized, device, flat), graph=graph)
+        evaluate_plans(outcome, graph, model, inputs, cores=self.options.get("threads") or torch.get_num_threads(),
+                       device=device, tolerance=self.options.get("tolerance"), repeats=self.options.get("repeats", 15),
+                       cuda_graph=bool(self.options.get("cuda_graph")))
+        made = self.plan_of(outcome, inputs)
+        if made.schedule is None:  # did not verify at this size
+            made.note = f"{name}'s schedule made for {origin} does not verify at this size: " \
+                        f"{outcome.evaluation.dropped.get(name, '')}"
+        else:
+            made.note = f"{made.note + '; ' if made.note else ''}the schedule made for {origin}"
+        return made
+
 
 def require_a_plan(outcome: Outcome) -> None:
     """Raise :class:`VerificationError` when ``outcome`` was measured and none of its schedules verified."""
@@ -195,7 +253,7 @@ def require_a_plan(outcome: Outcome) -> None:
 
 
 def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, wait: bool = False,
-                   max_plans: int = 8, **options: Any) -> Any:
+                   max_plans: int = 8, follow_weights: bool = True, **options: Any) -> Any:
     """Several models as one fused, scheduled, verified program (HiveMind): see
     :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
     (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises
@@ -204,7 +262,8 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     Measured, ``module`` is a :class:`~opsched.runtime.guarded.GuardedModule` called like the batch (the shared
     inputs, or every model's in order): a fused plan per call signature, made the same way for each new one (in
     the background, the models answering one after another meanwhile; before answering with ``wait``; refused
-    with ``strict``), made again when a model's weights change; at most ``max_plans`` kept."""
+    with ``strict``), made again when a model's weights change (unless ``follow_weights=False``, as
+    :func:`optimize`); at most ``max_plans`` kept."""
     from opsched.multi.optimize import optimize as optimize_batch
     from opsched.runtime.guarded import GuardedModule
     from opsched.runtime.guards import copied
@@ -218,7 +277,7 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     batch = result.fusion.batch
     first = copied(tuple(batch.inputs))
     result.outcome.guarded = GuardedModule(batch, builder, [builder.plan_of(result, first)], strict=strict,
-                                           wait=wait, max_plans=max_plans)
+                                           wait=wait, max_plans=max_plans, follow_weights=follow_weights)
     return result
 
 

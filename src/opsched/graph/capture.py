@@ -69,7 +69,7 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
         raise CaptureError(f"cannot capture {label}: expected a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     model.eval()
-    with TRACING.tracing(), _pytorch_quiet():  # opsched's calls on other threads wait (opsched.graph.tracing)
+    with TRACING.tracing(), pytorch_quiet():  # opsched's calls on other threads wait (opsched.graph.tracing)
         gm, traced_with = _trace(model, args, label)
     graph = _group_units(fold_constants(gm), label)
     graph.traced_with = traced_with  # torch.fx's units hold the model's own modules; torch.export's do not
@@ -80,7 +80,7 @@ _QUIET = threading.Lock()
 
 
 @contextlib.contextmanager
-def _pytorch_quiet() -> Iterator[None]:
+def pytorch_quiet() -> Iterator[None]:
     """Silence PyTorch's own output while a capture is attempted: torch.export prints the partial graph of a
     failed export straight to stderr and logs symbolic-shape warnings, 27 lines before our one-line error.
     Python warnings, the ``torch`` loggers and stderr are process-wide, so captures that silence them run

@@ -41,6 +41,7 @@ import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
 from opsched.graph.tracing import TRACING
+from opsched.runtime.dynamic import served_by
 from opsched.runtime.guards import (
     WeightWatch,
     autocast_of,
@@ -90,22 +91,38 @@ class PlanBuilder:
     def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
         raise NotImplementedError
 
+    def resize(self, model: torch.nn.Module, plan: Plan, inputs: tuple) -> Plan:
+        """The plan for ``inputs``, of other sizes along dimensions declared dynamic, from ``plan``'s schedule
+        (see :mod:`opsched.runtime.dynamic`); by default a plan made as any new one."""
+        return self.build(model, inputs)
+
 
 class GuardedModule(torch.nn.Module):
     """``model``'s calls, each served by the plan made for its signature (see the module's docstring).
     ``plans`` are those already made (from ``opsched.optimize`` or a plan file); ``builder`` makes more.
 
+    ``follow_weights=False`` stops looking at the weights on every call (their identity, version counter and
+    storage: about 0.3 µs a tensor, see docs/calls.md): for weights that never change, or whose owner calls
+    :meth:`refresh` after changing them. A change not announced is then answered with the old weights.
+    Replaced modules and modules out of eval mode are still seen.
+
+    ``dynamic`` (:func:`opsched.runtime.dynamic.dynamic_dims`) names dimensions whose sizes vary: a call
+    that differs from a plan's only in their sizes, within their ranges, gets its plan from that plan's
+    schedule (``builder.resize``: captured, compiled, verified and timed beside the model, no search), and
+    ``strict`` serves it (the plan made before answering) instead of refusing it.
+
     ``say`` receives the progress lines (default: stderr, prefixed ``opsched:``)."""
 
     def __init__(self, model: torch.nn.Module, builder: PlanBuilder, plans: Sequence[Plan] = (), *,
-                 strict: bool = False, wait: bool = False, max_plans: int = 8,
-                 say: Callable[[str], Any] = say_on_stderr):
+                 strict: bool = False, wait: bool = False, max_plans: int = 8, follow_weights: bool = True,
+                 dynamic: tuple = (), say: Callable[[str], Any] = say_on_stderr):
         super().__init__()
         if max_plans < 1:
             raise OpschedError(f"max_plans must be at least 1, got {max_plans}")
         object.__setattr__(self, "model", model)  # not a submodule: its state_dict stays the model's own
         self.builder, self.strict, self.wait, self.max_plans, self.say = builder, strict, wait, max_plans, say
-        self.watch = WeightWatch(model)
+        self.dynamic = dynamic
+        self.watch = WeightWatch(model, tensors=follow_weights)
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.RLock()
         self._pending: dict[tuple, Future] = {}
@@ -143,19 +160,38 @@ class GuardedModule(torch.nn.Module):
                                          "inference mode)")
         if signature in self._pending:
             return self._model_answers(inputs)
+        like, out_of_range = self._sized_like(signature) if plan is None else (None, "")
         if plan is not None:  # stale: rebuilt from the new weights, before answering where asked to wait
             why = "the weights changed since its plan was built"
+        elif like is not None:
+            why = f"{difference(signature, like.signature)} (a dynamic dimension)"
         elif self.plans:
-            why = difference(signature, next(reversed(self.plans)))
+            why = out_of_range or difference(signature, next(reversed(self.plans)))
         else:
             why = "no plan yet"
-        if plan is None and self.strict:
-            raise SignatureMismatch(f"{why}; pass batch_sizes=[...] to opsched.optimize, or strict=False")
+        if plan is None and like is None and self.strict:
+            raise SignatureMismatch(f"{why}; pass batch_sizes=[...] or dynamic_shapes to opsched.optimize, or "
+                                    "strict=False")
         if self.wait or self.strict:
-            self._build_now(signature, inputs)
+            self._build_now(signature, inputs, like)
             return self.forward(*inputs)
-        self._build_later(signature, inputs, why)
+        self._build_later(signature, inputs, why, like)
         return self._model_answers(inputs)
+
+    def _sized_like(self, signature: tuple) -> tuple[Plan | None, str]:
+        """The plan (the most recently used first) whose schedule serves ``signature`` through its dynamic
+        dimensions, and otherwise why the nearest one does not (a size out of a declared range), or ''."""
+        if not self.dynamic:
+            return None, ""
+        out_of_range = ""
+        for plan in reversed(list(self.plans.values())):
+            if plan.schedule is None or plan.stale:
+                continue
+            found = served_by(signature, plan.signature, self.dynamic)
+            if found == "":
+                return plan, ""
+            out_of_range = out_of_range or found or ""
+        return None, out_of_range
 
     def _refused(self, inputs: tuple, why: str) -> Any:
         """A call no plan is made for (gradients, training mode): the model answers, or with
@@ -195,14 +231,19 @@ class GuardedModule(torch.nn.Module):
                 self._private = (generation, private)
         return private
 
-    def _make(self, signature: tuple, inputs: tuple, generation: int) -> Plan:
-        """Build (or rebuild) the plan for ``signature`` from the weights of ``generation``."""
+    def _make(self, signature: tuple, inputs: tuple, generation: int, like: Plan | None = None) -> Plan:
+        """Build (or rebuild) the plan for ``signature`` from the weights of ``generation`` (from ``like``'s
+        schedule, a plan for other sizes of the dynamic dimensions, where given)."""
         old = self.plans.get(signature)
         try:
             model = self._private_model(generation)
             with autocast_of(signature):  # made, measured and verified in the call's autocast (thread-local)
-                plan = self.builder.rebuild(model, old) if old is not None and old.stale else \
-                    self.builder.build(model, inputs)
+                if old is not None and old.stale:
+                    plan = self.builder.rebuild(model, old)
+                elif like is not None:
+                    plan = self.builder.resize(model, like, inputs)
+                else:
+                    plan = self.builder.build(model, inputs)
             if _traced_with_fx(plan):
                 # its units hold the copy's own modules, which the next capture of the copy would swap out
                 # under it: the next build copies again
@@ -231,9 +272,9 @@ class GuardedModule(torch.nn.Module):
             self.say(f"dropped the plan for {describe(dropped.signature)}, the least recently used "
                      f"(max_plans={self.max_plans})")
 
-    def _build_now(self, signature: tuple, inputs: tuple) -> None:
+    def _build_now(self, signature: tuple, inputs: tuple, like: Plan | None = None) -> None:
         self.say(f"building a plan for {describe(signature)} ...")
-        self.say(self._made(self._make(signature, copied(inputs), self._generation)))
+        self.say(self._made(self._make(signature, copied(inputs), self._generation, like)))
 
     @staticmethod
     def _made(plan: Plan) -> str:
@@ -241,7 +282,7 @@ class GuardedModule(torch.nn.Module):
             return f"for {describe(plan.signature)}: the model itself answers ({plan.note})"
         return f"plan ready for {plan.summary()}"
 
-    def _build_later(self, signature: tuple, inputs: tuple, why: str) -> None:
+    def _build_later(self, signature: tuple, inputs: tuple, why: str, like: Plan | None = None) -> None:
         with self._lock:
             if signature in self._pending:
                 return
@@ -253,11 +294,11 @@ class GuardedModule(torch.nn.Module):
             self.say(f"{why}: the model answers while a plan for {describe(signature)} is built in the background")
             future: Future = Future()
             self._pending[signature] = future
-            self._jobs.put((signature, copied(inputs), self._generation, future))
+            self._jobs.put((signature, copied(inputs), self._generation, like, future))
 
-    def _background(self, signature: tuple, inputs: tuple, generation: int) -> None:
+    def _background(self, signature: tuple, inputs: tuple, generation: int, like: Plan | None) -> None:
         try:
-            self.say(self._made(self._make(signature, inputs, generation)))
+            self.say(self._made(self._make(signature, inputs, generation, like)))
         finally:
             with self._lock:
                 self._pending.pop(signature, None)
@@ -267,7 +308,7 @@ class GuardedModule(torch.nn.Module):
         signature = call_signature(inputs)
         plan = self.plans.get(signature)
         if plan is None or plan.stale:
-            self._build_now(signature, inputs)
+            self._build_now(signature, inputs, self._sized_like(signature)[0] if plan is None else None)
         return self.plans[signature]
 
     def save(self, path: Any) -> None:
@@ -315,15 +356,15 @@ def _build_loop(module: weakref.ref, jobs: queue.SimpleQueue) -> None:
     """The builder thread: each job (signature, inputs, generation, future) built in turn, until ``None``. It
     holds the module only while building, so that a module dropped by its user can be collected."""
     while (job := jobs.get()) is not None:
-        signature, inputs, generation, future = job
+        signature, inputs, generation, like, future = job
         guarded = module()
         if guarded is None:
             return
         try:
-            guarded._background(signature, inputs, generation)
+            guarded._background(signature, inputs, generation, like)
             future.set_result(None)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
             future.set_exception(e)
-        del guarded, job, inputs
+        del guarded, job, inputs, like
 
 

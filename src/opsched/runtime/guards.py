@@ -188,10 +188,13 @@ class WeightWatch:
     version counter), given other storage (``.data =``, ``.to()``; the old storage is kept alive until the next
     :meth:`update`, so that its address cannot be handed out again and look unchanged), stepped by an optimizer
     (the fused ones write without moving version counters), a module replaced, or a module that was in eval
-    mode left it. About 0.2 µs a tensor, twice that with the tensors out of the processor's caches."""
+    mode left it. About 0.2 µs a tensor in a loop, 0.3 µs right after a plan's call (docs/calls.md).
 
-    def __init__(self, *models: torch.nn.Module):
-        self.models = models
+    ``tensors=False`` watches the modules only (replaced, or out of eval mode), for weights that their owner
+    promises not to change or to announce with :meth:`update`: a few nanoseconds instead of the tensors' look."""
+
+    def __init__(self, *models: torch.nn.Module, tensors: bool = True):
+        self.models, self.watches_tensors = models, tensors
         self._walk()
 
     def _walk(self) -> None:
@@ -239,6 +242,8 @@ class WeightWatch:
             return self.in_training()
         if _MODULES_REGISTERED[0] != self.structure and self._restructured():
             return "a module of the model was replaced or added"
+        if not self.watches_tensors:
+            return None
         if not all(map(operator.is_, map(dict.get, self.tables, self.names), self.found)):
             return _which([slot[2] for slot in self.slots], list(map(id, map(dict.get, self.tables, self.names))),
                           list(map(id, self.found)),
