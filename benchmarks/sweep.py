@@ -44,7 +44,7 @@ def models() -> list[str]:
 
 def machine() -> dict:
     """Where, when and with what a row was measured: the machine, the versions, the date and the commit of
-    opsched (``+changes`` when the working tree differed from it)."""
+    opsched (``+changes`` when its source in the working tree differed from it)."""
     import os
 
     import torch
@@ -61,8 +61,8 @@ def machine() -> dict:
              if line.startswith("model name")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
-                           cwd=Path(__file__).parent, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],  # the package's
+                           capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=False).stdout.strip()
     return {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {names[0] if names else platform.processor()}",
             "versions": versions, "date": date.today().isoformat(),
             "commit": (commit + ("+changes" if dirty else "")) or None}

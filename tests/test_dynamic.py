@@ -60,14 +60,41 @@ def test_the_forms_of_torch_export_are_read_and_bad_ones_refused_in_one_line():
     with pytest.raises(OpschedError, match="does not take"):
         dynamic_dims({"tokens": {1: length}}, (x,), Tokens())
     with pytest.raises(OpschedError, match="expected a torch.export.Dim"):
-        dynamic_dims(({1: 5},), (x,))
+        dynamic_dims(({1: "length"},), (x,))
     assert dims_from_record(dims_record(({1: (4, math.inf)}, {})), "f") == ({1: (4, math.inf)}, {})
+    # torch.export's other forms: bounded hints, an int for a static size, nested arguments (one entry per tensor)
+    assert dynamic_dims(({1: Dim.DYNAMIC(min=4)},), (x,)) == ({1: (4, math.inf)},)
+    assert dynamic_dims(((2, Dim.AUTO(max=64), 8),), (x,)) == ({1: (0, 64)},)
+    assert dynamic_dims(({1: length}, None), (x, [y, y])) == ({1: (4, 64)}, {}, {})
+    with pytest.raises(OpschedError, match="declared static at 3, the example's is 2"):
+        dynamic_dims(((3, None, None),), (x,))
+    with pytest.raises(OpschedError, match="input 0 has 3 dimensions, its entry 2"):
+        dynamic_dims(((None, length),), (x,))
+    with pytest.raises(OpschedError, match="tensor arguments only"):
+        dynamic_dims(({0: length},), ([x],))
 
 
-def test_torch_export_refuses_a_declaration_the_model_contradicts():
+def _checked(model, inputs, spec):
+    return check_with_export(model, inputs, spec, dynamic_dims(spec, inputs, model))
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x):
+        return x[: int(x.sum().item() > 0) + 1] * 2
+
+
+def test_torch_export_checks_the_declaration_and_gives_the_ranges_it_found():
     with pytest.raises(CaptureError, match="does not keep those dimensions free"):
-        check_with_export(FixedBatch(), (torch.zeros(2, 5),), ({0: Dim("batch", min=1, max=8)},))
-    assert check_with_export(Tokens(), (torch.zeros(2, 16, 16),), ({1: Dim("length", min=4, max=64)},)) == ""
+        _checked(FixedBatch(), (torch.zeros(2, 5),), ({0: Dim("batch", min=1, max=8)},))
+    length = ({1: Dim("length", min=4, max=64)},)
+    assert _checked(Tokens(), (torch.zeros(2, 16, 16),), length) == (({1: (4, 64)},), "")
+    # a batch of 1 is what torch.export would take for a constant: checked at 2, the range kept from 1
+    assert _checked(Tokens(), (torch.zeros(1, 16, 16),), ({0: Dim("batch", min=1, max=8)},)) == (({0: (1, 8)},), "")
+    # Dim.AUTO that torch.export makes static is not dynamic (a named Dim there is refused, above)
+    assert _checked(FixedBatch(), (torch.zeros(2, 5),), ({0: Dim.AUTO},)) == (({},), "")
+    # a model torch.export cannot trace: a note, the declared ranges standing (each size is still verified)
+    dims, note = _checked(DataDependent(), (torch.ones(4, 3),), ({1: Dim("width", min=2, max=9)},))
+    assert dims == ({1: (2, 9)},) and note.startswith("torch.export could not check dynamic_shapes"), note
 
 
 def test_which_calls_a_plans_schedule_serves():
@@ -79,6 +106,9 @@ def test_which_calls_a_plans_schedule_serves():
     assert served_by(call_signature((torch.zeros(2, 40, 8, dtype=torch.float64),)), planned, dims) is None
     assert served_by(call_signature((torch.zeros(2, 8, 40).transpose(1, 2),)), planned, dims) is None  # layout
     assert served_by(call_signature((torch.zeros(2, 80, 8)[:, ::2],)), planned, dims) is None  # not dense
+    # the same sizes in another layout is no call of another size
+    assert served_by(call_signature((torch.zeros(2, 8, 1).transpose(1, 2),)), call_signature((torch.zeros(2, 1, 8),)),
+                     dims) is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -127,6 +157,12 @@ def test_a_length_declared_dynamic_gets_a_plan_per_length_from_the_first_schedul
         # strict serves sizes within the range: the plan is made before answering
         within = torch.randn(2, 8, 16)
         assert opsched.compare.compare_outputs(fast(within), model(within)).ok
+        # after a weight change too: the schedules still hold (only the weights changed)
+        for p in model.parameters():
+            p.mul_(0.9)
+        other = torch.randn(2, 12, 16)
+        assert opsched.compare.compare_outputs(fast(other), model(other)).ok
+        assert "the schedule made for input 0 (2, 16, 16)" in fast.plans[call_signature((other,))].note
     assert any("(a dynamic dimension)" in line for line in lines), lines
     path = tmp_path / "plan.json"
     result.save(path)

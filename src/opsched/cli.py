@@ -313,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "
                         "another, and compare time per step and parameters")
-    p.add_argument("--steps", type=_positive, default=20, metavar="N", help="--train: steps (default 20)")
+    p.add_argument("--steps", type=_positive, default=20, metavar="N", help="--train: about N SGD steps, each training the same number (1 + 2 x timed rounds; default 20 "
+                        "gives 19)")
     p.add_argument("--lr", type=_learning_rates, default=[0.01], metavar="LR[,LR...]",
                    help="--train: a learning rate per model, or one for all (default 0.01)")
     p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")

@@ -87,22 +87,23 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     :mod:`opsched.runtime.dynamic`."""
     if any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in batch_sizes):
         raise OpschedError(f"batch_sizes must be positive integers, got {list(batch_sizes)}")
+    if (batch_sizes or dynamic_shapes is not None) and is_simulated(cost):
+        raise OpschedError("batch_sizes and dynamic_shapes need measured costs: a simulated device runs nothing")
     dims = ()
     if dynamic_shapes is not None:
         from opsched.runtime.dynamic import check_with_export, dynamic_dims
 
-        dims = dynamic_dims(dynamic_shapes, example_inputs, model)
-        note = check_with_export(model, tuple(example_inputs), dynamic_shapes)
-        if note:
-            say(note)
+        declared = dynamic_dims(dynamic_shapes, example_inputs, model)
+        dims, note = check_with_export(model, tuple(example_inputs), dynamic_shapes, declared)
+        for line in [note] * bool(note) + [f"input {k}: dim {d} made static by torch.export: not dynamic"
+                                           for k, (a, b) in enumerate(zip(declared, dims)) for d in a if d not in b]:
+            say(line)
     options = {"method": method, "cost": cost, "device": device, "kernels": kernels, "peers": peers,
                "threads": threads, "streams": streams, "max_group_size": max_group_size, "max_groups": max_groups,
                "max_block_size": max_block_size, "tolerance": tolerance, "repeats": repeats, "cache": cache,
                "cuda_graph": cuda_graph}
     outcome = optimize_once(model, example_inputs, name=name, graph=graph, say=say, progress=progress, **options)
     if outcome.evaluation is None:
-        if batch_sizes or dims:
-            raise OpschedError("batch_sizes and dynamic_shapes need measured costs: a simulated device runs nothing")
         return outcome
     from opsched.models.spec import rebatch
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
@@ -226,8 +227,8 @@ class OptimizeBuilder:
         flat = pytree.tree_leaves(inputs)
         device = self.options.get("device", "cpu")
         origin = schedule.stats.get("scheduled_for") or describe(plan.signature)  # the size it was searched at
-        sized = dataclasses.replace(
-            schedule, fingerprint=graph.fingerprint, measured=None, options=dict(schedule.options),
+        sized = dataclasses.replace(  # no prediction at this size (the one made at another would mislead)
+            schedule, fingerprint=graph.fingerprint, measured=None, options=dict(schedule.options), predicted_latency=0.0,
             batch=int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None,
             stats={**schedule.stats, "scheduled_for": origin})
         name = schedule.measured.measured_as

@@ -101,10 +101,11 @@ def _print(out: dict[str, Any]) -> None:
               "own forward (scaled to each output's magnitude)")
     if "train" in out:
         t = out["train"]
-        low, high = t["speedup_interval_99"]
+        interval = t["speedup_interval_99"]
+        noise = "too few steps to tell the noise" if interval is None else \
+            f"99% {interval[0]:.2f}-{interval[1]:.2f}{'' if t['above_noise'] else ', within the noise'}"
         print(f"training   {t['steps']} steps: {t['ms_per_step']['sequential_models']:.2f} ms/step one after "
-              f"another, {t['ms_per_step']['fused']:.2f} fused ({t['speedup']:.2f}x, 99% {low:.2f}-{high:.2f}"
-              f"{'' if t['above_noise'] else ', within the noise'}); "
+              f"another, {t['ms_per_step']['fused']:.2f} fused ({t['speedup']:.2f}x, {noise}); "
               + ({True: "every model verified", None: f"not compared: {t['why']}"}.get(t["verified"])
                  or f"NOT VERIFIED: {t['why']}")
               + f" (scaled error {t['param_error']:.2g}; max_param_diff {t['max_param_diff']:.2g}, float32's own "

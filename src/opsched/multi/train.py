@@ -31,6 +31,7 @@ from opsched.noise import beats, ratio_interval
 from opsched.timing import interleaved_samples
 
 METHODS = ("auto", "channels", "vmap")
+MIN_ROUNDS = 3  # timed rounds below which compare_training states no interval (steps >= 7)
 
 
 class FusedTraining(torch.nn.Module):
@@ -242,8 +243,8 @@ def compare_training(models: Sequence[torch.nn.Module], inputs: Sequence[Any], s
     """Train copies of ``models`` (SGD, each with its rate; cross-entropy against fixed seeded random labels)
     one after another and fused, timed as the runner times plans (:func:`opsched.timing.interleaved_samples`:
     interleaved rounds, each timed step after an untimed one, so that about ``steps`` steps are taken, the same
-    number by each): milliseconds per step (medians), the speedup with its 99% bootstrap interval and whether it
-    is ``above_noise``; and each model trained fused checked against the same model trained alone as every job
+    number by each: ``steps`` reports how many): milliseconds per step (medians), the speedup with its 99%
+    bootstrap interval and whether it is ``above_noise`` (both None under 7 steps, too few rounds to say); and each model trained fused checked against the same model trained alone as every job
     checks outputs (:func:`opsched.compare.compare_outputs`, its parameters as one output at their own scale):
     ``verified``, ``param_error`` (the worst scaled error), ``why`` (the first model that differs), and the
     largest difference between their parameters (``max_param_diff``). ``method`` is :class:`FusedTraining`'s;
@@ -341,11 +342,13 @@ def _compare(models: Sequence[torch.nn.Module], inputs: Sequence[Any], steps: in
 
     ms = {name: statistics.median(s) for name, s in samples.items()}
     ratio, low, high = ratio_interval(samples["sequential_models"], samples["fused"])
+    # a bootstrap over fewer than MIN_ROUNDS rounds says nothing: no interval, no verdict on the noise
+    judged = rounds >= MIN_ROUNDS
     main = fused["fused"]
     return {"steps": taken_steps, "rounds": rounds, "models": len(models), **agreement(main),
             "float32_noise": _float32_noise(models, args, labels, rates, taken_steps, apart), "ms_per_step": ms,
-            "speedup": ratio, "speedup_interval_99": [low, high],
-            "above_noise": beats(samples["fused"], samples["sequential_models"]),
+            "speedup": ratio, "speedup_interval_99": [low, high] if judged else None,
+            "above_noise": beats(samples["fused"], samples["sequential_models"]) if judged else None,
             "method": main.method, "fallback": main.fallback,
             "also": {name: {"method": t.method, **agreement(t), "fused_speedup": ms[name] / ms["fused"]}
                      for name, t in fused.items() if name != "fused"}}

@@ -30,31 +30,37 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from opsched.errors import CaptureError, OpschedError, first_line
 
-Dims = tuple  # one entry per positional input: {dim: (lowest, highest)} (empty for an input of fixed sizes)
+Dims = tuple  # one entry per flat input (pytree leaf): {dim: (lowest, highest)} (empty: sizes fixed)
 
 
 def dynamic_dims(spec: Any, inputs: Sequence[Any], model: Any = None) -> Dims:
     """The dimensions ``spec`` declares dynamic, for a call with positional arguments ``inputs``, each with its
-    range. ``spec`` is as torch.export takes it: a tuple with one entry per positional argument, or a dict keyed
-    by the names of ``model``'s forward arguments; an entry is None, a dict ``{dim: Dim}``, or a tuple with a
-    ``Dim`` or None per dimension. A named ``Dim`` gives its range; ``Dim.AUTO`` and ``Dim.DYNAMIC`` any size.
-    Raises :class:`~opsched.errors.OpschedError` for a declaration that does not fit the inputs."""
+    range, one entry per flat input (an argument that nests tensors has one per tensor, none of them dynamic).
+    ``spec`` is as torch.export takes it: a tuple with one entry per positional argument, or a dict keyed by the
+    names of ``model``'s forward arguments; an entry is None, a dict ``{dim: Dim}``, or a tuple with one ``Dim``,
+    int (static, the example's size) or None per dimension. A named ``Dim`` gives its range; ``Dim.AUTO`` and
+    ``Dim.DYNAMIC`` theirs (any size unless bounded). Raises :class:`~opsched.errors.OpschedError` for a
+    declaration that does not fit the inputs."""
     inputs = tuple(inputs)
     if isinstance(spec, Mapping):
         spec = _by_position(spec, inputs, model)
     if not isinstance(spec, (tuple, list)) or len(spec) != len(inputs):
         raise OpschedError(f"dynamic_shapes must have one entry per input ({len(inputs)}), got {spec!r}")
-    dims = []
+    dims: list[dict] = []
     for i, (entry, x) in enumerate(zip(spec, inputs)):
         if entry is None:
-            dims.append({})
+            dims.extend({} for _ in pytree.tree_leaves(x))
             continue
         if not isinstance(x, torch.Tensor):
-            raise OpschedError(f"dynamic_shapes: input {i} is not a tensor (dimensions are declared for tensors)")
+            raise OpschedError(f"dynamic_shapes: input {i} is a {type(x).__name__}: opsched takes dimensions "
+                               "declared for tensor arguments only")
         if isinstance(entry, (tuple, list)):
+            if len(entry) != x.dim():
+                raise OpschedError(f"dynamic_shapes: input {i} has {x.dim()} dimensions, its entry {len(entry)}")
             entry = dict(enumerate(entry))
         if not isinstance(entry, Mapping):
             raise OpschedError(f"dynamic_shapes: input {i}: expected a dict {{dim: Dim}} or a tuple, got {entry!r}")
@@ -62,7 +68,7 @@ def dynamic_dims(spec: Any, inputs: Sequence[Any], model: Any = None) -> Dims:
         for d, dim in entry.items():
             if not isinstance(d, int) or not -x.dim() <= d < x.dim():
                 raise OpschedError(f"dynamic_shapes: input {i} has {x.dim()} dimensions, not a dimension {d!r}")
-            found = _range(dim, f"input {i} dim {d}")
+            found = _range(dim, f"input {i} dim {d}", x.shape[d])
             if found is None:
                 continue
             low, high = found
@@ -86,16 +92,21 @@ def _by_position(spec: Mapping, inputs: tuple, model: Any) -> list:
     return [spec.get(name) for name in names]
 
 
-def _range(dim: Any, where: str) -> tuple[int, float] | None:
+def _range(dim: Any, where: str, size: int) -> tuple[int, float] | None:
     """A declared dimension's (lowest, highest) size (highest ``inf`` where unbounded), or None for one that is
-    static."""
+    static (None, an int, ``Dim.STATIC``)."""
     if dim is None:
         return None
-    hint = getattr(torch.export.Dim, "STATIC", None)
-    if hint is not None and dim is hint:
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        if dim != size:
+            raise OpschedError(f"dynamic_shapes: {where} is declared static at {dim}, the example's is {size}")
         return None
-    if dim is getattr(torch.export.Dim, "AUTO", None) or dim is getattr(torch.export.Dim, "DYNAMIC", None):
-        return 0, math.inf
+    hint = getattr(dim, "type", None)  # Dim.AUTO, Dim.DYNAMIC, Dim.STATIC, bounded or not (torch's _DimHint)
+    if hint is not None and getattr(hint, "name", None) in ("AUTO", "DYNAMIC", "STATIC"):
+        if hint.name == "STATIC":
+            return None
+        low, high = getattr(dim, "min", None), getattr(dim, "max", None)
+        return int(low or 0), math.inf if high is None else _finite(high)
     low, high = getattr(dim, "min", None), getattr(dim, "max", None)
     if low is None or high is None:
         raise OpschedError(f"dynamic_shapes: {where}: expected a torch.export.Dim, got {dim!r}")
@@ -114,23 +125,72 @@ def _bound(value: float) -> str:
     return "inf" if value == math.inf else str(int(value))
 
 
-def check_with_export(model: torch.nn.Module, inputs: tuple, spec: Any) -> str:
-    """Ask torch.export whether ``model`` keeps the dimensions ``spec`` declares dynamic free (a forward that
-    fixes one, ``x.view(2, -1)`` say, is refused by torch.export). Raises :class:`~opsched.errors.CaptureError`
-    naming what torch.export found when it refuses the declaration; returns a note (empty when torch.export
-    agreed) when torch.export cannot trace the model at all: each size's plan is then still verified."""
+def check_with_export(model: torch.nn.Module, inputs: tuple, spec: Any, dims: Dims) -> tuple[Dims, str]:
+    """Ask torch.export whether ``model`` keeps the dimensions ``spec`` declares dynamic (``dims``, as
+    :func:`dynamic_dims` read them) free, and take their ranges as torch.export found them: a forward that fixes
+    a named dimension (``x.view(2, -1)`` say) is refused, raising :class:`~opsched.errors.CaptureError` with
+    torch.export's reason; a declaration torch.export finds malformed raises
+    :class:`~opsched.errors.OpschedError`; a ``Dim.AUTO`` torch.export made static, and one with no size a
+    call could take, is left out. Returns the dimensions and a note, empty unless torch.export could not trace
+    the model at all (the declared ranges then stand: each size's plan is still verified).
+
+    torch.export takes sizes 0 and 1 for constants, so an example of size 0 or 1 along a declared dimension is
+    given to it repeated to size 2 (where the range admits 2)."""
+    from torch._dynamo.exc import UserError, UserErrorType
+
     from opsched.graph.capture import pytorch_quiet
 
     try:
         with pytorch_quiet():  # torch.export logs pages of symbolic-shape reasoning
-            torch.export.export(copy.deepcopy(model).eval(), tuple(inputs), dynamic_shapes=spec, strict=False)
-    except Exception as e:
-        text = str(e)
-        if "Constraints violated" in text or "specializ" in text or "dynamic_shapes" in text:
+            exported = torch.export.export(copy.deepcopy(model).eval(), _grown(tuple(inputs), dims),
+                                           dynamic_shapes=spec, strict=False)
+    except UserError as e:
+        if e.error_type == UserErrorType.CONSTRAINT_VIOLATION:
             raise CaptureError(f"dynamic_shapes: torch.export finds the model does not keep those dimensions free: "
-                               f"{_reason(text)}") from e
-        return f"torch.export could not check dynamic_shapes ({first_line(e)}); each size's plan is verified"
-    return ""
+                               f"{_reason(str(e))}") from e
+        if e.error_type == UserErrorType.INVALID_INPUT:
+            raise OpschedError(f"dynamic_shapes: torch.export refuses the declaration: {_reason(str(e))}") from e
+        return dims, f"torch.export could not check dynamic_shapes ({first_line(e)}); each size's plan is verified"
+    except Exception as e:  # noqa: BLE001 - a model torch.export cannot trace: opsched may still capture it
+        return dims, f"torch.export could not check dynamic_shapes ({first_line(e)}); each size's plan is verified"
+    return _as_exported(exported, dims), ""
+
+
+def _grown(inputs: tuple, dims: Dims) -> tuple:
+    """``inputs`` with each declared dimension of size 0 or 1 repeated to size 2 where its range admits 2 (only
+    for torch.export's check: it would take those sizes for constants)."""
+    flat, structure = pytree.tree_flatten(inputs)
+    for k, (x, ranges) in enumerate(zip(flat, dims)):
+        for d, (low, high) in ranges.items():
+            if x.shape[d] < 2 and low <= 2 <= high:
+                shape = list(x.shape)
+                shape[d] = 2
+                x = x.expand(shape).clone() if x.shape[d] == 1 else x.new_zeros(shape)
+        flat[k] = x
+    return tuple(pytree.tree_unflatten(flat, structure))
+
+
+def _as_exported(exported: Any, dims: Dims) -> Dims:
+    """``dims`` narrowed to what torch.export found: each dimension's range as its range constraints say, and
+    none that it made static."""
+    names = set(exported.graph_signature.user_inputs)
+    values = [n.meta.get("val") for n in exported.graph.nodes if n.op == "placeholder" and n.name in names]
+    if len(values) != len(dims):  # inputs torch.export takes otherwise than flat: the declared ranges stand
+        return dims
+    found = []
+    for value, ranges in zip(values, dims):
+        kept = {}
+        for d, (low, high) in ranges.items():
+            size = value.shape[d]
+            expr = getattr(getattr(size, "node", None), "expr", None)
+            if expr is None or expr.is_number:
+                continue  # made static (Dim.AUTO)
+            bounds = exported.range_constraints.get(expr)
+            if bounds is not None:
+                low, high = max(low, _finite(bounds.lower)), min(high, _finite(bounds.upper))
+            kept[d] = (low, high)
+        found.append(kept)
+    return tuple(found)
 
 
 def _reason(text: str) -> str:
@@ -142,15 +202,15 @@ def _reason(text: str) -> str:
 
 def served_by(signature: tuple, planned: tuple, dims: Dims) -> str | None:
     """Whether a call of ``signature`` is of the sizes ``planned``'s schedule serves under ``dims``: ``''`` when
-    it is (the same call but for the sizes of declared dimensions, within their ranges, and the same memory
-    layout), the reason in words when it differs only in a declared dimension's size out of its range, and
+    it is (the same call but for the sizes of declared dimensions, one of them at least, within their ranges, and
+    the same memory layout), the reason in words when it differs only in a declared dimension's size out of its range, and
     None when it differs otherwise."""
     inputs, *modes, structure = signature
     planned_inputs, *planned_modes, planned_structure = planned
     if modes != planned_modes or structure != planned_structure or len(inputs) != len(planned_inputs) \
             or len(dims) != len(inputs):
         return None
-    out_of_range = ""
+    out_of_range, resized = "", False
     for i, (a, b, ranges) in enumerate(zip(inputs, planned_inputs, dims)):
         if a == b:
             continue
@@ -161,12 +221,13 @@ def served_by(signature: tuple, planned: tuple, dims: Dims) -> str | None:
                 continue
             if d not in ranges:
                 return None
+            resized = True
             low, high = ranges[d]
             if not low <= size <= high and not out_of_range:
                 out_of_range = f"input {i}: dim {d} is {size}, outside dynamic_shapes' range {low}..{_bound(high)}"
         if dense_order(a[0], a[1]) is None or dense_order(a[0], a[1]) != dense_order(b[0], b[1]):
             return None
-    return out_of_range
+    return out_of_range if resized else None
 
 
 def dense_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:

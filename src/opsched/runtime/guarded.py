@@ -185,7 +185,7 @@ class GuardedModule(torch.nn.Module):
             return None, ""
         out_of_range = ""
         for plan in reversed(list(self.plans.values())):
-            if plan.schedule is None or plan.stale:
+            if plan.schedule is None:  # (a stale plan's schedule still holds: only its weights changed)
                 continue
             found = served_by(signature, plan.signature, self.dynamic)
             if found == "":

@@ -52,7 +52,7 @@ def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
     """The flat list of a call's inputs (``inputs``: its positional arguments, nested as the model takes them)
     and the call's signature: hashable, equal for two calls exactly when one plan serves both. The structure
     of the inputs is part of it (``{"a": x, "b": y}`` is not ``(x, y)``)."""
-    if inputs and set(map(type, inputs)) == _PLAIN:
+    if type(inputs) is tuple and inputs and set(map(type, inputs)) == _PLAIN:
         # the common call, positional tensors only: the same signature as below without pytree's walk and one
         # Python step per tensor (this runs on every call: see docs/calls.md, "What the guard costs")
         flat = list(inputs)
