@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from sweep import machine
 
 from opsched.multi.optimize import MULTI_PEERS, optimize
 from opsched.multi.train import compare_training
@@ -199,16 +200,22 @@ def main() -> None:
     parser.add_argument("--markdown", default="multi-results.md")
     parser.add_argument("--plot", default="multi.png")
     parser.add_argument("--only", default=None, help="only the measured cases whose name holds this text")
-    parser.add_argument("--training-only", action="store_true", help="only the training case, printed")
+    parser.add_argument("--training-only", action="store_true",
+                        help="only the training case, appended to --out")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads for --training-only")
     args = parser.parse_args()
-    if args.training_only:
-        for batch in (16, 4):
-            print(json.dumps(training(batch, args.threads)), flush=True)
+    where = machine()
+    if args.training_only:  # appended to --out: runs at 1 and 2 threads go to one record
+        with open(args.out, "a") as out:
+            for batch in (16, 4):
+                row = {**training(batch, args.threads), **where}
+                out.write(json.dumps(row) + "\n")
+                print(json.dumps(row), flush=True)
         return
     rows = []
     with open(args.out, "w") as out:
         def emit(row: dict) -> None:
+            row = {**row, **where}
             rows.append(row)
             out.write(json.dumps(row) + "\n")
             out.flush()

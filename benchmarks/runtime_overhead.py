@@ -10,11 +10,17 @@ the same functions called in a plain loop; and a three-unit model (two 64x64 lin
 batch 1) run eagerly, on one stream and on two.
 
     python benchmarks/runtime_overhead.py [--units 1000] [--streams 1 2 4] [--repeats 15]
+        [--out docs/runtime_overhead.jsonl]
+
+Prints both tables and appends one JSON line per row (with the machine, versions, date, commit) to ``--out``.
 """
 
 import argparse
+import json
+from pathlib import Path
 
 import torch
+from sweep import machine
 
 from opsched.cost.table import TableCost
 from opsched.graph.ir import Graph, Node
@@ -50,8 +56,9 @@ def fan(streams: int) -> Graph:
     return Graph(nodes, inputs=["x"])
 
 
-def per_call(args: argparse.Namespace, x: torch.Tensor) -> None:
-    """Print what a call costs: the fan graphs on as many streams as units, and the three-unit model."""
+def per_call(args: argparse.Namespace, x: torch.Tensor) -> list[dict]:
+    """Print what a call costs (and return it as rows): the fan graphs on as many streams as units, and the
+    three-unit model."""
     calls = 200
 
     def loop(fn):
@@ -93,6 +100,8 @@ def per_call(args: argparse.Namespace, x: torch.Tensor) -> None:
         print(f"  {label:<48} {ms * 1000.0 / calls:7.1f} us/call")
     for executor in executors:
         executor.close()
+    return [{"part": "per call", "program": label.strip(), "us_per_call": round(ms * 1000.0 / calls, 2),
+             "calls": calls, "repeats": args.repeats, "threads": 1} for label, ms in zip(labels, medians)]
 
 
 def main() -> None:
@@ -100,6 +109,7 @@ def main() -> None:
     parser.add_argument("--units", type=int, default=1000)
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", default="docs/runtime_overhead.jsonl")
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.zeros(1)
@@ -132,7 +142,14 @@ def main() -> None:
               + (f"  (+{extra:.1f} us/unit over the loop)" if label != labels[0] else ""))
     for executor in executors:
         executor.close()
-    per_call(args, x)
+    rows = [{"part": "per unit", "program": label, "units": args.units, "ms": round(ms, 3),
+             "us_per_unit": round(ms * 1000.0 / args.units, 3),
+             "over_loop_us_per_unit": round((ms - base) * 1000.0 / args.units, 3), "repeats": args.repeats,
+             "threads": 1} for label, ms in zip(labels, medians)]
+    rows += per_call(args, x)
+    where = machine()
+    with Path(args.out).open("a") as f:
+        f.writelines(json.dumps({**row, **where}) + "\n" for row in rows)
 
 
 if __name__ == "__main__":
