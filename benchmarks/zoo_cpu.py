@@ -4,8 +4,10 @@ prediction of each schedule came. Every figure is measured; configurations of on
 and the medians kept.
 
     python benchmarks/zoo_cpu.py [--models inception_v3 ...] [--batches 1 8] [--repeats 9] [--kernels eager]
+        [--out docs/zoo_cpu.jsonl]
 
-Prints a markdown table (and --json FILE writes the rows).
+Prints a markdown table and appends one JSON line per row (with the machine, versions, date and commit) to
+``--out``.
 """
 
 import argparse
@@ -13,6 +15,7 @@ import json
 import time
 
 import torch
+from sweep import machine
 
 from opsched.graph.capture import capture
 from opsched.models import load_model
@@ -55,23 +58,22 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--kernels", default="eager", choices=["eager", "inductor"])
     parser.add_argument("--max-block-size", type=int, default=20)
-    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--out", default="docs/zoo_cpu.jsonl")
     args = parser.parse_args()
-    rows = []
+    where = machine()
     print("| model | batch | eager ms (threads) | sequential ms | IOS ms | IOS vs eager | IOS predicted ms (error) | "
           "stages: concurrent / merge | profile+search+timing s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for batch in args.batches:
-            r = one(model, batch, args.repeats, args.kernels, args.max_block_size)
-            rows.append(r)
+            r = {**one(model, batch, args.repeats, args.kernels, args.max_block_size), "repeats": args.repeats,
+                 "kernels": args.kernels, **where}
+            with open(args.out, "a") as f:  # as each row finishes: a long run interrupted keeps what it measured
+                f.write(json.dumps(r) + "\n")
             print(f"| {model} | {batch} | {r['eager_ms']:.1f} ({r['eager_threads']}) | {r['sequential_ms']:.1f} | "
                   f"{r['ios_ms']:.1f} | {r['speedup_vs_eager']:.2f}x | {r['predicted_ios_ms']:.1f} "
                   f"({100 * r['ios_prediction_error']:+.0f}%) | {r['ios_concurrent_stages']} / {r['ios_merges']} | "
                   f"{r['profile_search_and_timing_seconds']:.0f} |", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":

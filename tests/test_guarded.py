@@ -393,6 +393,18 @@ def test_random_call_sequences_answer_as_the_model(case):
     assert result["refused"] == [], (case, result)
 
 
+def test_the_fuzzer_makes_plans_of_other_sizes_from_a_schedule_when_sizes_are_declared_dynamic():
+    # the fuzzer's "dynamic" sequences must reach the resize path, or its zero wrong answers say nothing of it
+    recipe = {"steps": [("conv3", 0, 0), ("conv1", 1, 1)], "inputs": 1, "outputs": [2], "as_dict": False,
+              "dtype": "float32", "seed": 3}
+    run = call_fuzz.Sequence_({"recipe": recipe, "actions": [], "wait": True, "dynamic": True})
+    run.check_call(0, "first")
+    run.batch, run.size = 3, 8
+    run.check_call(1, "batch 3, 8 px")
+    assert run.builder.resized == 1 and not run.wrong, (run.wrong, run.lines)
+    run.fast.close()
+
+
 def test_the_fuzzer_can_fail():
     # a module that answers from stale weights is caught by the comparison the fuzzer makes
     case = {"recipe": {"steps": [("conv3", 0, 0)], "inputs": 1, "outputs": [1], "as_dict": False,

@@ -15,6 +15,7 @@ through the guards.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 import tempfile
 import threading
@@ -52,7 +53,7 @@ class QuickBuilder(PlanBuilder):
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
         self.options = {"threads": 2, "tolerance": 1e-4}
-        self.built = 0
+        self.built = self.resized = 0
 
     def build(self, model: torch.nn.Module, inputs: tuple) -> Plan:
         self.built += 1
@@ -68,6 +69,21 @@ class QuickBuilder(PlanBuilder):
         verdict = verify(module, model, inputs, _tolerance(flat, model, inputs))
         assert verdict.ok, f"{method}: {verdict.why}"
         return Plan(call_signature(inputs), inputs, module, method, schedule)
+
+    def resize(self, model: torch.nn.Module, plan: Plan, inputs: tuple) -> Plan:
+        """``plan``'s schedule compiled for ``inputs`` (other sizes of the dynamic dimensions), as
+        :meth:`opsched.jobs.OptimizeBuilder.resize` does, verified; the model answers where it does not."""
+        self.built += 1
+        self.resized += 1
+        graph = capture(model, inputs)
+        if {n.name for n in graph.nodes} != {op.name for op in plan.schedule.ops}:
+            return self.build(model, inputs)
+        schedule = dataclasses.replace(plan.schedule, fingerprint=graph.fingerprint, predicted_latency=0.0)
+        module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
+        verdict = verify(module, model, inputs, _tolerance(pytree.tree_leaves(inputs), model, inputs))
+        if not verdict.ok:
+            return Plan(call_signature(inputs), inputs, None, "eager", note=f"resized: {verdict.why}")
+        return Plan(call_signature(inputs), inputs, module, plan.chosen, schedule)
 
     def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
         self.built += 1
@@ -94,7 +110,7 @@ def sequences(draw: st.DrawFn, max_actions: int = 8) -> dict[str, Any]:
     recipe["dtype"] = "float32"
     actions = draw(st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 2**16)), min_size=1,
                             max_size=max_actions))
-    return {"recipe": recipe, "actions": actions, "wait": draw(st.booleans())}
+    return {"recipe": recipe, "actions": actions, "wait": draw(st.booleans()), "dynamic": draw(st.booleans())}
 
 
 class Sequence_:
@@ -108,7 +124,11 @@ class Sequence_:
         self.dtype, self.batch, self.size, self.layout = torch.float32, 1, 6, "contiguous"
         self.builder = QuickBuilder(recipe["seed"])
         self.lines: list[str] = []
-        self.fast = GuardedModule(self.model, self.builder, wait=case["wait"], max_plans=3, say=self.lines.append)
+        # with "dynamic", the batch and spatial sizes the actions draw are declared dynamic: their plans are made
+        # from another size's schedule (GuardedModule._sized_like, the builder's resize)
+        dynamic = tuple({0: (1, 3), 2: (6, 8), 3: (6, 8)} for _ in range(self.count)) if case.get("dynamic") else ()
+        self.fast = GuardedModule(self.model, self.builder, wait=case["wait"], max_plans=3, dynamic=dynamic,
+                                  say=self.lines.append)
         self.wrong: list[str] = []
         self.calls = 0
 
