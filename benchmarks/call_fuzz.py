@@ -29,7 +29,8 @@ def main() -> None:
     parser.add_argument("--deadline", type=float, default=300.0)
     parser.add_argument("--out", default="docs/call_fuzz.jsonl")
     args = parser.parse_args()
-    counts = {"sequences": 0, "calls": 0, "plans_built": 0, "wrong": 0, "hangs": 0, "tracebacks": 0, "refused": 0}
+    counts = {"sequences": 0, "calls": 0, "plans_built": 0, "plans_resized": 0, "wrong": 0, "hangs": 0,
+              "tracebacks": 0, "refused": 0}
     examples: dict[str, list] = {"wrong": [], "tracebacks": [], "refused": []}
     started = time.perf_counter()
 
@@ -60,6 +61,7 @@ def main() -> None:
         result = box["result"]
         counts["calls"] += result["calls"]
         counts["plans_built"] += result["built"]
+        counts["plans_resized"] += result["resized"]  # made from another size's schedule (dynamic dimensions)
         counts["wrong"] += len(result["wrong"])
         counts["refused"] += len(result["refused"])
         if result["wrong"]:

@@ -1,6 +1,6 @@
 """Reliability under load, faults and bad input (issue 14): the long runs behind docs/reliability.md.
 
-    python benchmarks/reliability.py                # every suite at the documented size
+    python benchmarks/reliability.py                # every suite at the documented size (docs/reliability.jsonl)
     python benchmarks/reliability.py --quick        # a smaller size of each (about a minute)
     python benchmarks/reliability.py --only load soak
 
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sweep import machine
 
 from opsched.compare import compare_outputs
 from opsched.runtime.module import OptimizedModule
@@ -334,15 +335,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a smaller size of every suite")
     parser.add_argument("--only", nargs="+", choices=sorted(SUITES), help="run these suites only")
+    parser.add_argument("--out", default="docs/reliability.jsonl",
+                        help="each suite's line is appended here too (with the machine, versions, date, commit)")
     args = parser.parse_args()
     size = QUICK if args.quick else FULL
-    print(json.dumps({"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, {sys.platform}",
-                      "threads_torch": torch.get_num_threads(), "size": size}), flush=True)
+    where = {**machine(), "threads_torch": torch.get_num_threads(), "size": "quick" if args.quick else "full"}
+    print(json.dumps({**where, "sizes": size}), flush=True)
     for name in args.only or SUITES:
         started = time.perf_counter()
         result = SUITES[name](size)
-        print(json.dumps({"suite": name, "seconds": round(time.perf_counter() - started, 1), "result": result}),
-              flush=True)
+        row = {"suite": name, "seconds": round(time.perf_counter() - started, 1), "result": result}
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as f:  # as each suite ends: a long run interrupted keeps what it found
+            f.write(json.dumps({**row, **where}) + "\n")
 
 
 if __name__ == "__main__":
