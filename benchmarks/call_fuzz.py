@@ -1,5 +1,5 @@
 """The differential fuzzer of optimized modules at scale (issue 36): thousands of random call sequences on random
-models (tests/support/call_fuzz.py; the suite runs 80), every answer compared with the model's own.
+models (tests/support/call_fuzz.py; the suite runs 50), every answer compared with the model's own.
 
 Counts, per run: sequences, calls, wrong answers (values, shapes, dtypes or structure unlike the model's), hangs
 (a sequence that has not ended after ``--deadline`` seconds), tracebacks that are not one of opsched's own

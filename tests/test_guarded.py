@@ -22,7 +22,7 @@ from opsched.runtime import guards
 from opsched.runtime.guarded import GuardedModule
 from opsched.runtime.guards import WeightWatch, call_signature, difference
 
-FUZZ = settings(max_examples=80, deadline=None, database=None, derandomize=True,
+FUZZ = settings(max_examples=50, deadline=None, database=None, derandomize=True,
                 suppress_health_check=list(HealthCheck))
 TOLERANCE = 1e-4
 
