@@ -402,6 +402,9 @@ def test_the_fuzzer_makes_plans_of_other_sizes_from_a_schedule_when_sizes_are_de
     run.batch, run.size = 3, 8
     run.check_call(1, "batch 3, 8 px")
     assert run.builder.resized == 1 and not run.wrong, (run.wrong, run.lines)
+    first, other = run.fast.plans.values()
+    placed = lambda plan: (plan.schedule.stages, [(op.name, op.stream) for op in plan.schedule.ops])
+    assert other.module is not None and placed(other) == placed(first)  # the same schedule, run at this size
     run.fast.close()
 
 

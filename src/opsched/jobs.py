@@ -92,12 +92,13 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     dims = ()
     if dynamic_shapes is not None:
         from opsched.runtime.dynamic import check_with_export, dynamic_dims
+        from opsched.runtime.guarded import say_on_stderr
 
         declared = dynamic_dims(dynamic_shapes, example_inputs, model)
         dims, note = check_with_export(model, tuple(example_inputs), dynamic_shapes, declared)
         for line in [note] * bool(note) + [f"input {k}: dim {d} made static by torch.export: not dynamic"
                                            for k, (a, b) in enumerate(zip(declared, dims)) for d in a if d not in b]:
-            say(line)
+            say_on_stderr(line)  # about the user's own declaration: said whatever ``say`` is
     options = {"method": method, "cost": cost, "device": device, "kernels": kernels, "peers": peers,
                "threads": threads, "streams": streams, "max_group_size": max_group_size, "max_groups": max_groups,
                "max_block_size": max_block_size, "tolerance": tolerance, "repeats": repeats, "cache": cache,

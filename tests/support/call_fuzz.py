@@ -74,16 +74,16 @@ class QuickBuilder(PlanBuilder):
     def resize(self, model: torch.nn.Module, plan: Plan, inputs: tuple) -> Plan:
         """``plan``'s schedule compiled for ``inputs`` (other sizes of the dynamic dimensions), as
         :meth:`opsched.jobs.OptimizeBuilder.resize` does, verified; the model answers where it does not."""
-        self.built += 1
-        self.resized += 1
         graph = capture(model, inputs)
         if {n.name for n in graph.nodes} != {op.name for op in plan.schedule.ops}:
             return self.build(model, inputs)
+        self.built += 1
         schedule = dataclasses.replace(plan.schedule, fingerprint=graph.fingerprint, predicted_latency=0.0)
         module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
         verdict = verify(module, model, inputs, _tolerance(pytree.tree_leaves(inputs), model, inputs))
         if not verdict.ok:
             return Plan(call_signature(inputs), inputs, None, "eager", note=f"resized: {verdict.why}")
+        self.resized += 1  # a schedule of another size reused, verified at this one
         return Plan(call_signature(inputs), inputs, module, plan.chosen, schedule)
 
     def rebuild(self, model: torch.nn.Module, plan: Plan) -> Plan:
