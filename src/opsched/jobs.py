@@ -209,13 +209,12 @@ class OptimizeBuilder:
         graph, verified against the model and timed beside it through the runner (:func:`evaluate_plans`), the
         schedule chosen only where it beats the model above the run's noise. No costs measured, no search: a
         plan made whole where the graph has other units at this size, or where a peer was chosen."""
-        import dataclasses
-
         import torch
         import torch.utils._pytree as pytree
 
         from opsched.graph.capture import capture
         from opsched.pipeline import evaluate_plans
+        from opsched.runtime.dynamic import schedule_at
         from opsched.runtime.guards import describe
         from opsched.runtime.kernels import plan_kernels
 
@@ -223,15 +222,14 @@ class OptimizeBuilder:
         if schedule is None or schedule.measured is None or plan.chosen not in ("eager", schedule.measured.measured_as):
             return self.build(model, inputs)
         graph = capture(model, inputs, name=self.options.get("name"))
-        if {n.name for n in graph.nodes} != {op.name for op in schedule.ops}:
-            return self.build(model, inputs)  # other units at this size (control flow on a size)
+        sized = schedule_at(schedule, graph)
+        if sized is None:
+            return self.build(model, inputs)
         flat = pytree.tree_leaves(inputs)
         device = self.options.get("device", "cpu")
         origin = schedule.stats.get("scheduled_for") or describe(plan.signature)  # the size it was searched at
-        sized = dataclasses.replace(  # no prediction at this size (the one made at another would mislead)
-            schedule, fingerprint=graph.fingerprint, measured=None, options=dict(schedule.options), predicted_latency=0.0,
-            batch=int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None,
-            stats={**schedule.stats, "scheduled_for": origin})
+        sized.stats["scheduled_for"] = origin
+        sized.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         name = schedule.measured.measured_as
         outcome = Outcome(None, {name: sized}, plan_kernels(graph, sized, device, flat), graph=graph)
         evaluate_plans(outcome, graph, model, inputs, cores=self.options.get("threads") or torch.get_num_threads(),

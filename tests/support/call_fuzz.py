@@ -15,7 +15,6 @@ through the guards.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import random
 import tempfile
 import threading
@@ -34,6 +33,7 @@ from opsched.errors import OpschedError
 from opsched.evaluation import verify
 from opsched.graph.capture import capture
 from opsched.graph.tracing import TRACING
+from opsched.runtime.dynamic import schedule_at
 from opsched.runtime.guarded import GuardedModule, Plan, PlanBuilder
 from opsched.runtime.guards import Guard, call_signature
 from opsched.runtime.module import OptimizedModule
@@ -75,10 +75,10 @@ class QuickBuilder(PlanBuilder):
         """``plan``'s schedule compiled for ``inputs`` (other sizes of the dynamic dimensions), as
         :meth:`opsched.jobs.OptimizeBuilder.resize` does, verified; the model answers where it does not."""
         graph = capture(model, inputs)
-        if {n.name for n in graph.nodes} != {op.name for op in plan.schedule.ops}:
+        schedule = schedule_at(plan.schedule, graph)
+        if schedule is None:
             return self.build(model, inputs)
         self.built += 1
-        schedule = dataclasses.replace(plan.schedule, fingerprint=graph.fingerprint, predicted_latency=0.0)
         module = OptimizedModule(graph, schedule, cores=2, guard=Guard.of(inputs, model))
         verdict = verify(module, model, inputs, _tolerance(pytree.tree_leaves(inputs), model, inputs))
         if not verdict.ok:

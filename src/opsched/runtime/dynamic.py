@@ -225,9 +225,23 @@ def served_by(signature: tuple, planned: tuple, dims: Dims) -> str | None:
             low, high = ranges[d]
             if not low <= size <= high and not out_of_range:
                 out_of_range = f"input {i}: dim {d} is {size}, outside dynamic_shapes' range {low}..{_bound(high)}"
-        if dense_order(a[0], a[1]) is None or dense_order(a[0], a[1]) != dense_order(b[0], b[1]):
+        order = dense_order(a[0], a[1])
+        if order is None or order != dense_order(b[0], b[1]):
             return None
     return out_of_range if resized else None
+
+
+def schedule_at(schedule: Any, graph: Any) -> Any:
+    """``schedule`` (made for another size of the dynamic dimensions) as a schedule of ``graph``, the model
+    captured at this size: the same stages and streams, this graph's fingerprint, no prediction (one made at
+    another size would mislead the runner's check of timings against predictions); None where the graph has other
+    units at this size (control flow on a size)."""
+    import dataclasses
+
+    if {n.name for n in graph.nodes} != {op.name for op in schedule.ops}:
+        return None
+    return dataclasses.replace(schedule, fingerprint=graph.fingerprint, measured=None, predicted_latency=0.0,
+                               options=dict(schedule.options), stats=dict(schedule.stats))
 
 
 def dense_order(shape: Sequence[int], stride: Sequence[int]) -> tuple[int, ...] | None:
