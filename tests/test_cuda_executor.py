@@ -289,3 +289,41 @@ def test_measured_costs_on_a_gpu_profile_once_and_measure_how_units_share_the_de
         assert cost.measure_program(compile_program(make_schedule("lios", g, cost, streams=2), g, 1)) > 0
         again = measured_cost(g, inputs, device="cuda", cache=cache, repeats=2)
     assert again.counts["units_cached"] == len(g) and again.fill == cost.fill
+
+
+# -- the whole model as one CUDA graph (the cuda_graph peer), and the command line on the device interface --
+
+def test_the_cuda_graph_peer_replays_the_model_within_cudas_rules(models):
+    from opsched.peers import cuda_graph
+
+    model, inputs, _ = models["branches"]
+    standin = CudaStandIn()
+    with cuda.use_api(standin):
+        replay = cuda_graph(model, inputs)
+        for scale in (1.0, -2.0):  # a new call's inputs are copied in: the replay answers for them, not the first
+            x = inputs[0] * scale
+            standin.made_on_current(x)
+            out = replay(x)
+            standin.synchronize()
+            standin.assert_ready(out)
+            with torch.no_grad():
+                assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-6)
+        assert standin.calls["replay"] == 2
+    standin.check()
+
+
+def test_optimize_on_cuda_runs_through_the_device_interface(tmp_path, capsys):
+    # The command line asked torch.cuda whether there was a GPU and moved the model to "cuda" itself, so that
+    # nothing of `opsched optimize --device cuda` could run before a GPU was at hand.
+    import json
+
+    from opsched.cli import main
+
+    standin = CudaStandIn()
+    with cuda.use_api(standin):
+        assert main(["optimize", "squeezenet", "--image-size", "32", "--device", "cuda", "--cuda-graph", "--method",
+                     "lios", "--repeats", "3", "--no-cache", "--json", "-q", "--out", str(tmp_path / "p.json")]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert {"eager", "cuda_graph", "lios"} <= set(answer["measured_ms"]) and answer["chosen"]
+    assert standin.calls["replay"] and standin.calls["wait"]
+    standin.check()

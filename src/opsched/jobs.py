@@ -47,12 +47,11 @@ def check_cost(cost: str) -> bool:
 def check_options(cost: str, device: str = "cpu", kernels: str = "eager", cuda_graph: bool = False) -> bool:
     """Refuse in one line what cannot run here (an unknown cost model or kernels, a CUDA device PyTorch does not
     see, a CUDA graph without one), before a model is loaded; True when the costs are simulated."""
-    import torch
-
+    from opsched.runtime.cuda import available as cuda_available
     from opsched.runtime.kernels import check_kernels
 
     simulated = check_cost(cost)
-    if device == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not cuda_available():
         raise OpschedError("--device cuda: PyTorch sees no CUDA device here")
     if cuda_graph and (simulated or device != "cuda"):
         raise OpschedError("--cuda-graph needs --device cuda (and measured costs)")
@@ -145,6 +144,8 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
                                      default_streams=default_streams(simulated, device, cores)))
                for m in dict.fromkeys([*TABLE_METHODS, method])}
     chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels != "eager" else ("eager",)
+    if device == "cuda" and not simulated:  # at small batch a GPU user replays the model as one CUDA graph
+        chosen_peers += ("cuda_graph",)
     outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=chosen_peers, tolerance=tolerance,
                                     repeats=repeats, cache=cache, cuda_graph=cuda_graph, say=say,
@@ -520,7 +521,7 @@ def check_runs_here(plan: Any, source: str = "the plan") -> dict[str, int] | Non
     """Raise :class:`OpschedError` (one line) unless ``plan`` can run on this machine: not made for a simulated
     device, a mapping onto devices this machine has (its units per device are returned), CUDA where PyTorch sees
     a GPU."""
-    import torch
+    from opsched.runtime.cuda import available as cuda_available
 
     devices = None
     if plan.kind == "mapping":
@@ -530,7 +531,7 @@ def check_runs_here(plan: Any, source: str = "the plan") -> dict[str, int] | Non
     if is_simulated(plan.device):
         raise OpschedError(f"{source} was made for a simulated device ({plan.device}); it can be shown "
                            "(opsched show) but not run here")
-    if plan.device == "cuda" and not torch.cuda.is_available():
+    if plan.device == "cuda" and not cuda_available():
         raise OpschedError(f"{source} was made for cuda; PyTorch sees no CUDA device here")
     return devices
 

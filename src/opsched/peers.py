@@ -10,6 +10,10 @@
   optimisation, sequential execution (its parallel mode does not overlap CPU kernels, see
   docs/benchmarks.md) and 1 and all intra-op threads, its thread pool not spinning between calls (spinning,
   it slows whatever runs next in the process: see docs/runtime.md).
+- ``cuda_graph`` (on a CUDA device): the whole model captured as one CUDA graph by PyTorch's documented recipe
+  (warm-up on a side stream, capture on static inputs, replay after copying each call's inputs in): what a GPU
+  user who knows CUDA graphs runs at small batch, where launching kernels one by one costs more than running
+  them.
 
 For a model batch (:mod:`opsched.multi`), the ways a user runs several models today:
 
@@ -40,7 +44,7 @@ from typing import Any
 
 from opsched.evaluation import Candidate
 
-PEERS = ("eager", "torch_compile", "onnxruntime", "sequential_models", "threads", "vmap", "onnxruntime_models",
+PEERS = ("eager", "torch_compile", "onnxruntime", "cuda_graph", "sequential_models", "threads", "vmap", "onnxruntime_models",
          "onnxruntime_concurrent")
 
 
@@ -92,6 +96,55 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
         candidates.append(Candidate("torch_compile", run, "peer", threads, module=compiled))
     torch.set_num_threads(cores)
     return candidates
+
+
+def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[..., Any]:
+    """``model`` captured whole as one CUDA graph on the CUDA backend's device interface (``api``, default
+    :func:`opsched.runtime.cuda.api.current_api`), for inputs of the shapes, dtypes and devices of ``inputs``.
+    The returned callable copies its arguments into the graph's static inputs, replays it and returns the
+    graph's static outputs, which the next call overwrites (as with ``torch.cuda.graph``)."""
+    import torch
+
+    from opsched.runtime.cuda.api import current_api
+
+    cuda = api or current_api()
+    static = [x.clone() for x in inputs]
+    caller, side = cuda.current_stream(), cuda.new_stream()
+    cuda.wait(side, _recorded(cuda, caller))  # the static inputs are written on the caller's stream
+    with torch.no_grad():
+        with cuda.use_stream(side):  # lazy initialisation (cuDNN's choices, workspaces) must not be captured
+            for _ in range(3):
+                model(*static)
+        cuda.wait(caller, _recorded(cuda, side))
+        graph = cuda.new_graph()
+        with cuda.capture(graph):
+            outputs = model(*static)
+
+    def replay(*args: Any) -> Any:
+        for into, value in zip(static, args):
+            into.copy_(value)
+        cuda.replay(graph)
+        return outputs
+
+    return replay
+
+
+def _recorded(cuda: Any, stream: Any) -> Any:
+    event = cuda.new_event()
+    cuda.record(event, stream)
+    return event
+
+
+def cuda_graph_peer(model: Any, inputs: Sequence[Any], sync: Callable[[], Any]) -> list[Candidate]:
+    """The ``cuda_graph`` peer: :func:`cuda_graph` called on the job's inputs."""
+    replay = cuda_graph(model, inputs)
+
+    def run() -> Any:
+        out = replay(*inputs)
+        sync()
+        return out
+
+    return [Candidate("cuda_graph", run, "peer", module=replay)]
 
 
 def onnxruntime(model: Any, inputs: Sequence[Any], cores: int) -> tuple[list[Candidate], str | None]:

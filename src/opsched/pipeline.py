@@ -189,6 +189,12 @@ def peer_candidates(model: Any, inputs: Sequence[Any], cores: int, peers: Sequen
             candidates += peer_runners.torch_compile(model, inputs, cores, sync)
         except Exception as e:  # noqa: BLE001 - a peer that cannot compile is reported, not fatal
             notes.append(f"torch_compile left out: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
+    if "cuda_graph" in peers:
+        say("the whole model as one CUDA graph ...")
+        try:
+            candidates += peer_runners.cuda_graph_peer(model, inputs, sync)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be captured (host syncs) is reported
+            notes.append(f"cuda_graph left out: {type(e).__name__}: {str(e).strip().splitlines()[0]}")
     for name in ("onnxruntime", "onnxruntime_models", "onnxruntime_concurrent"):
         if name in peers:
             say(f"ONNX Runtime sessions ({name}) ...")
@@ -374,9 +380,10 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     model) or a mapping's (on its devices)."""
     import torch
 
+    from opsched.runtime.cuda import current_api
     from opsched.runtime.guards import Guard
 
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = current_api().synchronize if device == "cuda" else (lambda: None)
     say("compiling the schedules ...")
     guard = Guard.of(tuple(inputs), model)  # every plan refuses calls it was not made for
     candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.kernels, inputs, cores,

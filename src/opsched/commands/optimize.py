@@ -128,7 +128,7 @@ def _print(result: dict[str, Any], schedules) -> None:
     if measured:
         header += f" {'measured ms':>12} {'vs eager':>9}"
     print(header)
-    peers = [p for p in ("eager", "torch_compile", "onnxruntime") if p in measured or p in dropped]
+    peers = [p for p in ("eager", "cuda_graph", "torch_compile", "onnxruntime") if p in measured or p in dropped]
     rows = [(p, None) for p in peers] + [(m, schedules[m].predicted_latency) for m in schedules]
     sequential = result["predicted_ms"]["sequential"]
     for name, predicted in rows:
