@@ -72,8 +72,8 @@ STEPS = [
     Step("end-to-end", 70),
     Step("model:inception_v3", 100, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
     Step("model:randwire", 90, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:squeezenet", 60),
     Step("model:nasnet", 130, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
+    Step("model:squeezenet", 60),
 ]
 DRY_LIMIT_S = 240
 METHODS = ["sequential", "lios", "nimble", "ios"]
@@ -477,9 +477,8 @@ def end_to_end_step(record: Recorder, dry_run: bool) -> None:
                         "--repeats", "3" if dry_run else "15"])
         text = answer.read_text()
         summary = json.loads(text) if code == 0 and text.strip() else {"output": text[-2000:]}
-        record.save(optimize={"exit_status": code, "chosen": summary.get("chosen"),
-                              "measured_ms": summary.get("measured_ms"), "errors": summary.get("errors"),
-                              "dropped": summary.get("dropped")})
+        record.save(optimize={key: summary.get(key) for key in ("chosen", "measured_ms", "max_errors", "dropped",
+                                                                 "warnings", "output")} | {"exit_status": code})
     api = cuda.current_api()
     torch.manual_seed(0)
     model = torchvision.models.resnet18().eval().to(api.device)
