@@ -64,20 +64,23 @@ MODELS = {
     "nasnet": ("nasnet", "NASNet-A large", None, 10),
 }
 DRY_IMAGE = {"googlenet": 64, "inception_v3": 75, "randwire": 64, "squeezenet": 64, "nasnet": 64}
+# Measured on an H100 (docs/gpu.md): a model step took 35-45 s with reduce-overhead's compile (5-31 s), and
+# max-autotune-no-cudagraphs did not finish compiling GoogLeNet in 65 s, so it has a step of its own, last.
 STEPS = [
     Step("gpu", 60),
-    Step("tests", 150),
-    Step("model:googlenet", 100, "IOS >= 1.7x one sequential CUDA graph (Opara's 1.68x); never behind torch.compile"),
-    Step("multi", 110, "several models >= 3x one after another"),
-    Step("end-to-end", 70),
-    Step("model:inception_v3", 100, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:randwire", 90, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:nasnet", 130, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:squeezenet", 60),
+    Step("tests", 120),
+    Step("model:googlenet", 75, "IOS >= 1.7x one sequential CUDA graph (Opara's 1.68x); never behind torch.compile"),
+    Step("multi", 100, "several models >= 3x one after another"),
+    Step("end-to-end", 50),
+    Step("model:inception_v3", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
+    Step("model:randwire", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
+    Step("model:nasnet", 90, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
+    Step("model:squeezenet", 50),
+    Step("autotune:googlenet", 240, "never behind torch.compile's best mode"),
 ]
 DRY_LIMIT_S = 240
 METHODS = ["sequential", "lios", "nimble", "ios"]
-COMPILE_MODES = ["reduce-overhead", "max-autotune-no-cudagraphs"]
+COMPILE_MODES = ["reduce-overhead", "max-autotune-no-cudagraphs"]  # a model step compiles the first, autotune the second
 # a GPU's marketing name -> the simulator's catalogue entry that models it
 SIM_NAMES = {"V100": "v100", "A100": "a100", "H100": "h100", "H200": "h100", "T4": "t4", "3080": "rtx3080",
              "K80": "k80"}
@@ -201,7 +204,9 @@ def run_step(name: str, result: Path, dry_run: bool) -> int:
         elif name == "tests":
             return tests_step(record, dry_run)
         elif name.startswith("model:"):
-            model_step(name.removeprefix("model:"), record, dry_run)
+            model_step(name.removeprefix("model:"), record, dry_run, COMPILE_MODES[:1])
+        elif name.startswith("autotune:"):
+            model_step(name.removeprefix("autotune:"), record, dry_run, COMPILE_MODES[1:])
         elif name == "multi":
             multi_step(record, dry_run)
         elif name == "end-to-end":
@@ -293,10 +298,10 @@ def junit_counts(path: Path) -> dict[str, Any]:
             "passed": len(cases) - len(failed) - len(skipped), "failed_names": failed}
 
 
-def model_step(key: str, record: Recorder, dry_run: bool) -> None:
+def model_step(key: str, record: Recorder, dry_run: bool, modes: list[str]) -> None:
     """One model at batch 1: every configuration verified against the model, then timed interleaved with CUDA
-    events; torch.compile's modes are added one at a time, each followed by a timing of everything built so
-    far, so that a compile that outlasts the step's limit still leaves the other figures."""
+    events; torch.compile's ``modes`` are added one at a time, each followed by a timing of everything built
+    so far, so that a compile that outlasts the step's limit still leaves the other figures."""
     import torch
 
     from opsched.cost.simulate import SimulatedGPU
@@ -329,6 +334,7 @@ def model_step(key: str, record: Recorder, dry_run: bool) -> None:
     record.save(model=label, spec=spec, units=len(graph), input_shape=list(inputs[0].shape), sim=sim_name,
                 capture_s=round(captured_s, 2), profile_s=round(profiled_s, 2), search_s=search_s,
                 capacity=cost.capacity, contention=cost.contention,
+                unit_ms={name: round(cost.op_latency(i), 5) for name, i in graph.index.items()},  # to recalibrate
                 predicted_ms={m: s.predicted_latency for m, s in schedules.items()},
                 simulated_ms={m: simulated_ms(graph, s, sim) for m, s in schedules.items()},
                 stages={m: None if s.stages is None else len(s.stages) for m, s in schedules.items()})
@@ -343,7 +349,7 @@ def model_step(key: str, record: Recorder, dry_run: bool) -> None:
     repeats = 3 if dry_run else 15
     compile_s: dict[str, float] = {}
     dropped: dict[str, str] = {}
-    for phase in [None, *COMPILE_MODES]:
+    for phase in [None, *modes]:
         if phase is not None:
             began = time.perf_counter()
             candidates.append(Candidate(f"compile:{phase}", compiled_runner(model, inputs, phase, sync), "peer"))
@@ -354,7 +360,7 @@ def model_step(key: str, record: Recorder, dry_run: bool) -> None:
         events = event_medians(kept, verified, rounds=3 if dry_run else 5, repeats=3 if dry_run else 10)
         record.save(compile_s=compile_s, event_ms=events, wall_ms=verified.measured_ms, errors=verified.errors,
                     dropped=dropped, noise_floor=verified.noise_floor, chosen=verified.chosen,
-                    compile_modes_timed=[m for m in COMPILE_MODES if f"compile:{m}" in verified.measured_ms])
+                    compile_modes_timed=[m for m in modes if f"compile:{m}" in verified.measured_ms])
         candidates = kept
 
 
@@ -524,34 +530,40 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", (f"CUDA tests: {tests.get('passed')} passed, {tests.get('failed')} failed, "
                   f"{tests.get('skipped')} skipped ({', '.join(tests.get('files', []))}).")]
         lines += [f"- failed: {n}" for n in tests.get("failed_names", [])]
-    models = [(n.removeprefix("model:"), e["result"]) for n, e in steps.items()
-              if n.startswith("model:") and e.get("result", {}).get("event_ms")]
+    models = [(n, e["result"]) for n, e in steps.items()
+              if n.split(":")[0] in ("model", "autotune") and e.get("result", {}).get("event_ms")]
     if models:
         names = ["eager", "cuda_graph", *[f"compile:{m}" for m in COMPILE_MODES],
                  *[f"{m}{suffix}" for m in METHODS for suffix in ("", "+graph")]]
-        lines += ["", "## One model, batch 1: milliseconds per call (CUDA events, medians of interleaved rounds)",
-                  "", "| model | units | " + " | ".join(names) + " | IOS+graph over cuda_graph | over best compile |",
-                  "|---|---|" + "---|" * (len(names) + 2)]
-        for key, r in models:
+        lines += ["", "## One model, batch 1: milliseconds per call (CUDA events, medians of interleaved rounds)", "",
+                  ("`chosen` is the evaluation's choice (wall clock, above the run's noise, opsched.noise); the "
+                  "ratios are of CUDA-event medians."), "",
+                  "| step | units | " + " | ".join(names) + " | chosen | chosen over cuda_graph | over best compile "
+                  "| IOS+graph over cuda_graph |", "|---|---|" + "---|" * (len(names) + 4)]
+        for step, r in models:
             ms = r["event_ms"]
             compiled = [ms[n] for n in ms if n.startswith("compile:")]
-            lines.append(f"| {r['model']} | {r['units']} | " + " | ".join(_cell(ms.get(n)) for n in names)
-                         + f" | {_speedup(ms.get('cuda_graph'), ms.get('ios+graph'))}"
-                         f" | {_speedup(min(compiled) if compiled else None, ms.get('ios+graph'))} |")
-        lines += ["", "## Predictions beside the measurements (streams, CUDA events)", "",
-                  "| model | method | measured ms | measured-cost prediction (error) | simulated (error) | search s |",
-                  "|---|---|---|---|---|---|"]
-        for key, r in models:
+            chosen = r.get("chosen")
+            lines.append(f"| {step} | {r['units']} | " + " | ".join(_cell(ms.get(n)) for n in names)
+                         + f" | {chosen} | {_speedup(ms.get('cuda_graph'), ms.get(chosen))}"
+                         f" | {_speedup(min(compiled) if compiled else None, ms.get(chosen))}"
+                         f" | {_speedup(ms.get('cuda_graph'), ms.get('ios+graph'))} |")
+        lines += ["", "## Predictions beside the measurements (CUDA events)", "",
+                  ("| step | method | streams ms | measured-cost prediction (error) | as a CUDA graph ms | simulated "
+                  "(error against streams; against the graph) | search s |"), "|---|---|---|---|---|---|---|"]
+        for step, r in models:
             for m in METHODS:
-                measured = r["event_ms"].get(m)
-                lines.append(f"| {r['model']} | {m} | {_cell(measured)} | "
-                             f"{_cell(r['predicted_ms'][m])} ({_error(r['predicted_ms'][m], measured)}) | "
-                             f"{_cell(r['simulated_ms'][m])} ({_error(r['simulated_ms'][m], measured)}, "
-                             f"sim:{r['sim']}) | {r['search_s'][m]} |")
-        for key, r in models:
-            lines += [f"- {r['model']}: dropped {name}: {why}" for name, why in r.get("dropped", {}).items()]
-            if r.get("compile_s"):
-                lines.append(f"- {r['model']}: torch.compile seconds {r['compile_s']}")
+                streams, graph = r["event_ms"].get(m), r["event_ms"].get(f"{m}+graph")
+                lines.append(f"| {step} | {m} | {_cell(streams)} | "
+                             f"{_cell(r['predicted_ms'][m])} ({_error(r['predicted_ms'][m], streams)}) | "
+                             f"{_cell(graph)} | {_cell(r['simulated_ms'][m])} sim:{r['sim']} "
+                             f"({_error(r['simulated_ms'][m], streams)}; {_error(r['simulated_ms'][m], graph)}) | "
+                             f"{r['search_s'][m]} |")
+        for step, r in models:
+            lines += [f"- {step}: dropped {name}: {why}" for name, why in r.get("dropped", {}).items()]
+            lines.append(f"- {step}: capture {r['capture_s']} s, profile {r['profile_s']} s, torch.compile seconds "
+                         f"{r.get('compile_s') or '-'}, largest scaled error "
+                         f"{max(r.get('errors', {}).values(), default=0):.1e}")
     multi = steps.get("multi", {}).get("result")
     if multi:
         lines += ["", "## Several models (opsched multi's pipeline on the device)", "",

@@ -7,6 +7,20 @@ import pytest
 from opsched.graph.ir import Graph, Node
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Which versions the suite ran on, at the end of every run (``-q`` too): opsched runs on the pinned CPU
+    versions here and on a GPU machine's own (Python 3.12, a CUDA build of PyTorch 2.11; see docs/gpu.md)."""
+    import platform
+
+    import torch
+
+    from opsched.runtime import cuda
+
+    device = cuda.current_api().describe().split("|")[1] if cuda.available() else "none"
+    terminalreporter.write_line(f"opsched suite: Python {platform.python_version()}, PyTorch {torch.__version__}, "
+                                f"CUDA device: {device}")
+
+
 def random_dag(n: int, p: float, seed: int, latency: bool = True) -> Graph:
     """A random DAG on units v0..v{n-1} (edges from lower to higher index, in a shuffled listing order)."""
     rng = random.Random(seed)
