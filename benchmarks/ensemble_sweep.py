@@ -124,7 +124,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     rows = [done[key(label, batch, size)] for label, _, _, batch, size in ENSEMBLES if key(label, batch, size) in done]
     md.write_text(f"Measured on {os.cpu_count()} cores, kernels {args.kernels}; one process per row.\n\n"
-                  + markdown(rows))
+                  f"<!-- source: {jsonl} -->\n" + markdown(rows))  # tests/test_figures.py checks the table
 
 
 if __name__ == "__main__":

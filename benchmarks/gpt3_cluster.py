@@ -87,6 +87,7 @@ def main() -> None:
     print(json.dumps(results[-1]), flush=True)
     lines = [(f"Batch {args.batch}, time limit {args.time_limit:g} s a row, SIMULATED "
              f"({len(problem.graph)} units on {len(platform)} devices)."), "",
+             *([f"<!-- source: {args.jsonl} -->"] if args.jsonl else []),  # tests/test_figures.py checks the table
              ("| rows | throughput (inputs/s) | makespan (ms) | solve (s) | devices used | units split | "
              "paper (inputs/s) |"), "|---|---|---|---|---|---|---|"]
     for r in results:

@@ -147,7 +147,7 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         print(_line(row), flush=True)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
-    out.with_suffix(".md").write_text(markdown(rows) + "\n")
+    out.with_suffix(".md").write_text(markdown(rows, out.with_suffix(".jsonl")) + "\n")
 
 
 HEADER = ("| model | input | units | verified | max error | eager ms | torch.compile ms | ONNX Runtime ms | "
@@ -198,7 +198,7 @@ def summary(rows: list[dict]) -> dict:
             "plan_over_fastest_peer_range": [ratios[0], ratios[-1]] if ratios else None}
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], record: Path | None = None) -> str:
     s = summary(rows)
     first = next((r for r in rows if "machine" in r), {})
     text = (f"Measured on {first.get('machine', 'this machine')} ({first.get('versions', {})}, {first.get('date', '')}), "
@@ -209,7 +209,7 @@ def markdown(rows: list[dict]) -> str:
             f"{_percent(s['same_program_spread_median'])} at the median and {_percent(s['same_program_spread_max'])} "
             f"at worst. Best plan over the fastest peer (a ratio of medians, above 1 is slower): median "
             f"{s['plan_over_fastest_peer_median']}, range {s['plan_over_fastest_peer_range']}.")
-    lines = [text, "", HEADER, "|" + "---|" * 15]
+    lines = [text, "", *([f"<!-- source: {record} -->"] if record else []), HEADER, "|" + "---|" * 15]
     lines += [_line(r) for r in rows]
     return "\n".join(lines)
 

@@ -1,16 +1,17 @@
-"""Every figure in the README's tables comes from a committed record: each table names its record in a comment
-on the line before it (``<!-- source: docs/NAME.jsonl -->``, JSON lines or CSV that a benchmark in benchmarks/
-wrote), and every decimal number in its rows must be, at the precision the table prints, a number in that
-record. A table figure typed by hand, or left over from an earlier run, fails here."""
+"""Every figure in the README's tables comes from a committed record: each table names its records in a comment
+on the line before it (``<!-- source: docs/NAME.jsonl -->``, JSON lines, JSON or CSV that a benchmark in
+benchmarks/ wrote; several separated by commas), and every decimal number in its rows must be, at the precision
+the table prints, a number in one of them. A table figure typed by hand, or left over from an earlier run, fails
+here. The tables of docs/ that name their records are held to the same rule."""
 
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+(?![\w.])")
+DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+%?(?![\w.])")  # a percentage is checked as its fraction
 
 
-SOURCE = re.compile(r"<!--\s*source:\s*(\S+)\s*-->")
+SOURCE = re.compile(r"<!--\s*source:\s*(.+?)\s*-->")
 
 
 def _tables(markdown: str) -> list[tuple[str | None, list[tuple[int, str]]]]:
@@ -37,27 +38,45 @@ def _recorded_values(path: Path) -> list[float]:
 
 
 def _recorded(figure: str, values: list[float]) -> bool:
+    scale = 100.0 if figure.endswith("%") else 1.0
+    figure = figure.removesuffix("%")
     places = len(figure.split(".")[1])
     target = float(figure)
-    return any(abs(round(v, places) - target) < 0.5 * 10 ** -places + 1e-12 for v in values)
+    return any(abs(round(v * scale, places) - target) < 0.5 * 10 ** -places + 1e-12 for v in values)
+
+
+def _check(page: str, source: str, figures: list[tuple[int, str]]) -> None:
+    paths = [ROOT / name.strip() for name in source.split(",")]
+    for path in paths:
+        assert path.is_file(), f"{page}:{figures[0][0]}: {path.relative_to(ROOT)} is not committed"
+    values = [v for path in paths for v in _recorded_values(path)]
+    missing = [f"{page}:{line}: {figure}" for line, figure in figures if not _recorded(figure, values)]
+    assert not missing, f"figures not in {source}: " + ", ".join(missing)
 
 
 def test_every_figure_in_the_readmes_tables_is_in_the_record_the_table_names():
     tables = _tables((ROOT / "README.md").read_text())
     assert tables, "the README has tables"
     for source, figures in tables:
-        if not figures:
-            continue
-        first = figures[0][0]
-        assert source is not None, f"README.md:{first}: a table of figures names no record (<!-- source: ... -->)"
-        assert (ROOT / source).is_file(), f"README.md:{first}: {source} is not committed"
-        values = _recorded_values(ROOT / source)
-        missing = [f"README.md:{line}: {figure}" for line, figure in figures if not _recorded(figure, values)]
-        assert not missing, f"figures not in {source}: " + ", ".join(missing)
+        if figures:
+            assert source is not None, f"README.md:{figures[0][0]}: a table of figures names no record (<!-- source: ... -->)"
+            _check("README.md", source, figures)
+
+
+def test_every_figure_in_a_docs_table_that_names_its_records_is_in_them():
+    checked = 0
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for source, figures in _tables(page.read_text()):
+            if source and figures:
+                _check(f"docs/{page.name}", source, figures)
+                checked += 1
+    assert checked, "no table in docs/ names its records"
 
 
 def test_the_check_finds_a_figure_typed_by_hand():
     table = "<!-- source: docs/x.jsonl -->\n| model | ms |\n|---|---|\n| a | 12.34 |\n"
     assert _tables(table) == [("docs/x.jsonl", [(4, "12.34")])]
     assert _tables("| a | b |\n|---|---|\n| 1.5 | 2 |\n") == [(None, [(3, "1.5")])]
+    assert _tables("<!-- source: a.json, b.json -->\n| a |\n|---|\n| 1.5 |\n") == [("a.json, b.json", [(4, "1.5")])]
     assert _recorded("12.34", [12.3412]) and not _recorded("12.34", [12.5, 1234.0])
+    assert _recorded("2.8%", [0.02804]) and not _recorded("2.8%", [2.8])
