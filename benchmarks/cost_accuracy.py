@@ -10,12 +10,19 @@ whole IOS and sequential schedules as predicted against their runs timed afterwa
 each other, medians). Median and worst absolute error.
 
     python benchmarks/cost_accuracy.py [--part sim|cpu|both] [--models ...] [--repeats 9]
+                                       [--out docs/cost_accuracy.jsonl]
+
+Every row printed is also appended to --out as a JSON line (its table, its figures, the machine, versions, date
+and commit): docs/cost-models.md's tables.
 """
 
 import argparse
+import json
 import statistics
+from pathlib import Path
 
 import torch
+from sweep import machine
 
 from opsched.cost.measure import stages_of
 from opsched.cost.simulate import SimulatedGPU
@@ -32,7 +39,18 @@ PUBLISHED_V100 = {"inception_v3": (6.51, 4.03), "randwire": (8.49, 6.02), "nasne
                   "squeezenet": (0.86, 0.73)}
 
 
-def simulated(max_block_size: int) -> None:
+class Record:
+    """Appends each row, with where and when it was made, to a JSON-lines file."""
+
+    def __init__(self, path: str):
+        self.path, self.where = Path(path), machine()
+
+    def __call__(self, table: str, **row) -> None:
+        with self.path.open("a") as sink:
+            sink.write(json.dumps({"table": table, **row, **self.where}) + "\n")
+
+
+def simulated(max_block_size: int, record: Record) -> None:
     print("## Simulated GPUs against IOS's published V100 figures (batch 1; opsched figures are SIMULATED)\n")
     print("| model | published seq ms | simulated seq ms | ratio | published IOS ms | simulated IOS ms | ratio | "
           "published speedup | simulated speedup |")
@@ -44,6 +62,8 @@ def simulated(max_block_size: int) -> None:
         sim = SimulatedGPU(g, "v100")
         seq = make_schedule("sequential", g, sim).predicted_latency
         ios = make_schedule("ios", g, sim, max_block_size=max_block_size).predicted_latency
+        record("v100 against IOS's paper", model=name, simulated=True, published_sequential_ms=seq_pub,
+               sequential_ms=round(seq, 4), published_ios_ms=ios_pub, ios_ms=round(ios, 4))
         print(f"| {name} | {seq_pub} | {seq:.2f} | {seq / seq_pub:.2f} | {ios_pub} | {ios:.2f} | {ios / ios_pub:.2f} | "
               f"{seq_pub / ios_pub:.2f}x | {seq / ios:.2f}x |", flush=True)
     g = graphs["inception_v3"]
@@ -55,6 +75,8 @@ def simulated(max_block_size: int) -> None:
         sim = SimulatedGPU(graph, device)
         seq = make_schedule("sequential", graph, sim).predicted_latency
         ios = make_schedule("ios", graph, sim, max_block_size=max_block_size).predicted_latency
+        record("Inception V3 on each simulated GPU", device=label, simulated=True, sequential_ms=round(seq, 4),
+               ios_ms=round(ios, 4))
         print(f"| {label} | {seq:.2f} | {ios:.2f} | {seq / ios:.2f}x |", flush=True)
     print("\n(published: K80 about 3.4x slower than V100 on Inception V3)\n")
     print("## Held out: LIOS over sequential on the RTX 3080 (8 streams; opsched figures are SIMULATED)\n")
@@ -63,11 +85,13 @@ def simulated(max_block_size: int) -> None:
         sim = SimulatedGPU(graphs[name], "rtx3080")
         seq = make_schedule("sequential", graphs[name], sim).predicted_latency
         lios = make_schedule("lios", graphs[name], sim, streams=8).predicted_latency
+        record("LIOS on the RTX 3080, held out", model=name, simulated=True, published=published,
+               sequential_ms=round(seq, 4), lios_ms=round(lios, 4), speedup=round(seq / lios, 4))
         print(f"| {name} | {published} | {seq / lios:.2f}x |", flush=True)
     print()
 
 
-def measured(models: list[str], repeats: int, max_block_size: int) -> None:
+def measured(models: list[str], repeats: int, max_block_size: int, record: Record) -> None:
     print("## Measured cost model on this CPU (every figure measured)\n")
     print("| model | stages compared | stage error median / worst (from units) | schedule | predicted ms | "
           "measured ms | error |")
@@ -92,6 +116,9 @@ def measured(models: list[str], repeats: int, max_block_size: int) -> None:
             whole_errors.append(abs(error))
             stage_text = (f"{len(stage_errors)} | {100 * statistics.median(stage_errors):.0f}% / "
                           f"{100 * max(stage_errors):.0f}%") if stage_errors and k == "ios" else " | "
+            record("measured cost model on this CPU", model=name, simulated=False, schedule=k,
+                   stages=len(stages_of(s, g)), predicted_ms=round(s.predicted_latency, 4), measured_ms=round(timed[k], 4),
+                   stage_errors=[round(e, 4) for e in stage_errors] if k == "ios" else None)
             print(f"| {name} | {stage_text} | {k} ({len(stages_of(s, g))} stages) | {s.predicted_latency:.1f} | "
                   f"{timed[k]:.1f} | {100 * error:+.0f}% |", flush=True)
     print(f"\nwhole schedules: median absolute error {100 * statistics.median(whole_errors):.0f}%, "
@@ -105,11 +132,13 @@ def main() -> None:
                                                         "torchvision:googlenet"])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--max-block-size", type=int, default=20)
+    parser.add_argument("--out", default="docs/cost_accuracy.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
+    record = Record(args.out)
     if args.part in ("sim", "both"):
-        simulated(args.max_block_size)
+        simulated(args.max_block_size, record)
     if args.part in ("cpu", "both"):
-        measured(args.models, args.repeats, args.max_block_size)
+        measured(args.models, args.repeats, args.max_block_size, record)
 
 
 if __name__ == "__main__":

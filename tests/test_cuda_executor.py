@@ -317,12 +317,16 @@ def test_optimize_on_cuda_runs_through_the_device_interface(tmp_path, capsys):
     # nothing of `opsched optimize --device cuda` could run before a GPU was at hand.
     import json
 
+    from support.fault_trials import MODEL_FILE
+
     from opsched.cli import main
 
+    model = tmp_path / "branches.py"
+    model.write_text(MODEL_FILE)
     standin = CudaStandIn()
     with cuda.use_api(standin):
-        assert main(["optimize", "squeezenet", "--image-size", "32", "--device", "cuda", "--cuda-graph", "--method",
-                     "lios", "--repeats", "3", "--no-cache", "--json", "-q", "--out", str(tmp_path / "p.json")]) == 0
+        assert main(["optimize", f"{model}:make", "--device", "cuda", "--cuda-graph", "--method", "lios",
+                     "--repeats", "3", "--no-cache", "--json", "-q", "--out", str(tmp_path / "p.json")]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert {"eager", "cuda_graph", "lios"} <= set(answer["measured_ms"]) and answer["chosen"]
     assert standin.calls["replay"] and standin.calls["wait"]

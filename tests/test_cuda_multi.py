@@ -132,3 +132,20 @@ def test_training_on_the_cuda_backend_syncs_each_step_and_matches_the_models_alo
     assert standin.calls["synchronize"] >= 2 * result["steps"] * 2  # before and after each step of both trainings
     assert result["method"] == "channels"
     assert result["max_param_diff"] <= max(4 * result["float32_noise"], 1e-6)
+
+
+def test_the_models_optimized_as_cuda_graphs_beside_the_batch_captured_whole():
+    # `opsched multi --device cuda --cuda-graph`: every plan replayed as one CUDA graph, timed beside the models
+    # one after another captured as one graph (what a user of CUDA graphs runs), every model verified.
+    from opsched.multi.optimize import optimize
+
+    batch, x = _batch()
+    standin = CudaStandIn()
+    with cuda.use_api(standin):
+        result = optimize(batch.models, (x,), methods=("sequential", "hivemind"), repeats=3, cache=False,
+                          cuda_graph=True, device="cuda")
+    ev = result.outcome.evaluation
+    assert {"sequential", "hivemind", "sequential_models", "cuda_graph"} <= set(ev.measured_ms), ev.dropped
+    assert max(result.model_errors) <= 1e-5 and result.plan().run.cuda_graph
+    assert standin.calls["replay"] and standin.calls["capture"]
+    standin.check()

@@ -126,8 +126,8 @@ def _add_run_options(p: argparse.ArgumentParser, reference: str = "eager", cuda_
                         "magnitude (default: from the output's dtype, 3*sqrt(eps): 1.04e-3 for float32)")
     if cuda_graph:
         p.add_argument("--cuda-graph", action="store_true",
-                       help="on a CUDA device, replay each schedule as one CUDA graph (optimize records it in the "
-                            "plan; run uses it when the plan says so or this flag is given)")
+                       help="on a CUDA device, replay each schedule as one CUDA graph (the plan records it; "
+                            "run uses it when the plan says so or this flag is given)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
                         "threads) and, when onnxruntime is installed, every model in an ONNX Runtime session of its "
                         "own, one after another and all at once (on with --kernels inductor)")
-    _add_run_options(p, reference="each model's own forward", cuda_graph=False)
+    _add_run_options(p, reference="each model's own forward")
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "
                         "another, and compare time per step and parameters")

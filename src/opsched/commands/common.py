@@ -28,12 +28,10 @@ def load_and_capture(args: argparse.Namespace, spec: str, device: str | None = N
     loaded = load_model(spec, batch=args.batch, input_shapes=shapes or None, image_size=args.image_size)
     if device is not None:
         loaded.model.eval()
-        if device == "cuda":  # where the CUDA backend's interface keeps its tensors (the stand-in's: the CPU)
-            from opsched.runtime.cuda import current_api
+        if device != "cpu":
+            from opsched.runtime.cuda import tensor_device
 
-            loaded.to(current_api().device)
-        elif device != "cpu":
-            loaded.to(device)
+            loaded.to(tensor_device(device))
     loaded_at = time.perf_counter()
     say(f"capturing {loaded.name} ...")
     graph = capture(loaded.model, tuple(loaded.inputs), name=loaded.name)

@@ -17,7 +17,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.multi.load import load_command_batch, load_record
     from opsched.multi.optimize import COMPILED_PEERS, MULTI_PEERS
 
-    simulated = check_options(args.cost, args.device, args.kernels)
+    simulated = check_options(args.cost, args.device, args.kernels, args.cuda_graph)
     device = "cpu" if simulated else args.device  # simulated costs are computed on the CPU, as for one model
     plan_path, _ = output_paths(args, "multi-" + "-".join(m.split(":")[-1] for m in args.models))
     if args.train and simulated and args.device == "cuda":
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
                             cores=args.threads, tolerance=args.tolerance, repeats=args.repeats,
                             cache=not args.no_cache, peers=peers, say=say, progress=run_progress,
-                            requested=args.method)
+                            requested=args.method, cuda_graph=args.cuda_graph, device=device)
     outcome, fusion = result.outcome, result.fusion
     schedules = outcome.schedules
     out: dict[str, Any] = {

@@ -9,6 +9,7 @@ import copy
 from typing import Any
 
 from opsched.errors import OpschedError
+from opsched.runtime.cuda import tensor_device
 from opsched.schedule import LOAD_OPTIONS, ScheduleError
 
 
@@ -45,7 +46,7 @@ def _load_preprocessing(args: argparse.Namespace, device: str = "cpu") -> tuple[
     found = load_models(args.preprocess, batch=args.batch, image_size=args.image_size)
     if len(found) != 1:
         raise OpschedError(f"--preprocess {args.preprocess}: expected one module, found {len(found)}")
-    found[0].to(device)
+    found[0].to(tensor_device(device))
     return found[0].model.eval(), found[0].inputs
 
 
@@ -57,7 +58,7 @@ def load_command_batch(args: argparse.Namespace, device: str = "cpu") -> tuple[l
     reads) and the preprocessing module (or None)."""
     names, loaded = load_batch(args)
     for m in loaded:
-        m.to(device)
+        m.to(tensor_device(device))
     inputs, preprocess = [m.inputs for m in loaded], None
     if args.preprocess:
         preprocess, inputs = _load_preprocessing(args, device)

@@ -77,12 +77,15 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
              cores: int | None = None, tolerance: float | None = None, repeats: int = 15, cache: bool = True,
              peers: Sequence[str] = MULTI_PEERS, preprocess: torch.nn.Module | None = None,
              say: Callable[[str], Any] = lambda text: None, progress: Any = None,
-             requested: str | None = None) -> MultiOutcome:
+             requested: str | None = None, cuda_graph: bool = False, device: str | None = None) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
     :data:`COMPILED_PEERS` for torch.compile of the loop over the models and ONNX Runtime's sessions, one after
     another and at the same time). ``preprocess`` runs once on ``inputs`` and every model reads its result (see
     :class:`ModelBatch`). The batch runs where its models and inputs are: on the CPU, or with them moved to
-    ``cuda``, on the GPU's streams (costs measured there).
+    ``cuda``, on the GPU's streams (costs measured there; ``device`` says so where the tensors alone do not, as on
+    a stand-in of the CUDA interface); with ``cuda_graph`` each plan is replayed as one CUDA
+    graph, and the models one after another captured as one CUDA graph (the ``cuda_graph`` peer) are timed
+    beside it.
     With simulated costs the plan is ``requested``'s schedule (default: the last of ``methods``).
 
     >>> import torch
@@ -99,14 +102,16 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     cores = cores or torch.get_num_threads()
     simulated = is_simulated(cost)
     say("combining the models and choosing the fusions that pay ...")
-    device = "cpu" if simulated else batch.device
+    device = "cpu" if simulated else device or batch.device
     latencies = CostLatencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
     fusion = fuse_graph(batch, rewrites, latencies, whole=latencies.regions_ms)
     sequential_ms = sum(latencies(fusion.combined))
     jobs = {m: (m, method_options(m, default_streams=default_streams(simulated, device, cores))) for m in methods}
+    if cuda_graph:  # a user who replays CUDA graphs replays the models one after another as one
+        peers = (*peers, "cuda_graph")
     outcome = run_workload(Workload(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=peers, tolerance=tolerance, repeats=repeats,
-                                    cache=cache, say=say, profile_progress=progress))
+                                    cache=cache, cuda_graph=cuda_graph, say=say, profile_progress=progress))
     outcome.graph, outcome.requested = fusion.graph, requested or list(methods)[-1]
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()

@@ -175,3 +175,14 @@ def use_api(api: CudaApi) -> Iterator[CudaApi]:
 
 def available() -> bool:
     return current_api().available()
+
+
+def tensor_device(device: str) -> Any:
+    """Where the tensors of a run on opsched's ``device`` (``cpu`` or ``cuda``) live: for ``cuda``, the device of
+    the interface in use (the GPU, or the stand-in's CPU), so that a command's models and inputs go where its
+    CUDA backend runs.
+
+    >>> tensor_device("cpu")
+    'cpu'
+    """
+    return current_api().device if device == "cuda" else device
