@@ -63,7 +63,9 @@ def simulated(max_block_size: int, record: Record) -> None:
         seq = make_schedule("sequential", g, sim).predicted_latency
         ios = make_schedule("ios", g, sim, max_block_size=max_block_size).predicted_latency
         record("v100 against IOS's paper", model=name, simulated=True, published_sequential_ms=seq_pub,
-               sequential_ms=round(seq, 4), published_ios_ms=ios_pub, ios_ms=round(ios, 4))
+               sequential_ms=round(seq, 4), published_ios_ms=ios_pub, ios_ms=round(ios, 4),
+               sequential_ratio=round(seq / seq_pub, 4), ios_ratio=round(ios / ios_pub, 4),
+               published_speedup=round(seq_pub / ios_pub, 4), speedup=round(seq / ios, 4))
         print(f"| {name} | {seq_pub} | {seq:.2f} | {seq / seq_pub:.2f} | {ios_pub} | {ios:.2f} | {ios / ios_pub:.2f} | "
               f"{seq_pub / ios_pub:.2f}x | {seq / ios:.2f}x |", flush=True)
     g = graphs["inception_v3"]
@@ -76,7 +78,7 @@ def simulated(max_block_size: int, record: Record) -> None:
         seq = make_schedule("sequential", graph, sim).predicted_latency
         ios = make_schedule("ios", graph, sim, max_block_size=max_block_size).predicted_latency
         record("Inception V3 on each simulated GPU", device=label, simulated=True, sequential_ms=round(seq, 4),
-               ios_ms=round(ios, 4))
+               ios_ms=round(ios, 4), speedup=round(seq / ios, 4))
         print(f"| {label} | {seq:.2f} | {ios:.2f} | {seq / ios:.2f}x |", flush=True)
     print("\n(published: K80 about 3.4x slower than V100 on Inception V3)\n")
     print("## Held out: LIOS over sequential on the RTX 3080 (8 streams; opsched figures are SIMULATED)\n")
