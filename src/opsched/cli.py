@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "simulated GPU), schedule them with sequential, greedy, LIOS and --method, run "
                                    "every schedule, verify it against eager PyTorch and measure it interleaved with "
                                    "the peers (eager; with --peers or --kernels inductor also torch.compile and ONNX "
-                                   "Runtime). A schedule that does not verify is dropped with a warning. The chosen "
+                                   "Runtime; on --device cuda also the whole model as one CUDA graph). A schedule that does not verify is dropped with a warning. The chosen "
                                    "configuration is the simplest verified one that no other beats above "
                                    "the run's own noise (the model itself first; a smaller gain is a tie); the plan "
                                    "(JSON) is the schedule chosen so among the schedules and records the choice, "
