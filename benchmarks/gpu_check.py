@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,8 +66,10 @@ MODELS = {
     "nasnet": ("nasnet", "NASNet-A large", None, 10),
 }
 DRY_IMAGE = {"googlenet": 64, "inception_v3": 75, "randwire": 64, "squeezenet": 64, "nasnet": 64}
-# Measured on an H100 (docs/gpu.md): a model step took 35-45 s with reduce-overhead's compile (5-31 s), and
-# max-autotune-no-cudagraphs did not finish compiling GoogLeNet in 65 s, so it has a step of its own, last.
+# From the first H100 run (docs/gpu_runs/): capture, profile and search took 5-19 s a model, reduce-overhead
+# compiled in 5-31 s (NASNet's not within 73 s), and max-autotune-no-cudagraphs did not finish compiling
+# GoogLeNet in what its step had left; it has a step of its own, last, which the default budget leaves out
+# (--budget 600 gives it about two minutes).
 STEPS = [
     Step("gpu", 60),
     Step("tests", 120),
@@ -122,6 +125,8 @@ def main() -> int:
     deadline = time.monotonic() + args.budget
     log = out / "gpu_check.log"
     log.write_text("")
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     for step in steps:
         left = deadline - time.monotonic()
         limit = min(DRY_LIMIT_S if args.dry_run else step.limit_s, left)
@@ -129,7 +134,14 @@ def main() -> int:
             report["steps"][step.name] = {"status": "not run: the budget was spent", "seconds": 0}
             continue
         print(f"[gpu_check] {step.name} (limit {limit:.0f} s) ...", file=sys.stderr, flush=True)
-        report["steps"][step.name] = entry = run_child(step, limit, args.dry_run, log)
+        try:
+            report["steps"][step.name] = entry = run_child(step, limit, args.dry_run, log)
+        except Stopped as stopped:
+            report["steps"][step.name] = stopped.entry
+            write_report(report, out)
+            print(f"[gpu_check] stopped by {stopped} during {step.name}; what was measured is in {out}",
+                  file=sys.stderr)
+            return 5
         print(f"[gpu_check] {step.name}: {entry['status']} in {entry['seconds']:.0f} s", file=sys.stderr, flush=True)
         write_report(report, out)
         if step.name == "gpu" and entry["status"] != "ok" and not args.dry_run:
@@ -154,13 +166,15 @@ def run_child(step: Step, limit: float, dry_run: bool, log: Path) -> dict[str, A
             sink.flush()
             process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT,
                                        start_new_session=True)
+            stopped = None
             try:
                 code = process.wait(timeout=limit)
                 status = "ok" if code == 0 else f"failed (exit status {code})"
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)  # the step and whatever it started (compile workers)
-                process.wait()
                 status = f"timed out after {limit:.0f} s"
+            except Stopped as signal_received:  # the check itself was stopped: keep what the step measured
+                status, stopped = f"stopped: {signal_received}", signal_received
+            _end_group(process)  # the step, or what it left running (compile workers)
         entry = {"status": status, "seconds": round(time.monotonic() - started, 1), "limit_s": round(limit)}
         if result.exists():
             try:
@@ -169,7 +183,29 @@ def run_child(step: Step, limit: float, dry_run: bool, log: Path) -> dict[str, A
                 entry["result"] = {"error": f"result unreadable: {error}"}
         if status != "ok":
             entry["log_tail"] = _tail(log, 25)
+        if stopped is not None:
+            stopped.entry = entry
+            raise stopped
         return entry
+
+
+class Stopped(Exception):
+    """The check received SIGTERM or SIGINT (a harness's time limit): the running step is ended and what it
+    measured is written before the check exits."""
+
+    entry: dict[str, Any] | None = None
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _end_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the step and everything it started had already ended
+        pass
+    process.wait()
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -199,6 +235,7 @@ class Recorder:
 
 def run_step(name: str, result: Path, dry_run: bool) -> int:
     record = Recorder(result)
+    record.save(dry_run=dry_run)  # on every step's figures: a dry run's are the stand-in's, on a CPU
     with device_context(dry_run):
         if name == "gpu":
             gpu_step(record, dry_run)
@@ -360,15 +397,17 @@ def model_step(key: str, record: Recorder, dry_run: bool, modes: list[str]) -> N
         kept = [c for c in candidates if c.name in verified.measured_ms]
         events = event_medians(kept, verified, rounds=3 if dry_run else 5, repeats=3 if dry_run else 10)
         record.save(compile_s=compile_s, event_ms=events, wall_ms=verified.measured_ms, errors=verified.errors,
-                    dropped=dropped, noise_floor=verified.noise_floor, chosen=verified.chosen,
+                    dropped=dropped, noise_floor=verified.noise_floor, chosen=verified.chosen, tie=verified.tie,
                     compile_modes_timed=[m for m in modes if f"compile:{m}" in verified.measured_ms])
         candidates = kept
 
 
 def compiled_runner(model: Any, inputs: tuple, mode: str, sync: Any) -> Any:
-    """``torch.compile(model, mode=mode)``, compiled (and, for reduce-overhead, its CUDA graph recorded) before
-    it is timed."""
+    """``torch.compile(model, mode=mode)`` with inductor's freezing (PyTorch's setting for inference, as the
+    ``torch_compile`` peer compiles; opsched's capture folds batch norms too), compiled (and, for reduce-overhead,
+    its CUDA graph recorded) before it is timed."""
     import torch
+    import torch._inductor.config as inductor_config
 
     torch._dynamo.reset()
     compiled = torch.compile(model, mode=mode)
@@ -380,8 +419,9 @@ def compiled_runner(model: Any, inputs: tuple, mode: str, sync: Any) -> Any:
         sync()
         return out
 
-    for _ in range(3):  # cudagraph trees record on the second call and replay from the third
-        run()
+    with inductor_config.patch(freezing=True):
+        for _ in range(3):  # compiles on the first call; cudagraph trees record on the second, replay from the third
+            run()
     return run
 
 
@@ -540,15 +580,19 @@ def markdown(report: dict[str, Any]) -> str:
         names = ["eager", "cuda_graph", *[f"compile:{m}" for m in COMPILE_MODES],
                  *[f"{m}{suffix}" for m in METHODS for suffix in ("", "+graph")]]
         lines += ["", "## One model, batch 1: milliseconds per call (CUDA events, medians of interleaved rounds)", "",
-                  ("`chosen` is the evaluation's choice (wall clock, above the run's noise, opsched.noise); the "
-                  "ratios are of CUDA-event medians."), "",
+                  ("CUDA events are recorded around each call on the current stream, and a call ends by "
+                   "synchronising: the times include the host's launches, as a caller waits for them. `chosen` is "
+                   "this check's choice among every configuration (wall clock, above the run's noise, "
+                   "opsched.noise); the ratios are of CUDA-event medians. A step marked partial stopped at its "
+                   "limit: its figures are those of the last phase it finished."), "",
                   "| step | units | " + " | ".join(names) + " | chosen | chosen over cuda_graph | over best compile "
                   "| IOS+graph over cuda_graph |", "|---|---|" + "---|" * (len(names) + 4)]
         for step, r in models:
             ms = r["event_ms"]
             compiled = [ms[n] for n in ms if n.startswith("compile:")]
             chosen = r.get("chosen")
-            lines.append(f"| {step} | {r['units']} | " + " | ".join(_cell(ms.get(n)) for n in names)
+            partial = "" if steps[step]["status"] == "ok" else " (partial)"
+            lines.append(f"| {step}{partial} | {r['units']} | " + " | ".join(_cell(ms.get(n)) for n in names)
                          + f" | {chosen} | {_speedup(ms.get('cuda_graph'), ms.get(chosen))}"
                          f" | {_speedup(min(compiled) if compiled else None, ms.get(chosen))}"
                          f" | {_speedup(ms.get('cuda_graph'), ms.get('ios+graph'))} |")
@@ -570,7 +614,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"{max(r.get('errors', {}).values(), default=0):.1e}")
     multi = steps.get("multi", {}).get("result")
     if multi:
-        lines += ["", "## Several models (opsched multi's pipeline on the device)", "",
+        lines += ["", "## Several models (opsched multi's pipeline on the device; wall clock, ms per call)", "",
                   ("| case | plan | plan ms | one after another ms | the same as one CUDA graph ms | best peer (ms) | "
                    "plan over one after another | over best peer | largest scaled error |"),
                   "|---|---|---|---|---|---|---|---|---|"]

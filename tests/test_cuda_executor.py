@@ -293,7 +293,7 @@ def test_measured_costs_on_a_gpu_profile_once_and_measure_how_units_share_the_de
 
 # -- the whole model as one CUDA graph (the cuda_graph peer), and the command line on the device interface --
 
-def test_the_cuda_graph_peer_replays_the_model_within_cudas_rules(models):
+def test_the_cuda_graph_peer_replays_the_model_within_cudas_rules(models, monkeypatch):
     from opsched.peers import cuda_graph
 
     model, inputs, _ = models["branches"]
@@ -309,7 +309,19 @@ def test_the_cuda_graph_peer_replays_the_model_within_cudas_rules(models):
             with torch.no_grad():
                 assert torch.allclose(out, model(x), rtol=1e-5, atol=1e-6)
         assert standin.calls["replay"] == 2
+        with pytest.raises(cuda.CudaError, match="captured for inputs"):
+            replay(torch.cat([inputs[0], inputs[0]]))  # another batch would be broadcast into the static input
+        with torch.inference_mode():  # made inside inference mode, the graph's tensors still serve later calls
+            inside = cuda_graph(model, inputs)
+        out = inside(inputs[0])
+        standin.synchronize()
+        with torch.no_grad():
+            assert torch.allclose(out, model(inputs[0]), rtol=1e-5, atol=1e-6)
     standin.check()
+    # under CUDA autocast (which a machine without CUDA cannot enter: asked as the code asks it)
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device=None: device == "cuda")
+    with pytest.raises(cuda.CudaError, match="autocast"):
+        cuda_graph(model, inputs, standin)
 
 
 def test_optimize_on_cuda_runs_through_the_device_interface(tmp_path, capsys):

@@ -144,7 +144,7 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
                                      default_streams=default_streams(simulated, device, cores)))
                for m in dict.fromkeys([*TABLE_METHODS, method])}
     chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels != "eager" else ("eager",)
-    if device == "cuda" and not simulated:  # at small batch a GPU user replays the model as one CUDA graph
+    if cuda_graph:  # plans replayed as CUDA graphs meet the model replayed as one (outputs overwritten alike)
         chosen_peers += ("cuda_graph",)
     outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=chosen_peers, tolerance=tolerance,

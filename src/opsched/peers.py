@@ -10,10 +10,11 @@
   optimisation, sequential execution (its parallel mode does not overlap CPU kernels, see
   docs/benchmarks.md) and 1 and all intra-op threads, its thread pool not spinning between calls (spinning,
   it slows whatever runs next in the process: see docs/runtime.md).
-- ``cuda_graph`` (on a CUDA device): the whole model captured as one CUDA graph by PyTorch's documented recipe
-  (warm-up on a side stream, capture on static inputs, replay after copying each call's inputs in): what a GPU
-  user who knows CUDA graphs runs at small batch, where launching kernels one by one costs more than running
-  them.
+- ``cuda_graph`` (on a CUDA device, where plans are replayed as CUDA graphs too): the whole model captured as
+  one CUDA graph by PyTorch's documented recipe (warm-up on a side stream, capture on static inputs, replay after
+  copying each call's inputs in): what a GPU user who knows CUDA graphs runs at small batch, where launching
+  kernels one by one costs more than running them. Like opsched's graph plans, its outputs are overwritten by
+  the next call.
 
 For a model batch (:mod:`opsched.multi`), the ways a user runs several models today:
 
@@ -101,17 +102,24 @@ def torch_compile(model: Any, inputs: Sequence[Any], cores: int,
 def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[..., Any]:
     """``model`` captured whole as one CUDA graph on the CUDA backend's device interface (``api``, default
     :func:`opsched.runtime.cuda.api.current_api`), for inputs of the shapes, dtypes and devices of ``inputs``.
-    The returned callable copies its arguments into the graph's static inputs, replays it and returns the
-    graph's static outputs, which the next call overwrites (as with ``torch.cuda.graph``)."""
+    The returned callable checks that its arguments are such, copies them into the graph's static inputs,
+    replays it and returns the graph's static outputs, which the next call overwrites (as with
+    ``torch.cuda.graph``). The tensors the graph keeps are ordinary ones even when made inside the caller's
+    inference mode, and nothing is captured under autocast (whose cached weight casts would be recorded by
+    address and freed when it ends), as for opsched's own graph plans."""
     import torch
 
-    from opsched.runtime.cuda.api import current_api
+    from opsched.runtime.cuda.api import CudaError, current_api
+    from opsched.runtime.cuda.streams import autograd_off
 
+    if torch.is_autocast_enabled("cuda"):
+        raise CudaError("a CUDA graph is not captured under autocast (the weights' casts it would record are freed "
+                        "when autocast ends)")
     cuda = api or current_api()
-    static = [x.clone() for x in inputs]
-    caller, side = cuda.current_stream(), cuda.new_stream()
-    cuda.wait(side, _recorded(cuda, caller))  # the static inputs are written on the caller's stream
-    with torch.no_grad():
+    with autograd_off(persistent=True):
+        static = [x.detach().clone() for x in inputs]
+        caller, side = cuda.current_stream(), cuda.new_stream()
+        cuda.wait(side, _recorded(cuda, caller))  # the static inputs are written on the caller's stream
         with cuda.use_stream(side):  # lazy initialisation (cuDNN's choices, workspaces) must not be captured
             for _ in range(3):
                 model(*static)
@@ -119,10 +127,18 @@ def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[.
         graph = cuda.new_graph()
         with cuda.capture(graph):
             outputs = model(*static)
+    captured_for = [(x.shape, x.dtype, x.device) for x in static]
 
     def replay(*args: Any) -> Any:
-        for into, value in zip(static, args):
-            into.copy_(value)
+        if [(getattr(a, "shape", None), getattr(a, "dtype", None), getattr(a, "device", None)) for a in args] \
+                != captured_for:
+            raise CudaError(f"this CUDA graph was captured for inputs {captured_for}; a call must pass tensors of "
+                            "the same shapes, dtypes and devices")
+        with autograd_off(persistent=True):
+            for into, value in zip(static, args):
+                into.copy_(value)
+        if torch.is_autocast_enabled("cuda"):
+            raise CudaError("a CUDA graph is not replayed under autocast: call it outside autocast")
         cuda.replay(graph)
         return outputs
 
