@@ -55,7 +55,7 @@ def test_the_default_interface_is_torch_cuda_called_as_documented():
     event.elapsed_time.assert_called_with(end)
     assert gpu.new_graph() is api.CUDAGraph.return_value
     assert gpu.capture(graph) is api.graph.return_value
-    api.graph.assert_called_with(graph)
+    api.graph.assert_called_with(graph, capture_error_mode="thread_local")
     gpu.replay(graph)
     graph.replay.assert_called_once_with()
 

@@ -141,7 +141,10 @@ class TorchCuda:
         return self.api.CUDAGraph()
 
     def capture(self, graph: Any) -> contextlib.AbstractContextManager:
-        return self.api.graph(graph)
+        # Plans are captured in the background build thread while the caller's thread keeps calling the model:
+        # CUDA's default ("global") capture mode fails an unsafe call such as cudaMalloc made by *any* thread during
+        # the capture; "thread_local" checks only the capturing thread, as PyTorch's own cudagraph trees capture.
+        return self.api.graph(graph, capture_error_mode="thread_local")
 
     def replay(self, graph: Any) -> None:
         graph.replay()
