@@ -21,18 +21,25 @@ HEFT onto the two devices; and two synthetic plans of ``--units`` trivial units 
 tensor) in a chain, all on one device (no value crosses devices) or alternating between the two (every value
 crosses). From those two, per form: the overhead per inference, per unit and per value crossing devices.
 
-    python benchmarks/ray_overhead.py [--repeats 15] [--units 50] [--image-size 64]
+    python benchmarks/ray_overhead.py [--repeats 15] [--units 50] [--image-size 64] [--out docs/ray_overhead.jsonl]
+
+Every plan's figures, and the overheads derived from them, are appended to --out as JSON lines with the machine,
+versions, date and commit (docs/ray.md's tables).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+from sweep import machine
 
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
@@ -123,11 +130,15 @@ def compare(graph: Graph, plan: Schedule, x: torch.Tensor, repeats: int,
     return measured
 
 
-def report(label: str, graph: Graph, plan: Schedule, measured: dict[str, tuple[float, float, float, int]]) -> None:
+def report(label: str, graph: Graph, plan: Schedule, measured: dict[str, tuple[float, float, float, int]],
+           record: Any) -> None:
     program = compile_program(plan, graph, 1)
     segments = cut_segments(program)
     crossing = sum(1 for s in segments for slot in s.imports if slot >= len(graph.inputs))
     print(f"\n{label}: {len(graph)} units, {crossing} values crossing devices, {len(segments)} segments")
+    record({"plan": label, "units": len(graph), "crossing": crossing, "segments": len(segments),
+            "forms": {name: {"ray_ms": round(ms, 4), "local_ms": round(local, 4), "setup_s": round(setup, 2),
+                             "calls": calls} for name, (ms, local, setup, calls) in measured.items()}})
     for name, (ms, local, setup, calls) in measured.items():
         print(f"  {name:<28} {ms:8.2f} ms against local {local:6.2f} ms ({ms / local:4.1f}x), {calls} calls, "
               f"set up in {setup:.1f} s")
@@ -138,7 +149,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--units", type=int, default=50)
     parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--out", default="docs/ray_overhead.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
+    where_measured = machine()
+
+    def record(row: dict) -> None:
+        with Path(args.out).open("a") as sink:
+            sink.write(json.dumps({**row, **where_measured, "repeats": args.repeats}) + "\n")
+
     torch.manual_seed(0)
     torch.set_num_threads(2)
     import torchvision
@@ -160,10 +178,10 @@ def main() -> None:
         measured = []
         for label, graph, plan, x in cases:
             measured.append(compare(graph, plan, x, args.repeats))
-            report(label, graph, plan, measured[-1])
+            report(label, graph, plan, measured[-1], record)
         graph, plan = heft_plan(googlenet, image, "googlenet", ONE_NODE)
         report(f"GoogLeNet {size}x{size}, HEFT, both devices on node n0", graph, plan,
-               compare(graph, plan, image, args.repeats, NODE_FORMS))
+               compare(graph, plan, image, args.repeats, NODE_FORMS), record)
     n = args.units
     one, alternating = measured[2], measured[3]
     print(f"\nRay's overhead over the local engine, from the synthetic plans ({n} units; measured):")
@@ -171,6 +189,8 @@ def main() -> None:
     for name in FORMS:
         on_one = one[name][0] - one[name][1]
         crossing = (alternating[name][0] - alternating[name][1] - on_one) / (n - 1) * 1000.0
+        record({"overhead": name, "units": n, "per_inference_ms": round(on_one, 4),
+                "per_unit_us": round(on_one / n * 1000.0, 1), "per_crossing_us": round(crossing, 1)})
         print(f"  {name:<24} {on_one:11.2f} ms {on_one / n * 1000.0:7.0f} us {crossing:16.0f} us")
 
 
