@@ -4,7 +4,8 @@ Sections (``--sections``): ``stacks`` (10-module RandWire ER(0.2) stacks, 1 and 
 latency, and throughput at batch 16: DiviML Tables I and IV), ``speedup`` (MILP-SPLIT against the whole MILP on
 5, 10, 20 modules: Table III), ``modules`` (single RandWire modules WS(4, 0.75), ER(0.2), BA(5), N 10 and 32),
 ``torchvision`` (GoogLeNet, Inception V3, ResNet-50, VGG-16, AlexNet at batch 1). Writes markdown tables to
-``--out`` (default mapping_diviml.md) and prints them. "Ceiling": the best single device's latency over the work
+``--out`` (default mapping_diviml.md), appends them with the machine, versions, date and commit to its ``.jsonl``
+beside it, and prints them. "Ceiling": the best single device's latency over the work
 bound (every unit's work spread over the devices as an LP, transfers and order free): no mapping gains more.
 
     python benchmarks/mapping_diviml.py --sections stacks speedup
@@ -13,8 +14,11 @@ bound (every unit's work spread over the devices as an LP, transfers and order f
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
+
+from sweep import machine
 
 from opsched.mapping.bound import work_bound
 from opsched.mapping.platform import load_platform
@@ -35,7 +39,11 @@ def run_all(problem, methods, limits) -> dict[str, dict]:
     return rows
 
 
+TABLES: list[dict] = []  # every table made, as written to --out's JSON-lines record
+
+
 def table(title: str, header: list[str], rows: list[list[str]]) -> str:
+    TABLES.append({"table": title, "header": header, "rows": rows})
     out = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(out) + "\n"
@@ -154,6 +162,10 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(f"<!-- python benchmarks/mapping_diviml.py --sections {' '.join(args.sections)} -->\n"
                               + text)
+    where = machine()
+    with Path(args.out).with_suffix(".jsonl").open("a") as sink:  # the same tables, with where and when
+        for made in TABLES:
+            sink.write(json.dumps({**made, "sections": args.sections, **where}) + "\n")
     print(text)
 
 
