@@ -343,3 +343,8 @@ def test_optimize_on_cuda_runs_through_the_device_interface(tmp_path, capsys):
     assert {"eager", "cuda_graph", "lios"} <= set(answer["measured_ms"]) and answer["chosen"]
     assert standin.calls["replay"] and standin.calls["wait"]
     standin.check()
+    with cuda.use_api(CudaStandIn()):  # on streams alone, the answer says what --cuda-graph would add
+        assert main(["optimize", f"{model}:make", "--device", "cuda", "--method", "lios", "--repeats", "3",
+                     "--no-cache", "--json", "-q", "--out", str(tmp_path / "q.json")]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert "cuda_graph" not in answer["measured_ms"] and any("--cuda-graph" in w for w in answer["warnings"])

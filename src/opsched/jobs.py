@@ -151,6 +151,10 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
                                     repeats=repeats, cache=cache, cuda_graph=cuda_graph, say=say,
                                     profile_progress=progress))
     outcome.graph, outcome.requested = graph, method
+    if device == "cuda" and not simulated and not cuda_graph:
+        outcome.notes.append("the plans ran on CUDA streams, each kernel launched from the host; at small batch, "
+                             "where launches take longer than the kernels, --cuda-graph (cuda_graph=True) replays "
+                             "each plan as one CUDA graph, beside the model captured as one (docs/gpu.md)")
     require_a_plan(outcome)
     return outcome
 
