@@ -32,7 +32,8 @@ MODELS = [("torchvision:resnet18", 2, 112), ("torchvision:googlenet", 1, 224), (
           ("torchvision:efficientnet_b0", 1, 224), ("torchvision:regnet_x_400mf", 1, 224),
           ("torchvision:shufflenet_v2_x1_0", 1, 224), ("torchvision:densenet121", 1, 224),
           ("torchvision:squeezenet1_1", 1, 224), ("torchvision:resnet50", 1, 224),
-          ("torchvision:convnext_tiny", 1, 224)]
+          ("torchvision:convnext_tiny", 1, 224), ("timm:resnet26d", 1, 128), ("timm:mixnet_s", 1, 224),
+          ("torchvision:vit_b_16", 1, 224)]
 
 
 def one(spec: str, batch: int, size: int, threads: int, repeats: int) -> dict:

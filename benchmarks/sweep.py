@@ -147,7 +147,17 @@ def main() -> None:
             f.write(json.dumps(row) + "\n")
         print(_line(row), flush=True)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
-    out.with_suffix(".md").write_text(markdown(rows, out.with_suffix(".jsonl")) + "\n")
+    write_markdown(out.with_suffix(".md"), markdown(rows, out.with_suffix(".jsonl")))
+
+
+GENERATED = "<!-- benchmarks/sweep.py writes everything below this line; the text above it is kept -->"
+
+
+def write_markdown(path: Path, table: str) -> None:
+    """Write the summary and table below the marker line of ``path``, keeping what was written above it."""
+    text = path.read_text() if path.exists() else ""
+    head = text[:text.index(GENERATED)] if GENERATED in text else ""
+    path.write_text(head + GENERATED + "\n\n" + table + "\n")
 
 
 HEADER = ("| model | input | units | verified | max error | eager ms | torch.compile ms | ONNX Runtime ms | "
