@@ -8,12 +8,10 @@ model's row, with the machine, versions, date and commit, is appended to --out (
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
-from sweep import machine
+from sweep import appender, machine
 
 import opsched
 from opsched.graph.blocks import split_blocks
@@ -28,7 +26,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--out", default="docs/capture_zoo.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
-    where = machine()
+    where, append = machine(), appender(args.out)
     print(f"machine: {where['machine']}, {where['versions']}; all figures measured")
     print("| model | input | units | edges | width | blocks | widest block | largest block | GFLOPs | capture s (median) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -44,10 +42,8 @@ def main() -> None:
         row = {"model": spec, "input": "x".join(map(str, loaded.inputs[0].shape)), "units": len(graph),
                "edges": len(graph.edges), "width": graph.width, "blocks": len(blocks), "widest_block": widest,
                "largest_block": max(len(b) for b in blocks), "gflops": round(graph.flops / 1e9, 2),
-               "capture_s": [round(t, 3) for t in times], "capture_s_median": round(statistics.median(times), 3),
-               **where}
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps(row) + "\n")
+               "capture_s": [round(t, 3) for t in times], "capture_s_median": round(statistics.median(times), 3)}
+        append(row)
         print(f"| {spec} | {row['input']} | {row['units']} | {row['edges']} | {row['width']} | {row['blocks']} | "
               f"{widest} | {row['largest_block']} | {row['gflops']:.2f} | {row['capture_s_median']:.2f} |", flush=True)
 

@@ -11,11 +11,9 @@ commit, is appended to --out (docs/runtime.md's table).
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 import torch
-from sweep import machine
+from sweep import appender
 
 from opsched.cost.simulate import SimulatedGPU
 from opsched.evaluation import Candidate, evaluate, module_runner, reference_outputs
@@ -64,15 +62,13 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", help="model specs among the defaults (default: all)")
     parser.add_argument("--out", default="docs/conv_reorder.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
-    where = machine()
+    append = appender(args.out)
     print("| model | batch, image | eager ms | plain ms | reordered ms | plain / reordered [99% interval] | noise |")
     print("|---|---|---|---|---|---|---|")
     for spec, batch, size in MODELS:
         if args.models and spec not in args.models:
             continue
-        row = {**one(spec, batch, size, args.threads, args.repeats), **where}
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps(row) + "\n")
+        row = append(one(spec, batch, size, args.threads, args.repeats))
         ms, ratio = row["measured_ms"], row["reordered_over_plain"] or {}
         print(f"| {spec} | {batch}, {size} px | {ms.get('eager', float('nan')):.2f} | {ms.get('plain', float('nan')):.2f} "
               f"| {ms.get('reordered', float('nan')):.2f} | {ratio.get('ratio', float('nan')):.2f}x "

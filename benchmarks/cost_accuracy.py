@@ -17,12 +17,10 @@ and commit): docs/cost-models.md's tables.
 """
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
-from sweep import machine
+from sweep import appender
 
 from opsched.cost.measure import stages_of
 from opsched.cost.simulate import SimulatedGPU
@@ -40,14 +38,13 @@ PUBLISHED_V100 = {"inception_v3": (6.51, 4.03), "randwire": (8.49, 6.02), "nasne
 
 
 class Record:
-    """Appends each row, with where and when it was made, to a JSON-lines file."""
+    """Appends each row, named by its table, with where and when it was made, to a JSON-lines file."""
 
     def __init__(self, path: str):
-        self.path, self.where = Path(path), machine()
+        self.append = appender(path)
 
     def __call__(self, table: str, **row) -> None:
-        with self.path.open("a") as sink:
-            sink.write(json.dumps({"table": table, **row, **self.where}) + "\n")
+        self.append({"table": table, **row})
 
 
 def simulated(max_block_size: int, record: Record) -> None:

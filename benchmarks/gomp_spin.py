@@ -15,9 +15,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from sweep import machine
+from sweep import appender
 
 METHODS = ["sequential", "greedy", "ios"]
 
@@ -59,16 +58,14 @@ def main() -> None:
     if args.here:
         print(json.dumps(measure(args.image_size, args.repeats)))
         return
-    where = machine()
+    append = appender(args.out)
     for setting, env in (("default", {}), ("GOMP_SPINCOUNT=0", {"GOMP_SPINCOUNT": "0"})):
         environ = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | env
         ran = subprocess.run([sys.executable, __file__, "--here", "--image-size", str(args.image_size),
                               "--repeats", str(args.repeats)], env=environ, capture_output=True, text=True,
                              check=True)
-        row = {"setting": setting, "model": "torchvision:googlenet", "image": args.image_size,
-               **json.loads(ran.stdout.strip().splitlines()[-1]), **where}
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps(row) + "\n")
+        row = append({"setting": setting, "model": "torchvision:googlenet", "image": args.image_size,
+                      **json.loads(ran.stdout.strip().splitlines()[-1])})
         ratios = ", ".join(f"{m} {r['ratio']:.2f}x [{r['low']:.2f}, {r['high']:.2f}]"
                            for m, r in row["over_sequential"].items())
         print(f"{setting}: sequential {row['measured_ms']['sequential']:.1f} ms; each plan's time over the sequential "

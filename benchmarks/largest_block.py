@@ -12,11 +12,9 @@ Blocks larger than --max-units are reported without searching them (NASNet-A's 4
 """
 
 import argparse
-import json
 import time
-from pathlib import Path
 
-from sweep import machine
+from sweep import appender
 
 from opsched.cost.simulate import SimulatedGPU
 from opsched.graph.blocks import split_blocks
@@ -31,7 +29,7 @@ def main() -> None:
     parser.add_argument("--max-units", type=int, default=40)
     parser.add_argument("--out", default="docs/largest_block.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
-    where = machine()
+    append = appender(args.out)
     print("| network | n | width | states | transitions | seconds |\n|---|---|---|---|---|---|")
     for name in args.models:
         m = load_model(name, batch=1)
@@ -50,8 +48,7 @@ def main() -> None:
                        seconds=round(time.perf_counter() - started, 3))
             print(f"| {name} | {len(block.units)} | {width} | {row['states']} | {transitions} | {row['seconds']:.2f} |",
                   flush=True)
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps({**row, **where}) + "\n")
+        append(row)
 
 
 if __name__ == "__main__":

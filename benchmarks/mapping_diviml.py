@@ -14,11 +14,10 @@ bound (every unit's work spread over the devices as an LP, transfers and order f
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from sweep import machine
+from sweep import appender
 
 from opsched.mapping.bound import work_bound
 from opsched.mapping.platform import load_platform
@@ -162,10 +161,9 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(f"<!-- python benchmarks/mapping_diviml.py --sections {' '.join(args.sections)} -->\n"
                               + text)
-    where = machine()
-    with Path(args.out).with_suffix(".jsonl").open("a") as sink:  # the same tables, with where and when
-        for made in TABLES:
-            sink.write(json.dumps({**made, "sections": args.sections, **where}) + "\n")
+    append = appender(Path(args.out).with_suffix(".jsonl"))  # the same tables, with where and when
+    for made in TABLES:
+        append({**made, "sections": args.sections})
     print(text)
 
 

@@ -30,16 +30,14 @@ versions, date and commit (docs/ray.md's tables).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-from sweep import machine
+from sweep import appender
 
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
@@ -151,11 +149,10 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--out", default="docs/ray_overhead.jsonl", help="JSON lines appended here")
     args = parser.parse_args()
-    where_measured = machine()
+    append = appender(args.out)
 
     def record(row: dict) -> None:
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps({**row, **where_measured, "repeats": args.repeats}) + "\n")
+        append({**row, "repeats": args.repeats})
 
     torch.manual_seed(0)
     torch.set_num_threads(2)

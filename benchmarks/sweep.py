@@ -42,6 +42,20 @@ def models() -> list[str]:
     return [f"torchvision:{m}" for m in names] + [f"timm:{m}" for m in TIMM]
 
 
+def appender(path: str | Path):
+    """A function that appends each row it is given, with where and when it was measured (:func:`machine`, read
+    once), as one JSON line to ``path``, and returns the row as written."""
+    where = machine()
+
+    def append(row: dict) -> dict:
+        row = {**row, **where}
+        with Path(path).open("a") as sink:
+            sink.write(json.dumps(row) + "\n")
+        return row
+
+    return append
+
+
 def machine() -> dict:
     """Where, when and with what a row was measured: the machine, the versions, the date and the commit of
     opsched (``+changes`` when its source in the working tree differed from it)."""

@@ -110,7 +110,7 @@ def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[.
     import torch
 
     from opsched.runtime.cuda.api import CudaError, current_api
-    from opsched.runtime.cuda.streams import autograd_off
+    from opsched.runtime.cuda.streams import autograd_off, capture_graph
 
     if torch.is_autocast_enabled("cuda"):
         raise CudaError("a CUDA graph is not captured under autocast (the weights' casts it would record are freed "
@@ -118,15 +118,7 @@ def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[.
     cuda = api or current_api()
     with autograd_off(persistent=True):
         static = [x.detach().clone() for x in inputs]
-        caller, side = cuda.current_stream(), cuda.new_stream()
-        cuda.wait(side, _recorded(cuda, caller))  # the static inputs are written on the caller's stream
-        with cuda.use_stream(side):  # lazy initialisation (cuDNN's choices, workspaces) must not be captured
-            for _ in range(3):
-                model(*static)
-        cuda.wait(caller, _recorded(cuda, side))
-        graph = cuda.new_graph()
-        with cuda.capture(graph):
-            outputs = model(*static)
+        graph, outputs = capture_graph(cuda, lambda capturing: model(*static), warmups=3)
     captured_for = [(x.shape, x.dtype, x.device) for x in static]
 
     def replay(*args: Any) -> Any:
@@ -143,12 +135,6 @@ def cuda_graph(model: Any, inputs: Sequence[Any], api: Any = None) -> Callable[.
         return outputs
 
     return replay
-
-
-def _recorded(cuda: Any, stream: Any) -> Any:
-    event = cuda.new_event()
-    cuda.record(event, stream)
-    return event
 
 
 def cuda_graph_peer(model: Any, inputs: Sequence[Any], sync: Callable[[], Any]) -> list[Candidate]:

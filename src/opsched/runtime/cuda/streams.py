@@ -113,10 +113,7 @@ class CUDAExecutor:
         """Nothing to stop: streams are released with the executor."""
 
     def _after(self, stream: Any, other: Any) -> None:
-        """Work queued on ``stream`` from now on starts after what is queued on ``other`` now."""
-        event = self.cuda.new_event()
-        self.cuda.record(event, other)
-        self.cuda.wait(stream, event)
+        after(self.cuda, stream, other)
 
     def _launch(self, values: list[Any], record_timeline: bool, kept: list | None = None) -> list[Any]:
         """Queue the program on the streams, ``values`` holding the inputs (see :meth:`LoweredProgram.start`);
@@ -187,23 +184,39 @@ class CUDAExecutor:
     def _capture(self, inputs: Sequence[torch.Tensor]) -> None:
         """Capture the program into one CUDA graph with static inputs (after a warm-up on a side stream,
         which CUDA graph capture needs so that lazy initialisation is not captured)."""
-        cuda = self.cuda
         with autograd_off(persistent=True):
             self._static_inputs = [x.detach().clone() for x in inputs]
-        caller = cuda.current_stream()
-        warmup = cuda.new_stream()
-        self._after(warmup, caller)
-        with cuda.use_stream(warmup):
-            self._launch(self.lowered.start(self._static_inputs), False)
-        self._after(caller, warmup)
-        graph = cuda.new_graph()
         kept: list = []
-        with cuda.capture(graph):
-            # Inside capture, the current stream is the capture stream: _launch forks the side streams from
-            # it with an event and joins them back before capture ends.
-            self._static_outputs = self._launch(self.lowered.start(self._static_inputs), False, kept)
-        del kept  # every value lived until capture ended; their memory is the graph's now
-        self._graph = graph
+        # Inside capture, the current stream is the capture stream: _launch forks the side streams from it with
+        # an event and joins them back before capture ends.
+        self._graph, self._static_outputs = capture_graph(
+            self.cuda, lambda capturing: self._launch(self.lowered.start(self._static_inputs), False,
+                                                      kept if capturing else None))
+        kept.clear()  # every value lived until capture ended; their memory is the graph's now
+
+
+def after(cuda: CudaApi, stream: Any, other: Any) -> None:
+    """Work queued on ``stream`` from now on starts after what is queued on ``other`` now."""
+    event = cuda.new_event()
+    cuda.record(event, other)
+    cuda.wait(stream, event)
+
+
+def capture_graph(cuda: CudaApi, run: Callable[[bool], Any], warmups: int = 1) -> tuple[Any, Any]:
+    """PyTorch's recipe for a CUDA graph: ``run(False)`` called ``warmups`` times on a side stream that starts
+    after the caller's work (lazy initialisation, cuDNN's choices and workspaces must not be captured), the caller
+    waiting for it, then ``run(True)`` captured into a new graph. Returns the graph and what the captured call
+    returned (its static outputs)."""
+    caller, warmup = cuda.current_stream(), cuda.new_stream()
+    after(cuda, warmup, caller)
+    with cuda.use_stream(warmup):
+        for _ in range(warmups):
+            run(False)
+    after(cuda, caller, warmup)
+    graph = cuda.new_graph()
+    with cuda.capture(graph):
+        outputs = run(True)
+    return graph, outputs
 
 
 @contextlib.contextmanager
