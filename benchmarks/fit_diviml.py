@@ -19,16 +19,21 @@ them: GoogLeNet, Inception V3, ResNet-50, VGG-16, AlexNet at batch 1; RandWire m
 BA(5) of 10 and 32 units (``opsched.mapping.workloads``). Only ratios are fitted: our RandWire modules are far
 smaller than the paper's networks, so absolute times differ.
 
-    python benchmarks/fit_diviml.py
+    python benchmarks/fit_diviml.py [--out docs/fit_diviml.jsonl]
 
 prints the fitted figures (put them in ``opsched.mapping.platform.BUILTIN["diviml"]`` and
 ``opsched.cost.devices.CPUS``) and Table II as the built-in platform gives it once fitted (its four ratios match
-the paper's by construction: four figures fitted to four ratios, no check).
+the paper's by construction: four figures fitted to four ratios, no check); with ``--out``, that table's rows are
+written afresh there as JSON lines, with the machine, versions, date and commit.
 """
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import numpy as np
+from sweep import appender
 
 from opsched.cost.devices import CPUS
 from opsched.cost.simulate import SimulatedGPU
@@ -99,6 +104,12 @@ def fitted_table(graphs_by_family) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON lines of the fitted Table II, written afresh")
+    args = parser.parse_args()
+    if args.out:
+        Path(args.out).write_text("")
+    append = appender(args.out) if args.out else None
     graphs = families()
     fitted = fit({f: totals(g) for f, g in graphs.items()})
     print("fitted:", ", ".join(f"{k} {v:.5g}" + (" ms" if "overhead" in k else "") for k, v in fitted.items()))
@@ -111,6 +122,10 @@ def main() -> None:
         for device, ms in row.items():
             print(f"| {family} | {device} | {ms:.2f} | {ms / row['a100']:.2f}x | {ours[family][device]:.3f} | "
                   f"{ours[family][device] / ours[family]['a100']:.2f}x |")
+            if append:
+                append({"family": family, "device": device, "simulated": True, "table_ii_ms": ms,
+                        "table_ii_ratio": ms / row["a100"], "builtin_ms": ours[family][device],
+                        "builtin_ratio": ours[family][device] / ours[family]["a100"]})
 
 
 if __name__ == "__main__":

@@ -5,17 +5,19 @@ limit, the bound proved and the gap. Solve times are measured on this machine; t
 platform's RandWire stacks are SIMULATED (its analytical device model), the others the graphs' given costs.
 
     python benchmarks/mapping_solvers.py --time-limit 20 --out docs/mapping_solvers.jsonl
+
+OUT is written afresh; each line records the machine, the versions, the date and the commit.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform as host
 import random
 import time
 from pathlib import Path
+
+from sweep import appender
 
 from opsched.graph.ir import Graph, Node
 from opsched.mapping.heft import heft
@@ -71,8 +73,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve (model building included)")
     parser.add_argument("--out", default="mapping_solvers.jsonl", help="one JSON line per run")
     args = parser.parse_args()
-    lines = [{"machine": f"{os.cpu_count()} cores, {host.machine()}, {host.platform()}", "time_limit": args.time_limit}]
-    print(json.dumps(lines[0]), flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("")
+    append = appender(args.out)
     for options in SOLVERS.values():  # untimed: the first solve of each pays for imports and thread start-up
         milp(heft_example(), time_limit=1.0, **options)
     for i, (name, objective, costs, make) in enumerate(instances()):
@@ -87,11 +90,8 @@ def main() -> None:
             line = {"instance": name, "objective": objective, "costs": costs, "units": problem.n,
                     "solver": label, "status": result.status, "optimal": result.optimal, "seconds": round(seconds, 2),
                     "makespan": best, "heft": replay(problem, start).makespan, "bound": result.bound,
-                    "gap": (best - result.bound) / best if best > 0 else 0.0}
-            lines.append(line)
-            print(json.dumps(line), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(line) + "\n" for line in lines))
+                    "gap": (best - result.bound) / best if best > 0 else 0.0, "time_limit": args.time_limit}
+            print(json.dumps(append(line)), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ Without --image-size each model runs at its own usual input size. Writes OUT.jso
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
+
+from opsched.provenance import machine
 
 # every torchvision classifier but the ones a 2-core, 24 GiB machine cannot time in minutes (over 100 GFLOPs)
 TORCHVISION_TOO_LARGE = {"regnet_y_128gf", "vit_h_14"}
@@ -54,32 +54,6 @@ def appender(path: str | Path):
         return row
 
     return append
-
-
-def machine() -> dict:
-    """Where, when and with what a row was measured: the machine, the versions, the date and the commit of
-    opsched (``+changes`` when its source in the working tree differed from it)."""
-    import os
-
-    import torch
-
-    versions = {"torch": torch.__version__, "python": platform.python_version()}
-    try:
-        import onnxruntime
-
-        versions["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
-             if line.startswith("model name")]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src"],  # the package's
-                           capture_output=True, text=True, cwd=Path(__file__).parent.parent, check=False).stdout.strip()
-    return {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {names[0] if names else platform.processor()}",
-            "versions": versions, "date": date.today().isoformat(),
-            "commit": (commit + ("+changes" if dirty else "")) or None}
 
 
 def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:

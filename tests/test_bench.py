@@ -36,6 +36,22 @@ def test_a_run_writes_rows_once_and_resumes(tmp_path):
     assert {p.name for p in plots} == {"throughput-sim-t4.png", "search-time.png"}
 
 
+def test_each_row_says_where_when_and_with_what_it_was_measured(tmp_path):
+    import json
+
+    import torch
+
+    case = bench.Case("schedules", "squeezenet", 1, "sim:t4", ["sequential"], image_size=64)
+    (tmp_path / "results.csv").write_text(  # a file of an earlier opsched, without those columns
+        "preset,model,batch,cost,simulated,method,variant,predicted_ms\n"
+        "schedules,randwire,1,sim:t4,True,ios,,1.5\n")
+    rows = bench.run([case], tmp_path)
+    assert [r["model"] for r in rows] == ["randwire", "squeezenet"]  # the earlier row kept, under today's columns
+    assert rows[0]["predicted_ms"] == "1.5" and rows[0]["date"] == ""
+    assert rows[1]["date"] and "cores" in rows[1]["machine"]
+    assert json.loads(rows[1]["versions"])["torch"] == torch.__version__
+
+
 def test_specialisation_costs_each_schedule_on_the_other_settings(tmp_path):
     cases = [bench.Case("specialisation", "squeezenet", b, c, ["sequential", "ios"], image_size=64)
              for c in ("sim:v100", "sim:k80") for b in (1, 4)]

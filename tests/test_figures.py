@@ -8,10 +8,16 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DECIMAL = re.compile(r"(?<![\w.])-?\d+\.\d+%?(?![\w.])")  # a percentage is checked as its fraction
+# a percentage is checked as its fraction; thousands may be grouped by commas (1,570.7)
+DECIMAL = re.compile(r"(?<![\w.,])-?\d{1,3}(?:,\d{3})+\.\d+%?(?![\w.])|(?<![\w.,])-?\d+\.\d+%?(?![\w.])")
 
 
 SOURCE = re.compile(r"<!--\s*source:\s*(.+?)\s*-->")
+NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of definitions (a model's parameters)
+
+# Tables of docs/ whose figures name no record yet, per page: known debt, measured again or removed page by page.
+# The count must fall as they are (the test fails when a page has more, and when it has fewer: lower it here).
+UNSOURCED = {"benchmarks.md": 5, "cost-models.md": 2, "mapping.md": 13, "multi.md": 2, "ray.md": 3}
 
 
 def _tables(markdown: str) -> list[tuple[str | None, list[tuple[int, str]]]]:
@@ -39,10 +45,11 @@ def _recorded_values(path: Path) -> list[float]:
 
 def _recorded(figure: str, values: list[float]) -> bool:
     scale = 100.0 if figure.endswith("%") else 1.0
-    figure = figure.removesuffix("%")
+    figure = figure.removesuffix("%").replace(",", "")
     places = len(figure.split(".")[1])
     target = float(figure)
-    return any(abs(round(v * scale, places) - target) < 0.5 * 10 ** -places + 1e-12 for v in values)
+    half = 0.5 * 10 ** -places * (1 + 1e-9)  # a value half-way between two figures rounds to either
+    return any(abs(v * scale - target) <= half for v in values)
 
 
 def _check(page: str, source: str, figures: list[tuple[int, str]]) -> None:
@@ -73,6 +80,22 @@ def test_every_figure_in_a_docs_table_that_names_its_records_is_in_them():
     assert checked, "no table in docs/ names its records"
 
 
+def test_a_docs_table_of_figures_names_its_records_but_for_the_known_debt():
+    unsourced = {}
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        lines = page.read_text().splitlines()
+        for source, figures in _tables(page.read_text()):
+            if figures and not source:
+                start = figures[0][0] - 1
+                while start and lines[start - 1].lstrip().startswith("|"):
+                    start -= 1
+                if not (start and NOT_MEASURED.search(lines[start - 1])):
+                    unsourced.setdefault(page.name, []).append(start + 1)
+    counts = {page: len(starts) for page, starts in unsourced.items()}
+    assert counts == UNSOURCED, (f"tables of figures without <!-- source: ... --> (page: their lines): {unsourced}; "
+                                 f"a new table names its record, and a page's count here only falls")
+
+
 def test_the_check_finds_a_figure_typed_by_hand():
     table = "<!-- source: docs/x.jsonl -->\n| model | ms |\n|---|---|\n| a | 12.34 |\n"
     assert _tables(table) == [("docs/x.jsonl", [(4, "12.34")])]
@@ -80,3 +103,5 @@ def test_the_check_finds_a_figure_typed_by_hand():
     assert _tables("<!-- source: a.json, b.json -->\n| a |\n|---|\n| 1.5 |\n") == [("a.json, b.json", [(4, "1.5")])]
     assert _recorded("12.34", [12.3412]) and not _recorded("12.34", [12.5, 1234.0])
     assert _recorded("2.8%", [0.02804]) and not _recorded("2.8%", [2.8])
+    assert _tables("| a |\n|---|\n| 1,570.7 MB, 0.5 |\n") == [(None, [(3, "1,570.7"), (3, "0.5")])]
+    assert _recorded("1,570.7", [1570.71]) and not _recorded("1,570.7", [570.7])

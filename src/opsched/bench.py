@@ -2,7 +2,8 @@
 
 A run is a list of *cases* (model, batch, cost model); each case yields one row per method: predicted
 latency, measured latency when the cost model is measured here, speedup over sequential, search time,
-DP states and transitions, and the lower bound. Rows go to ``DIR/results.csv`` as they are made, so an
+DP states and transitions, and the lower bound, with where, when and with what it was measured
+(:func:`opsched.provenance.machine`). Rows go to ``DIR/results.csv`` as they are made, so an
 interrupted run resumes where it stopped (rows already in the file are skipped); ``DIR/results.md`` and
 the plots are rewritten from the whole file at the end. Simulated rows say so in their ``cost`` and
 ``simulated`` columns, and in every table and plot.
@@ -17,6 +18,7 @@ isolation).
 from __future__ import annotations
 
 import csv
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,7 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 ZOO = ["inception_v3", "randwire", "nasnet", "squeezenet"]
 COLUMNS = ["preset", "model", "batch", "cost", "simulated", "method", "variant", "units", "predicted_ms",
            "sequential_predicted_ms", "predicted_speedup", "measured_ms", "measured_speedup", "search_seconds",
-           "states", "transitions", "lower_bound_ms", "max_abs_error", "note"]
+           "states", "transitions", "lower_bound_ms", "max_abs_error", "note", "machine", "versions", "date", "commit"]
 
 
 @dataclass
@@ -231,13 +233,26 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
 
 
 def _append(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    from opsched.provenance import machine
+
+    where = machine()
+    where["versions"] = json.dumps(where["versions"], sort_keys=True)
+    if path.exists():
+        with path.open(newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != COLUMNS:  # written by an earlier opsched: the same rows under today's columns
+            earlier = read_rows(path)
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows({k: r.get(k) or "" for k in COLUMNS} for r in earlier)
     new = not path.exists()
     with path.open("a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
             writer.writeheader()
         for r in rows:
-            writer.writerow({k: r.get(k, "") for k in COLUMNS})
+            writer.writerow({k: r.get(k, where.get(k, "")) for k in COLUMNS})
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

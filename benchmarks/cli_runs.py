@@ -1,0 +1,82 @@
+"""Commands of opsched's CLI as a user types them, run with ``--json`` and recorded: the figures docs/ quotes from
+``opsched map`` and ``opsched multi`` runs come from here.
+
+Each preset is a list of commands; each command runs ``--runs`` times, one process a run (so that every run pays
+what a user's does: imports, capture, profiling unless cached), the presets' commands interleaved run by run. Each
+run's JSON is appended to OUT as one line, with the command, the run's number, its wall time, and the machine,
+versions, date and commit. A command that fails is recorded with its exit status and the last line it wrote.
+
+    python benchmarks/cli_runs.py --preset mapping-cpu2 --runs 3 --out docs/mapping_cpu2.jsonl
+    python benchmarks/cli_runs.py --preset multi-resnet18 multi-mixed --out docs/multi_cli.jsonl
+
+Presets:
+
+- ``mapping-cpu2``: GoogLeNet at 64 px and MobileNetV3-small at 96 px mapped by HEFT onto two 1-thread CPU
+  devices, the units profiled afresh each run (``--no-cache``): the mapped plan, each device alone and eager,
+  verified and timed interleaved (docs/mapping.md, "Execution").
+- ``multi-resnet18``: four ResNet-18 copies at batch 2 at 64, 112 and 224 px (docs/multi.md).
+- ``multi-mixed``: four different small torchvision networks on one 64 px input, on ONNX Runtime kernels
+  (docs/multi.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+from sweep import appender
+
+PRESETS: dict[str, list[list[str]]] = {
+    "mapping-cpu2": [
+        ["map", "torchvision:googlenet", "--image-size", "64", "--platform", "cpu2", "--method", "heft", "--no-cache"],
+        ["map", "torchvision:mobilenet_v3_small", "--image-size", "96", "--platform", "cpu2", "--method", "heft",
+         "--no-cache"],
+    ],
+    "multi-resnet18": [
+        ["multi", "torchvision:resnet18", "--copies", "4", "--batch", "2", "--image-size", str(size)]
+        for size in (64, 112, 224)
+    ],
+    "multi-mixed": [
+        ["multi", "torchvision:squeezenet1_1", "torchvision:mobilenet_v3_small", "torchvision:shufflenet_v2_x0_5",
+         "torchvision:mnasnet0_5", "--image-size", "64", "--kernels", "onnxruntime"],
+    ],
+}
+
+
+def run(command: list[str], timeout: float) -> dict:
+    """One run of ``opsched COMMAND --json`` in its own process: its JSON, or its failure."""
+    started = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "opsched", *command, "--json"], capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"failed": f"over {timeout:.0f} s", "seconds": round(time.perf_counter() - started, 1)}
+    seconds = round(time.perf_counter() - started, 1)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
+        return {"failed": f"exit {done.returncode}: {last}", "seconds": seconds}
+    return {"result": json.loads(done.stdout), "seconds": seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", nargs="+", choices=sorted(PRESETS), required=True)
+    parser.add_argument("--runs", type=int, default=1, help="runs of each command")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run")
+    parser.add_argument("--out", required=True, help="JSON lines appended here")
+    args = parser.parse_args()
+    append = appender(args.out)
+    commands = [(preset, command) for preset in args.preset for command in PRESETS[preset]]
+    for number in range(1, args.runs + 1):
+        for preset, command in commands:
+            print(f"run {number}: opsched {' '.join(command)}", file=sys.stderr, flush=True)
+            row = append({"preset": preset, "command": ["opsched", *command, "--json"], "run": number,
+                          **run(command, args.timeout)})
+            print(row.get("failed") or f"{row['seconds']} s", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
