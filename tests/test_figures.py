@@ -17,7 +17,7 @@ NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of defini
 
 # Tables of docs/ whose figures name no record yet, per page: known debt, measured again or removed page by page.
 # The count must fall as they are (the test fails when a page has more, and when it has fewer: lower it here).
-UNSOURCED = {"benchmarks.md": 5, "cost-models.md": 2, "mapping.md": 13, "multi.md": 2, "ray.md": 3}
+UNSOURCED = {"benchmarks.md": 5, "cost-models.md": 2, "mapping.md": 11, "multi.md": 2, "ray.md": 3}
 
 
 def _tables(markdown: str) -> list[tuple[str | None, list[tuple[int, str]]]]:

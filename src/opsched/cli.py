@@ -324,6 +324,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     _add_quiet_option(p)
 
+    p = sub.add_parser("serve", help="serve models over the Open Inference Protocol (KServe v2, Triton's HTTP), "
+                                     "requests batched across time",
+                       description="Start an HTTP server speaking the Open Inference Protocol (KServe v2, the protocol "
+                                   "of Triton's HTTP endpoint, with its binary tensor extension) for every MODEL. "
+                                   "Each model's requests that arrive within --max-delay-ms of each other run as one "
+                                   "call of up to --max-batch samples; its plans for the batch sizes the batcher "
+                                   "forms are prepared at startup in the background (opsched optimize, or a plan "
+                                   "file given with NAME=MODEL@PLAN.json), the model answering itself until they "
+                                   "are; /v2/health/ready answers 200 once all are. SIGTERM or Ctrl-C stops "
+                                   "accepting, answers what was accepted and exits (see docs/serving.md).")
+    p.add_argument("models", metavar="MODEL", nargs="+",
+                   help=RUNNABLE_MODEL_HELP + "; NAME=MODEL serves it as NAME (default: the name after ':'), "
+                        "MODEL@PLAN.json serves a saved plan of opsched optimize for it")
+    _add_model_options(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=_int_at_least(0, "a port number"), default=8000,
+                   help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--max-delay-ms", type=_non_negative_float, default=2.0, metavar="D",
+                   help="how long a request waits for others to batch with it (default 2)")
+    p.add_argument("--max-batch", type=_positive, default=8, metavar="B",
+                   help="most samples in one call of a model (default 8); a request holds at most B")
+    p.add_argument("--queue-size", type=_positive, default=64, metavar="Q",
+                   help="requests that may wait for a model; past it the server answers 503 at once (default 64)")
+    p.add_argument("--max-body-mb", type=_positive_float, default=64.0, metavar="MB",
+                   help="largest request body taken (default 64; larger gets 413)")
+    p.add_argument("--no-optimize", action="store_true", help="serve the models as they are, with no plans")
+    p.add_argument("--repeats", type=_positive, default=15, metavar="N",
+                   help="interleaved timing rounds when each plan is prepared (default 15)")
+    p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
+                   help="how the plans' units run (default eager; see opsched optimize)")
+    p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
+    p.set_defaults(json=False)
+
     p = sub.add_parser("bench", help="run the papers' comparisons (presets) and write CSV, markdown and plots",
                        description="Run a benchmark preset: for each model x method x cost x batch, the predicted "
                                    "latency, the measured one where the device is real (interleaved with eager), "

@@ -1,0 +1,168 @@
+"""``opsched serve``: models behind the Open Inference Protocol (KServe v2, Triton's HTTP protocol), requests batched
+across time, each model answered by its optimized module.
+
+>>> import torch
+>>> from opsched.serving import serve
+>>> net = torch.nn.Linear(4, 2)
+>>> with serve({"net": (net, (torch.randn(1, 4),))}, port=0, block=False, optimize=False) as serving:
+...     serving.wait_ready(30)
+True
+
+At startup every model's plans are prepared in the background, one model at a time, for the batch sizes its
+batcher forms (:meth:`~opsched.serving.batcher.ModelEndpoint.batch_sizes`), by ``opsched.optimize`` on a copy of
+the model (or read from a saved plan with ``opsched.load``); the server is ready once they all are, and until then
+each model answers its requests itself. Progress goes to stderr, a line per model.
+
+Needs the ``serve`` extra (``pip install 'opsched[serve]'``: Starlette and uvicorn).
+"""
+
+from __future__ import annotations
+
+import copy
+import socket
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Self
+
+from opsched.errors import OpschedError, first_line
+
+
+def _say(text: str) -> None:
+    print(f"opsched serve: {text}", file=sys.stderr, flush=True)
+
+
+class Serving:
+    """A server running in a thread of this process (``serve(..., block=False)``): its ``url``, readiness and
+    :meth:`stop`; a context manager that stops it on leaving."""
+
+    def __init__(self, server: Any, sock: socket.socket, endpoints: dict, preparing: threading.Thread):
+        self.server, self.endpoints, self.preparing = server, endpoints, preparing
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{host}:{port}"
+        self.port = port
+        self.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="opsched-serve-http",
+                                       daemon=True)
+        self.thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until every model's plans are prepared; whether they were within ``timeout`` seconds."""
+        self.preparing.join(timeout)
+        return all(e.ready.is_set() for e in self.endpoints.values())
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop accepting, answer what was accepted, end the models' threads."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0.0.1", port: int = 8000,
+          max_delay_ms: float = 2.0, max_batch: int = 8, queue_size: int = 64, max_body_mb: float = 64.0,
+          optimize: bool = True, optimize_options: Mapping[str, Any] | None = None,
+          plans: Mapping[str, str | Path] | None = None, block: bool = True,
+          say: Callable[[str], Any] = _say) -> Serving | None:
+    """Serve ``models`` (name -> ``(model, example_inputs)``) on ``host:port`` (0: a free port). Each model batches
+    up to ``max_batch`` samples that arrive within ``max_delay_ms`` of the first; ``queue_size`` requests wait at
+    most (then 503). ``optimize``: prepare its plans with ``opsched.optimize(**optimize_options)`` (or, for a name
+    in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``block``: serve until
+    SIGTERM or Ctrl-C (returns None once every accepted request was answered); else return a :class:`Serving`
+    running in a thread."""
+    try:
+        import uvicorn
+    except ImportError:
+        raise OpschedError("opsched serve needs uvicorn and Starlette: pip install 'opsched[serve]'") from None
+    from opsched.serving.app import application
+    from opsched.serving.batcher import ModelEndpoint
+
+    if not models:
+        raise OpschedError("give at least one model to serve")
+    unknown = set(plans or {}) - set(models)
+    if unknown:
+        raise OpschedError(f"plans for models not served: {', '.join(sorted(unknown))}")
+    sock = _bind(host, port)
+    lock = threading.Lock()
+    try:
+        endpoints = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=max_batch,
+                                         max_delay=max_delay_ms / 1000, queue_size=queue_size, lock=lock)
+                     for name, (model, inputs) in models.items()}
+    except BaseException:
+        sock.close()
+        raise
+
+    def shut_down() -> None:
+        for endpoint in endpoints.values():
+            endpoint.close()
+
+    preparing = threading.Thread(target=_prepare, args=(endpoints, optimize, dict(optimize_options or {}),
+                                                        dict(plans or {}), say),
+                                 name="opsched-serve-prepare", daemon=True)
+    preparing.start()
+    app = application(endpoints, max_body=int(max_body_mb * (1 << 20)), on_shutdown=shut_down)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+    if not block:
+        return Serving(server, sock, endpoints, preparing)
+    host_, port_ = sock.getsockname()[:2]
+    say(f"serving {', '.join(endpoints)} on http://{host_}:{port_} (Open Inference Protocol, /v2)")
+    server.run(sockets=[sock])
+    return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, made here so that a port in use is one clear error."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        raise OpschedError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _prepare(endpoints: dict, optimize: bool, options: dict, plans: dict, say: Callable[[str], Any]) -> None:
+    """Each model's optimized module, one model at a time; a model whose preparation fails answers itself."""
+    for name, endpoint in endpoints.items():
+        if not optimize:
+            endpoint.use(None)
+            continue
+        sizes = endpoint.batch_sizes() if endpoint.batchable else []
+        say(f"{name}: preparing plans" + (f" for batch sizes {', '.join(map(str, sizes))}" if sizes else "") + " ...")
+        try:
+            if name in plans:
+                import opsched
+
+                module = opsched.load(plans[name], copy.deepcopy(endpoint.model))
+                for b in sizes:
+                    module.prepare(*_at_batch(endpoint.examples, b))
+            else:
+                module = _optimized(endpoint, sizes, options)
+        except Exception as e:  # noqa: BLE001 - the model still answers, itself
+            endpoint.use(None, first_line(e))
+            say(f"{name}: ready; the model answers itself: {first_line(e)}")
+            continue
+        endpoint.use(module)
+        say(f"{name}: ready")
+
+
+def _at_batch(examples: tuple, batch: int) -> tuple:
+    import torch
+
+    return tuple(torch.cat([t[:1]] * batch) for t in examples)
+
+
+def _optimized(endpoint: Any, sizes: list[int], options: dict) -> Any:
+    import opsched
+
+    inputs = _at_batch(endpoint.examples, 1) if endpoint.batchable else endpoint.examples
+    outcome = opsched.optimize(copy.deepcopy(endpoint.model), inputs,
+                               batch_sizes=[b for b in sizes if b != 1], **options)
+    return outcome.module

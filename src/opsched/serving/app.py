@@ -1,0 +1,124 @@
+"""The HTTP side of ``opsched serve``: the Open Inference Protocol's endpoints as a Starlette application (an ASGI
+app that uvicorn runs), over the models' :class:`~opsched.serving.batcher.ModelEndpoint`.
+
+Endpoints (KServe v2, as Triton's HTTP endpoint has them): ``GET /v2`` (server metadata), ``/v2/health/live``,
+``/v2/health/ready``, ``GET /v2/models/{name}[/versions/1]`` (metadata), ``/v2/models/{name}/ready``, ``POST
+/v2/models/{name}[/versions/1]/infer`` (JSON tensors, or Triton's binary tensor extension), ``POST
+/v2/repository/index``. Errors are ``{"error": "one line"}``: 400 for a request the protocol or the model's
+signature does not allow, 404 for an unknown model or version, 413 for a body over the limit, 503 at once when the
+model's queue is full or the server stops, 500 with the model's own message when it raised. Readiness answers 400
+while the models' plans are being prepared (the models already answer requests then, themselves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from opsched import __version__
+from opsched.errors import first_line
+from opsched.serving.batcher import ModelEndpoint, Overloaded
+from opsched.serving.protocol import (
+    HEADER_LENGTH,
+    ProtocolError,
+    output_choice,
+    read_inputs,
+    split_body,
+    write_response,
+)
+
+VERSION = "1"  # each model is served in one version
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def application(endpoints: dict[str, ModelEndpoint], *, max_body: int = 64 << 20,
+                on_shutdown: Callable[[], Any] = lambda: None) -> Starlette:
+    """The ASGI application serving ``endpoints`` by name; ``on_shutdown`` runs once uvicorn has stopped accepting
+    and every request it accepted was answered."""
+
+    def endpoint_of(request: Request) -> ModelEndpoint | JSONResponse:
+        name = request.path_params["name"]
+        version = request.path_params.get("version", VERSION)
+        if name not in endpoints:
+            return _error(404, f"no model {name!r}; the models are {', '.join(endpoints)}")
+        if version != VERSION:
+            return _error(404, f"model {name!r} has version {VERSION} only, not {version!r}")
+        return endpoints[name]
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": "opsched", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+    async def live(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(request: Request) -> Response:
+        return Response(status_code=200 if all(e.ready.is_set() for e in endpoints.values()) else 400)
+
+    async def model_metadata(request: Request) -> Response:
+        endpoint = endpoint_of(request)
+        return endpoint if isinstance(endpoint, Response) else JSONResponse(endpoint.metadata())
+
+    async def model_ready(request: Request) -> Response:
+        endpoint = endpoint_of(request)
+        if isinstance(endpoint, Response):
+            return endpoint
+        return Response(status_code=200 if endpoint.ready.is_set() else 400)
+
+    async def repository_index(request: Request) -> Response:
+        return JSONResponse([{"name": name, "version": VERSION, "state": "READY" if e.ready.is_set() else "LOADING"}
+                             for name, e in endpoints.items()])
+
+    async def infer(request: Request) -> Response:
+        endpoint = endpoint_of(request)
+        if isinstance(endpoint, Response):
+            return endpoint
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            return _error(413, f"the body has {declared} bytes; at most {max_body} are taken")
+        body = await request.body()
+        if len(body) > max_body:
+            return _error(413, f"the body has {len(body)} bytes; at most {max_body} are taken")
+        try:
+            message, binary = split_body(body, request.headers.get(HEADER_LENGTH.lower()))
+            choice = output_choice(message, [s.name for s in endpoint.outputs])
+            inputs, batch = endpoint.check(read_inputs(message, binary))
+            future = endpoint.submit(inputs, batch)
+        except ProtocolError as e:
+            return _error(400, str(e))
+        except Overloaded as e:
+            return _error(503, str(e))
+        try:
+            outputs = await asyncio.wrap_future(future)
+        except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
+            return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
+        content, header_length = write_response(endpoint.name, VERSION, message.get("id"), outputs, choice)
+        if header_length is None:
+            return Response(content, media_type="application/json")
+        return Response(content, media_type="application/octet-stream",
+                        headers={HEADER_LENGTH: str(header_length)})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
+
+    model = "/v2/models/{name}"
+    versioned = "/v2/models/{name}/versions/{version}"
+    routes = [
+        Route("/v2", server_metadata), Route("/v2/health/live", live), Route("/v2/health/ready", ready),
+        Route("/v2/repository/index", repository_index, methods=["GET", "POST"]),
+        Route(model, model_metadata), Route(versioned, model_metadata),
+        Route(model + "/ready", model_ready), Route(versioned + "/ready", model_ready),
+        Route(model + "/infer", infer, methods=["POST"]), Route(versioned + "/infer", infer, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,173 @@
+"""The Open Inference Protocol's tensors (KServe v2, the protocol of Triton's HTTP endpoint): an inference request's
+inputs read into tensors, and the outputs written back, as JSON or with Triton's binary tensor extension.
+
+A request is a JSON object (``id``, ``parameters``, ``inputs``, ``outputs``); each input has ``name``, ``shape``,
+``datatype`` and either ``data`` (the elements in row-major order, flat or nested) or, with the binary extension,
+``parameters.binary_data_size``: its bytes then follow the JSON, in the order of the inputs, and the JSON's length
+is the ``Inference-Header-Content-Length`` header. An output is written as binary when the request asks for it
+(``parameters.binary_data`` on the output, or ``parameters.binary_data_output`` on the request).
+
+>>> import torch
+>>> request = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.5, 2.5]}]}
+>>> read_inputs(request, b"")["x"]
+tensor([[1.5000, 2.5000]])
+>>> body, header_length = write_response("m", "1", None, {"y": torch.tensor([[3]])}, output_choice(request, ["y"]))
+>>> json.loads(body)["outputs"][0]
+{'name': 'y', 'datatype': 'INT64', 'shape': [1, 1], 'data': [3]}
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+from opsched.errors import OpschedError
+
+DATATYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
+    "INT64": torch.int64, "FP16": torch.float16, "BF16": torch.bfloat16, "FP32": torch.float32,
+    "FP64": torch.float64,
+}
+NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DATATYPES.items()}
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+class ProtocolError(OpschedError):
+    """A request the protocol, or the model's signature, does not allow: answered 400 with its one line."""
+
+
+def datatype_of(dtype: torch.dtype) -> str:
+    if dtype not in NAMES:
+        raise OpschedError(f"tensors of {dtype} have no Open Inference Protocol datatype")
+    return NAMES[dtype]
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
+    """The request's JSON object and the binary data after it (``header_length``: the header of that name)."""
+    if header_length is None:
+        head, rest = body, b""
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            n = -1
+        if not 0 <= n <= len(body):
+            raise ProtocolError(f"{HEADER_LENGTH} is {header_length!r}; the body has {len(body)} bytes")
+        head, rest = body[:n], body[n:]
+    try:
+        request = json.loads(head)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"the request is not JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("the request is not a JSON object")
+    return request, rest
+
+
+def read_inputs(request: dict[str, Any], binary: bytes) -> dict[str, torch.Tensor]:
+    """Each input of ``request`` as a tensor, by name (binary inputs read from ``binary`` in order)."""
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError("the request has no inputs (a list of tensors)")
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for entry in inputs:
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+            raise ProtocolError("each input is an object with a name")
+        name = entry["name"]
+        if name in tensors:
+            raise ProtocolError(f"input {name!r} is given twice")
+        shape, datatype = entry.get("shape"), entry.get("datatype")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise ProtocolError(f"input {name!r}: shape must be a list of sizes, got {shape!r}")
+        if datatype not in DATATYPES:
+            raise ProtocolError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(DATATYPES)}")
+        dtype, count = DATATYPES[datatype], int(np.prod(shape, dtype=np.int64))
+        size = (entry.get("parameters") or {}).get("binary_data_size")
+        if size is not None:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if not isinstance(size, int) or size != count * itemsize or offset + size > len(binary):
+                raise ProtocolError(f"input {name!r}: binary_data_size {size!r} does not hold {count} {datatype} "
+                                    f"elements, or the body is shorter")
+            raw = bytearray(binary[offset:offset + size])  # writable: the tensor owns its memory
+            offset += size
+            tensor = torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+        else:
+            if "data" not in entry:
+                raise ProtocolError(f"input {name!r} has neither data nor binary_data_size")
+            tensor = _from_json(name, entry["data"], dtype, datatype)
+        if tensor.numel() != count:
+            raise ProtocolError(f"input {name!r}: shape {shape} holds {count} elements, the data {tensor.numel()}")
+        tensors[name] = tensor.reshape(shape)
+    if offset != len(binary):
+        raise ProtocolError(f"{len(binary) - offset} bytes after the JSON belong to no input")
+    return tensors
+
+
+def _from_json(name: str, data: Any, dtype: torch.dtype, datatype: str) -> torch.Tensor:
+    if dtype == torch.bool:
+        array = np.asarray(data)
+        if array.size and array.dtype != np.bool_:
+            raise ProtocolError(f"input {name!r}: BOOL data must be true or false")
+        return torch.from_numpy(array.astype(np.bool_).reshape(-1))
+    try:
+        array = np.asarray(data, dtype=np.float64 if dtype.is_floating_point else np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise ProtocolError(f"input {name!r}: data must be numbers for {datatype}") from None
+    if array.dtype == object:
+        raise ProtocolError(f"input {name!r}: data must be numbers for {datatype}")
+    if not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range")
+    return torch.from_numpy(array.reshape(-1)).to(dtype)
+
+
+def output_choice(request: dict[str, Any], names: list[str]) -> dict[str, bool]:
+    """The outputs a request asks for (all of ``names`` when it names none), each with whether it is written as
+    binary data."""
+    wanted = request.get("outputs")
+    everything_binary = bool((request.get("parameters") or {}).get("binary_data_output"))
+    if not wanted:
+        return dict.fromkeys(names, everything_binary)
+    if not isinstance(wanted, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in wanted):
+        raise ProtocolError("outputs must be a list of objects with a name")
+    choice = {}
+    for o in wanted:
+        if o["name"] not in names:
+            raise ProtocolError(f"the model has no output {o['name']!r}; it has {', '.join(names)}")
+        choice[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", everything_binary))
+    return choice
+
+
+def write_response(model: str, version: str, request_id: Any, outputs: dict[str, torch.Tensor],
+                   choice: dict[str, bool]) -> tuple[bytes, int | None]:
+    """The response's body for the outputs of ``choice`` (:func:`output_choice`), and the length of its JSON part
+    when binary data follows it (else None)."""
+    entries, blobs = [], []
+    for name, binary in choice.items():
+        tensor = outputs[name].detach().cpu().contiguous()
+        entry: dict[str, Any] = {"name": name, "datatype": datatype_of(tensor.dtype), "shape": list(tensor.shape)}
+        if binary:
+            blob = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            entry["data"] = _to_json(tensor)
+        entries.append(entry)
+    response: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
+    if request_id is not None:
+        response["id"] = request_id
+    head = json.dumps(response).encode()
+    if not blobs:
+        return head, None
+    return head + b"".join(blobs), len(head)
+
+
+def _to_json(tensor: torch.Tensor) -> list:
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        tensor = tensor.float()
+    return tensor.reshape(-1).tolist()

@@ -1,0 +1,380 @@
+"""opsched serve: the Open Inference Protocol's tensors, the batcher (every request answered with exactly its own
+rows, a bad request failing alone, a full queue refused at once), and the server driven by the official client
+(tritonclient, JSON and binary), curl and the command line (SIGTERM drains and exits 0). Skipped without the
+``serve`` extra."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from opsched.compare import compare_outputs
+from opsched.errors import OpschedError
+from opsched.serving import serve
+from opsched.serving.batcher import ModelEndpoint, Overloaded
+from opsched.serving.protocol import (
+    DATATYPES,
+    ProtocolError,
+    output_choice,
+    read_inputs,
+    split_body,
+    write_response,
+)
+
+
+class Rows(torch.nn.Module):
+    """Each output row a function of its own input row alone, exactly (elementwise and a row sum)."""
+
+    def forward(self, x):
+        return x * 2 + x.sum(dim=1, keepdim=True), x.amax(dim=1)
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x + 1
+
+
+class FailsOnNegative(torch.nn.Module):
+    def forward(self, x):
+        if (x < 0).any():
+            raise ValueError("negative input")
+        return x.sqrt()
+
+
+class Total(torch.nn.Module):
+    """Not batch-major: one number for the whole batch."""
+
+    def forward(self, x):
+        return x.sum()
+
+
+# --- the protocol's tensors ------------------------------------------------------------------------------------
+
+def test_json_inputs_flat_or_nested_and_every_datatype_round_trips_as_binary():
+    nested = {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "INT32", "data": [[1, 2], [3, 4]]}]}
+    assert read_inputs(nested, b"")["x"].tolist() == [[1, 2], [3, 4]]
+    for name, dtype in DATATYPES.items():
+        tensor = (torch.arange(6) % 2 == 0) if dtype == torch.bool else torch.arange(-3, 3).to(dtype)
+        tensor = tensor.reshape(2, 3)
+        body, length = write_response("m", "1", "r1", {"y": tensor}, {"y": True})
+        head = json.loads(body[:length])
+        assert head["id"] == "r1" and head["outputs"][0]["datatype"] == name
+        request = {"inputs": [{"name": "y", "shape": [2, 3], "datatype": name,
+                               "parameters": {"binary_data_size": head["outputs"][0]["parameters"]["binary_data_size"]}}]}
+        assert torch.equal(read_inputs(request, body[length:])["y"], tensor), name
+        as_json, none = write_response("m", "1", None, {"y": tensor}, {"y": False})
+        entry = json.loads(as_json)["outputs"][0]
+        assert none is None and torch.equal(read_inputs({"inputs": [entry]}, b"")["y"], tensor), name
+
+
+@pytest.mark.parametrize("request_, binary, message", [
+    ({}, b"", "no inputs"),
+    ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP99", "data": [1, 2]}]}, b"", "datatype 'FP99'"),
+    ({"inputs": [{"name": "x", "shape": [3], "datatype": "FP32", "data": [1, 2]}]}, b"", "holds 3 elements"),
+    ({"inputs": [{"name": "x", "shape": [-1], "datatype": "FP32", "data": [1]}]}, b"", "shape must be"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": ["a"]}]}, b"", "must be numbers"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "INT8", "data": [300]}]}, b"", "out of INT8"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32"}]}, b"", "neither data"),
+    ({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}}]}, b"1234",
+     "binary_data_size"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}, b"1234", "belong to no input"),
+    ({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}] * 2}, b"", "given twice"),
+])
+def test_a_malformed_request_is_one_protocol_error(request_, binary, message):
+    with pytest.raises(ProtocolError, match=message):
+        read_inputs(request_, binary)
+
+
+def test_the_header_length_and_the_outputs_asked_for_are_checked():
+    with pytest.raises(ProtocolError, match="not JSON"):
+        split_body(b"{nope", None)
+    with pytest.raises(ProtocolError, match="Inference-Header-Content-Length"):
+        split_body(b"{}", "99")
+    assert split_body(b'{"a": 1}xyz', "8") == ({"a": 1}, b"xyz")
+    with pytest.raises(ProtocolError, match="no output 'z'"):
+        output_choice({"outputs": [{"name": "z"}]}, ["y"])
+    assert output_choice({"parameters": {"binary_data_output": True}}, ["y", "w"]) == {"y": True, "w": True}
+    assert output_choice({"outputs": [{"name": "w", "parameters": {"binary_data": False}}],
+                          "parameters": {"binary_data_output": True}}, ["y", "w"]) == {"w": False}
+
+
+# --- the batcher ---------------------------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=24), st.integers(1, 8), st.sampled_from([0.0, 0.003]))
+def test_every_request_gets_exactly_its_own_rows(batches, max_batch, delay):
+    """Requests of random sizes arriving together, batched in any grouping: each answer is the model's answer on
+    that request alone, bit for bit (the model's rows depend on their own input only)."""
+    model = Rows()
+    endpoint = ModelEndpoint("rows", model, (torch.zeros(1, 5),), max_batch=max(max_batch, 4), max_delay=delay,
+                             queue_size=64)
+    endpoint.use(None)
+    try:
+        requests = [torch.randn(b, 5) for b in batches]
+        futures = [endpoint.submit(*endpoint.check({"x": x})) for x in requests]
+        for x, future in zip(requests, futures):
+            got = future.result(10)
+            want = model(x)
+            assert torch.equal(got["output_0"], want[0]) and torch.equal(got["output_1"], want[1])
+        assert endpoint.calls <= len(requests)
+    finally:
+        endpoint.close()
+
+
+def test_requests_that_arrive_together_run_as_one_call_up_to_max_batch():
+    endpoint = ModelEndpoint("rows", Rows(), (torch.zeros(1, 5),), max_batch=8, max_delay=0.2)
+    endpoint.use(None)
+    with endpoint.lock:  # hold the model while 12 requests queue up: then 8 and 4 samples go in two calls
+        futures = [endpoint.submit((torch.randn(2, 5),), 2) for _ in range(6)]
+        time.sleep(0.3)
+    for f in futures:
+        f.result(10)
+    assert endpoint.calls in (2, 3)  # the first call may have taken only what had arrived
+    with pytest.raises(ProtocolError, match="1 to 8 samples"):
+        endpoint.check({"x": torch.randn(9, 5)})
+    with pytest.raises(ProtocolError, match="takes inputs x"):
+        endpoint.check({"y": torch.randn(1, 5)})
+    with pytest.raises(ProtocolError, match="is FP32, not FP64"):
+        endpoint.check({"x": torch.randn(1, 5, dtype=torch.float64)})
+    endpoint.close()
+
+
+def test_a_bad_request_fails_alone_and_a_full_queue_is_refused_at_once():
+    endpoint = ModelEndpoint("sqrt", FailsOnNegative(), (torch.ones(1, 3),), max_batch=8, max_delay=0.05)
+    endpoint.use(None)
+    good = [endpoint.submit((torch.rand(1, 3),), 1) for _ in range(3)]
+    bad = endpoint.submit((-torch.ones(1, 3),), 1)
+    assert all(f.result(10)["output_0"].shape == (1, 3) for f in good)
+    with pytest.raises(ValueError, match="negative input"):
+        bad.result(10)
+    endpoint.close()
+
+    slow = ModelEndpoint("slow", Slow(0.3), (torch.zeros(1, 2),), max_batch=1, max_delay=0.0, queue_size=2)
+    slow.use(None)
+    futures = [slow.submit((torch.zeros(1, 2),), 1)]
+    time.sleep(0.05)  # the first one runs; two more fill the queue
+    futures += [slow.submit((torch.zeros(1, 2),), 1) for _ in range(2)]
+    with pytest.raises(Overloaded, match="2 requests waiting"):
+        slow.submit((torch.zeros(1, 2),), 1)
+    slow.close()  # drains: every accepted request is answered
+    assert all(torch.equal(f.result(0)["output_0"], torch.ones(1, 2)) for f in futures)
+    with pytest.raises(Overloaded, match="stopping"):
+        slow.submit((torch.zeros(1, 2),), 1)
+
+
+def test_a_model_whose_outputs_do_not_follow_the_batch_serves_one_request_a_call():
+    endpoint = ModelEndpoint("total", Total(), (torch.ones(3, 2),), max_batch=8)
+    assert not endpoint.batchable and endpoint.max_batch == 1
+    assert endpoint.metadata()["inputs"][0]["shape"] == [3, 2] and endpoint.metadata()["outputs"][0]["shape"] == []
+    endpoint.use(None)
+    assert endpoint.submit(*endpoint.check({"x": torch.ones(3, 2)})).result(10)["output_0"].item() == 6.0
+    with pytest.raises(ProtocolError, match="has shape"):
+        endpoint.check({"x": torch.ones(2, 2)})
+    endpoint.close()
+
+
+# --- the server ----------------------------------------------------------------------------------------------------
+
+def _small_cnn() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)).eval()
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A CNN with its plans prepared (batch sizes 1, 2, 4), a model that fails on negative inputs and a slow one."""
+    models = {"cnn": (_small_cnn(), (torch.randn(1, 3, 16, 16),)), "sqrt": (FailsOnNegative(), (torch.ones(1, 3),)),
+              "slow": (Slow(0.2), (torch.zeros(1, 2),))}
+    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=5, queue_size=8, max_body_mb=1,
+               optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
+        assert serving.wait_ready(240)
+        yield serving
+
+
+def test_the_official_client_infers_with_json_and_binary_tensors(server):
+    http = pytest.importorskip("tritonclient.http")
+    client = http.InferenceServerClient(server.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("cnn")
+    assert {m["name"] for m in client.get_model_repository_index()} == {"cnn", "sqrt", "slow"}
+    metadata = client.get_model_metadata("cnn")
+    assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 3, 16, 16]}]
+    assert metadata["outputs"] == [{"name": "output_0", "datatype": "FP32", "shape": [-1, 4]}]
+    model = server.endpoints["cnn"].model
+    assert server.endpoints["cnn"].module is not model  # the optimized module answers
+    for batch in (1, 3, 4):
+        x = np.random.rand(batch, 3, 16, 16).astype(np.float32)
+        want = model(torch.from_numpy(x)).detach()
+        for binary in (False, True):
+            tensor = http.InferInput("input", list(x.shape), "FP32")
+            tensor.set_data_from_numpy(x, binary_data=binary)
+            result = client.infer("cnn", [tensor], outputs=[http.InferRequestedOutput("output_0", binary_data=binary)],
+                                  request_id="r7")
+            got = torch.from_numpy(result.as_numpy("output_0").copy())
+            assert result.get_response()["id"] == "r7"
+            assert compare_outputs(got, want).ok, (batch, binary)
+
+
+def test_requests_from_many_clients_are_batched_and_each_gets_its_own_answer(server):
+    httpx = pytest.importorskip("httpx")
+    model = server.endpoints["cnn"].model
+    calls = server.endpoints["cnn"].calls
+    inputs = [torch.randn(1, 3, 16, 16) for _ in range(24)]
+
+    def ask(x):
+        body = {"inputs": [{"name": "input", "shape": [1, 3, 16, 16], "datatype": "FP32", "data": x.flatten().tolist()}]}
+        return httpx.post(f"{server.url}/v2/models/cnn/infer", json=body, timeout=30)
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, inputs))
+    for x, answer in zip(inputs, answers):
+        assert answer.status_code == 200
+        got = torch.tensor(answer.json()["outputs"][0]["data"]).reshape(1, 4)
+        assert compare_outputs(got, model(x).detach()).ok
+    assert server.endpoints["cnn"].calls - calls < len(inputs)  # some ran together
+
+
+def test_errors_are_one_line_with_their_status_and_the_other_models_keep_answering(server):
+    httpx = pytest.importorskip("httpx")
+    url = server.url
+
+    def infer(model, body, **kwargs):
+        return httpx.post(f"{url}/v2/models/{model}/infer", content=body, timeout=30, **kwargs)
+
+    good = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 4, 9]}]})
+    assert infer("sqrt", good).json()["outputs"][0]["data"] == [1, 2, 3]
+    negative = good.replace("[1, 4, 9]", "[-1, 4, 9]")
+    answer = infer("sqrt", negative)
+    assert answer.status_code == 500 and answer.json() == {"error": "model 'sqrt' failed: ValueError: negative input"}
+    assert infer("nope", good).status_code == 404 and "no model 'nope'" in infer("nope", good).json()["error"]
+    assert httpx.get(f"{url}/v2/models/sqrt/versions/2").status_code == 404
+    assert infer("sqrt", "{not json").status_code == 400
+    wrong = good.replace('"FP32"', '"INT64"').replace("[1, 4, 9]", "[1, 4, 9]")
+    assert infer("sqrt", wrong).json()["error"] == "input 'x' of 'sqrt' is FP32, not INT64"
+    too_big = json.dumps({"inputs": [{"name": "x", "shape": [5, 3], "datatype": "FP32", "data": [1] * 15}]})
+    assert "1 to 4 samples" in infer("sqrt", too_big).json()["error"]
+    assert infer("sqrt", b"x" * (2 << 20)).status_code == 413
+    assert infer("sqrt", good).status_code == 200  # still serving
+
+    # the slow model's queue holds 8: of 20 requests at once, some are refused at once with 503, the rest answered
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 0]}]})
+    with ThreadPoolExecutor(20) as pool:
+        started = time.perf_counter()
+        codes = list(pool.map(lambda _: infer("slow", body).status_code, range(20)))
+    assert set(codes) == {200, 503} and codes.count(200) >= 8, codes
+    assert time.perf_counter() - started < 0.2 * 20  # the refused ones did not wait their turn
+    assert infer("sqrt", good).status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_curl_is_a_client_too(server):
+    ready = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{server.url}/v2/health/ready"],
+                           capture_output=True, text=True, check=True)
+    assert ready.stdout == "200"
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [4, 4, 4]}]})
+    answer = subprocess.run(["curl", "-s", "-H", "Content-Type: application/json", "-d", body,
+                             f"{server.url}/v2/models/sqrt/infer"], capture_output=True, text=True, check=True)
+    assert json.loads(answer.stdout)["outputs"][0]["data"] == [2, 2, 2]
+
+
+def test_readiness_waits_for_the_plans_while_the_model_already_answers():
+    httpx = pytest.importorskip("httpx")
+    release = threading.Event()
+    models = {"rows": (Rows(), (torch.zeros(1, 5),))}
+    with serve(models, port=0, block=False, optimize=False, say=lambda text: None) as serving:
+        assert serving.wait_ready(10)
+    endpoint_ready = []
+
+    def slow_say(text):
+        if "preparing" in text:
+            release.wait(30)  # preparation held here until the test has looked
+
+    with serve(models, port=0, block=False, optimize_options={"repeats": 3, "cache": False}, say=slow_say) as serving:
+        assert httpx.get(f"{serving.url}/v2/health/ready").status_code == 400
+        assert httpx.get(f"{serving.url}/v2/models/rows/ready").status_code == 400
+        body = {"inputs": [{"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [1, 2, 3, 4, 5]}]}
+        answer = httpx.post(f"{serving.url}/v2/models/rows/infer", json=body, timeout=30)
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [17, 19, 21, 23, 25]
+        release.set()
+        endpoint_ready.append(serving.wait_ready(240))
+    assert endpoint_ready == [True]
+
+
+# --- the command line ----------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    factory = tmp_path / "slowmodel.py"
+    factory.write_text("import time, torch\n"
+                       "class Slow(torch.nn.Module):\n"
+                       "    def forward(self, x):\n"
+                       "        time.sleep(0.3)\n"
+                       "        return x + 1\n"
+                       "def make():\n"
+                       "    return Slow(), (torch.zeros(1, 2),)\n")
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "opsched", "serve", f"{factory}:make", "--port", str(port),
+                                "--no-optimize", "--max-batch", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+        with ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(httpx.post, f"{url}/v2/models/make/infer", json=body, timeout=30) for _ in range(4)]
+            time.sleep(0.15)  # all four accepted, the first one running
+            process.send_signal(signal.SIGTERM)
+            codes = [a.result().status_code for a in answers]
+        assert codes == [200] * 4
+        assert process.wait(30) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+
+
+def test_bad_input_on_the_command_line_is_one_line_and_exit_2():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "opsched", "serve", "squeezenet", "--image-size", "32", "--port",
+                               str(port), "--no-optimize"], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "opsched", "serve", "torchvision:no_such_model"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and done.stderr.startswith("opsched: error:") and "\n" not in done.stderr.strip()
+    with pytest.raises(OpschedError, match="at least one model"):
+        serve({}, block=False)
