@@ -74,6 +74,24 @@ def test_batched_units_give_every_model_its_own_outputs(shared_input):
         _outputs_match(got, models, batch.per_model)
 
 
+def test_separate_inputs_of_one_layout_are_each_models_own():
+    """A server's requests for several models: the same shapes, different data; each model reads its own, fused,
+    and a new combination of batch sizes gets its own plan."""
+    import opsched
+
+    models = [_randomised(Residual(), k) for k in range(3)]
+    inputs = [(torch.randn(2, 3, 8, 8),) for _ in models]
+    batch = ModelBatch(models, inputs, separate_inputs=True)
+    assert not batch.shared_input and len(batch.inputs) == 3
+    result = opsched.optimize_batch(models, inputs, separate_inputs=True, methods=["sequential"], repeats=3,
+                                    cache=False, wait=True)
+    assert result.fusion.fused["same_shape"] > 0 and result.fusion.fused["same_input"] == 0
+    with torch.no_grad():
+        _outputs_match(result.module(*[i[0] for i in inputs]), models, inputs, atol=1e-4)
+        other = [(torch.randn(b, 3, 8, 8),) for b in (1, 3, 2)]
+        _outputs_match(result.module(*[i[0] for i in other]), models, other, atol=1e-4)
+
+
 def test_a_shared_backbone_is_computed_once_and_heads_batched():
     backbone = _randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(),
                                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()), 0)

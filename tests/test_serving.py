@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 from opsched.compare import compare_outputs
 from opsched.errors import OpschedError
 from opsched.serving import serve
-from opsched.serving.batcher import ModelEndpoint, Overloaded
+from opsched.serving.batcher import Batcher, ModelEndpoint, Overloaded
 from opsched.serving.protocol import (
     DATATYPES,
     ProtocolError,
@@ -46,13 +46,15 @@ class Rows(torch.nn.Module):
 
 
 class Slow(torch.nn.Module):
-    def __init__(self, seconds: float):
+    """Sleeps, then adds 1; ``whole``: returns one row for the batch, so that it serves one request a call."""
+
+    def __init__(self, seconds: float, whole: bool = False):
         super().__init__()
-        self.seconds = seconds
+        self.seconds, self.whole = seconds, whole
 
     def forward(self, x):
         time.sleep(self.seconds)
-        return x + 1
+        return (x + 1).sum(dim=0) if self.whole else x + 1
 
 
 class FailsOnNegative(torch.nn.Module):
@@ -127,9 +129,9 @@ def test_every_request_gets_exactly_its_own_rows(batches, max_batch, delay):
     """Requests of random sizes arriving together, batched in any grouping: each answer is the model's answer on
     that request alone, bit for bit (the model's rows depend on their own input only)."""
     model = Rows()
-    endpoint = ModelEndpoint("rows", model, (torch.zeros(1, 5),), max_batch=max(max_batch, 4), max_delay=delay,
-                             queue_size=64)
+    endpoint = ModelEndpoint("rows", model, (torch.randn(1, 5),), max_batch=max(max_batch, 4), queue_size=64)
     endpoint.use(None)
+    batcher = Batcher([endpoint], delay)
     try:
         requests = [torch.randn(b, 5) for b in batches]
         futures = [endpoint.submit(*endpoint.check({"x": x})) for x in requests]
@@ -139,12 +141,13 @@ def test_every_request_gets_exactly_its_own_rows(batches, max_batch, delay):
             assert torch.equal(got["output_0"], want[0]) and torch.equal(got["output_1"], want[1])
         assert endpoint.calls <= len(requests)
     finally:
-        endpoint.close()
+        batcher.close()
 
 
 def test_requests_that_arrive_together_run_as_one_call_up_to_max_batch():
-    endpoint = ModelEndpoint("rows", Rows(), (torch.zeros(1, 5),), max_batch=8, max_delay=0.2)
+    endpoint = ModelEndpoint("rows", Rows(), (torch.randn(1, 5),), max_batch=8)
     endpoint.use(None)
+    batcher = Batcher([endpoint], 0.2)
     with endpoint.lock:  # hold the model while 12 requests queue up: then 8 and 4 samples go in two calls
         futures = [endpoint.submit((torch.randn(2, 5),), 2) for _ in range(6)]
         time.sleep(0.3)
@@ -157,47 +160,59 @@ def test_requests_that_arrive_together_run_as_one_call_up_to_max_batch():
         endpoint.check({"y": torch.randn(1, 5)})
     with pytest.raises(ProtocolError, match="is FP32, not FP64"):
         endpoint.check({"x": torch.randn(1, 5, dtype=torch.float64)})
-    endpoint.close()
+    batcher.close()
 
 
 def test_a_bad_request_fails_alone_and_a_full_queue_is_refused_at_once():
-    endpoint = ModelEndpoint("sqrt", FailsOnNegative(), (torch.ones(1, 3),), max_batch=8, max_delay=0.05)
+    endpoint = ModelEndpoint("sqrt", FailsOnNegative(), (torch.ones(1, 3),), max_batch=8)
     endpoint.use(None)
+    batcher = Batcher([endpoint], 0.05)
     good = [endpoint.submit((torch.rand(1, 3),), 1) for _ in range(3)]
     bad = endpoint.submit((-torch.ones(1, 3),), 1)
     assert all(f.result(10)["output_0"].shape == (1, 3) for f in good)
     with pytest.raises(ValueError, match="negative input"):
         bad.result(10)
-    endpoint.close()
+    batcher.close()
 
-    slow = ModelEndpoint("slow", Slow(0.3), (torch.zeros(1, 2),), max_batch=1, max_delay=0.0, queue_size=2)
+    slow = ModelEndpoint("slow", Slow(0.3), (torch.zeros(1, 2),), max_batch=1, queue_size=2)
     slow.use(None)
+    batcher = Batcher([slow], 0.0)
     futures = [slow.submit((torch.zeros(1, 2),), 1)]
     time.sleep(0.05)  # the first one runs; two more fill the queue
     futures += [slow.submit((torch.zeros(1, 2),), 1) for _ in range(2)]
     with pytest.raises(Overloaded, match="2 requests waiting"):
         slow.submit((torch.zeros(1, 2),), 1)
-    slow.close()  # drains: every accepted request is answered
+    batcher.close()  # drains: every accepted request is answered
     assert all(torch.equal(f.result(0)["output_0"], torch.ones(1, 2)) for f in futures)
     with pytest.raises(Overloaded, match="stopping"):
         slow.submit((torch.zeros(1, 2),), 1)
 
 
-def test_a_model_whose_outputs_do_not_follow_the_batch_serves_one_request_a_call():
+class Centred(torch.nn.Module):
+    """Each sample's output depends on the others in its batch (batch normalisation in training mode does so)."""
+
+    def forward(self, x):
+        return x - x.mean(dim=0, keepdim=True)
+
+
+def test_a_model_whose_samples_do_not_stand_alone_serves_one_request_a_call():
     endpoint = ModelEndpoint("total", Total(), (torch.ones(3, 2),), max_batch=8)
-    assert not endpoint.batchable and endpoint.max_batch == 1
+    assert not endpoint.batchable and endpoint.max_batch == 1 and "does not follow the batch" in endpoint.note
     assert endpoint.metadata()["inputs"][0]["shape"] == [3, 2] and endpoint.metadata()["outputs"][0]["shape"] == []
     endpoint.use(None)
+    batcher = Batcher([endpoint], 0.01)
     assert endpoint.submit(*endpoint.check({"x": torch.ones(3, 2)})).result(10)["output_0"].item() == 6.0
     with pytest.raises(ProtocolError, match="has shape"):
         endpoint.check({"x": torch.ones(2, 2)})
-    endpoint.close()
+    batcher.close()
+    centred = ModelEndpoint("centred", Centred(), (torch.randn(1, 4),), max_batch=8)
+    assert not centred.batchable and "depends on the others in its batch" in centred.note
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
 
-def _small_cnn() -> torch.nn.Module:
-    torch.manual_seed(0)
+def _small_cnn(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3),
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4)).eval()
 
@@ -206,7 +221,7 @@ def _small_cnn() -> torch.nn.Module:
 def server():
     """A CNN with its plans prepared (batch sizes 1, 2, 4), a model that fails on negative inputs and a slow one."""
     models = {"cnn": (_small_cnn(), (torch.randn(1, 3, 16, 16),)), "sqrt": (FailsOnNegative(), (torch.ones(1, 3),)),
-              "slow": (Slow(0.2), (torch.zeros(1, 2),))}
+              "slow": (Slow(0.1, whole=True), (torch.zeros(1, 2),))}
     with serve(models, port=0, block=False, max_batch=4, max_delay_ms=5, queue_size=8, max_body_mb=1,
                optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
         assert serving.wait_ready(240)
@@ -277,14 +292,43 @@ def test_errors_are_one_line_with_their_status_and_the_other_models_keep_answeri
     assert infer("sqrt", b"x" * (2 << 20)).status_code == 413
     assert infer("sqrt", good).status_code == 200  # still serving
 
-    # the slow model's queue holds 8: of 20 requests at once, some are refused at once with 503, the rest answered
+    # the slow model (one request a call) queues 8: with every model held, of 12 requests the batcher takes one, 8
+    # wait, and the rest are refused at once with 503; once released, every accepted one is answered
     body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 0]}]})
-    with ThreadPoolExecutor(20) as pool:
-        started = time.perf_counter()
-        codes = list(pool.map(lambda _: infer("slow", body).status_code, range(20)))
-    assert set(codes) == {200, 503} and codes.count(200) >= 8, codes
-    assert time.perf_counter() - started < 0.2 * 20  # the refused ones did not wait their turn
+    with ThreadPoolExecutor(12) as pool:
+        with server.endpoints["slow"].lock:
+            answers = [pool.submit(infer, "slow", body) for _ in range(12)]
+            deadline = time.perf_counter() + 20
+            while sum(a.done() for a in answers) < 3 and time.perf_counter() < deadline:
+                time.sleep(0.02)
+            assert [a.result().status_code for a in answers if a.done()] == [503] * 3
+        codes = [a.result().status_code for a in answers]
+    assert codes.count(503) == 3 and codes.count(200) == 9, codes
     assert infer("sqrt", good).status_code == 200
+
+
+def test_requests_for_several_models_run_as_one_call_of_their_fused_graph():
+    httpx = pytest.importorskip("httpx")
+    models = {f"cnn{k}": (_small_cnn(seed=k), (torch.randn(1, 3, 16, 16),)) for k in range(3)}
+    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=20,
+               optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
+        assert serving.wait_ready(300)
+        assert ("cnn0", "cnn1", "cnn2") in serving.fused.modules  # prepared ahead
+        asked = [(f"cnn{k % 3}", torch.randn(1 + k % 2, 3, 16, 16)) for k in range(18)]
+
+        def ask(item):
+            name, x = item
+            body = {"inputs": [{"name": "input", "shape": list(x.shape), "datatype": "FP32",
+                                "data": x.flatten().tolist()}]}
+            return httpx.post(f"{serving.url}/v2/models/{name}/infer", json=body, timeout=60)
+
+        with ThreadPoolExecutor(9) as pool:
+            answers = list(pool.map(ask, asked))
+        for (name, x), answer in zip(asked, answers):
+            assert answer.status_code == 200, answer.text
+            got = torch.tensor(answer.json()["outputs"][0]["data"]).reshape(x.shape[0], 4)
+            assert compare_outputs(got, models[name][0](x).detach()).ok, name
+        assert serving.fused.calls > 0  # some batches held several models' requests
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")

@@ -332,7 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "call of up to --max-batch samples; its plans for the batch sizes the batcher "
                                    "forms are prepared at startup in the background (opsched optimize, or a plan "
                                    "file given with NAME=MODEL@PLAN.json), the model answering itself until they "
-                                   "are; /v2/health/ready answers 200 once all are. SIGTERM or Ctrl-C stops "
+                                   "are; requests for several models that meet in a batch run as one call of their "
+                                   "fused graph (opsched multi's fusion, verified per model). /v2/health/ready "
+                                   "answers 200 once all are prepared. SIGTERM or Ctrl-C stops "
                                    "accepting, answers what was accepted and exits (see docs/serving.md).")
     p.add_argument("models", metavar="MODEL", nargs="+",
                    help=RUNNABLE_MODEL_HELP + "; NAME=MODEL serves it as NAME (default: the name after ':'), "
@@ -350,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-mb", type=_positive_float, default=64.0, metavar="MB",
                    help="largest request body taken (default 64; larger gets 413)")
     p.add_argument("--no-optimize", action="store_true", help="serve the models as they are, with no plans")
+    p.add_argument("--no-fuse", action="store_true",
+                   help="run requests for several models as one call per model, never as one call of their fused "
+                        "graph (by default the fused graph of all the models is prepared at startup, and that of "
+                        "any other set of models the first time their requests meet in a batch)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],

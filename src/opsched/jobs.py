@@ -302,7 +302,7 @@ class BatchBuilder:
         # the call's inputs as the job takes them: shared by the models (or the preprocessing's), or each model's
         shared = batch.preprocess is not None or batch.shared_input
         given = tuple(inputs) if shared else batch.split(inputs)
-        if not shared and len({input_layout(args) for args in given}) == 1:
+        if not shared and not self.options.get("separate_inputs") and len({input_layout(a) for a in given}) == 1:
             raise MultiError("every model's inputs have one layout in this call, and a batch first called with "
                              "each model's own inputs reads them all: no fused plan is made for it")
         result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)

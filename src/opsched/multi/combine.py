@@ -50,13 +50,15 @@ class ModelBatch(torch.nn.Module):
     ``sequential_models`` way) and returns their outputs as a tuple, one entry per model.
 
     ``example_inputs`` holds one tuple of arguments per model. When they all have the same layout the
-    batch reads one shared set (``inputs``, the first model's) and ``shared_input`` is true.
+    batch reads one shared set (``inputs``, the first model's) and ``shared_input`` is true, unless
+    ``separate_inputs``: then each model reads its own arguments whatever their layout (as a server's requests
+    for several models do).
 
     ``preprocess`` (a module, say a ``torchvision.transforms.v2`` pipeline) runs once on the shared inputs,
     and every model reads what it returns: ``example_inputs`` are then the raw inputs."""
 
     def __init__(self, models: Sequence[torch.nn.Module], example_inputs: Sequence[Any],
-                 preprocess: torch.nn.Module | None = None):
+                 preprocess: torch.nn.Module | None = None, separate_inputs: bool = False):
         super().__init__()
         if not models:
             raise MultiError("a model batch needs at least one model")
@@ -70,7 +72,7 @@ class ModelBatch(torch.nn.Module):
         per_model = [_as_tuple(i) for i in example_inputs]
         self.raw_inputs: tuple | None = None
         if preprocess is not None:
-            if len({input_layout(i) for i in per_model}) != 1:
+            if separate_inputs or len({input_layout(i) for i in per_model}) != 1:
                 raise MultiError("preprocessing runs once on one input: the models must all read the same input")
             self.raw_inputs = per_model[0]
             with torch.no_grad():
@@ -80,7 +82,7 @@ class ModelBatch(torch.nn.Module):
         if len(devices) > 1:
             raise MultiError(f"the models and inputs of a batch must be on one device, found {', '.join(sorted(devices))}")
         self.device = devices.pop() if devices else "cpu"  # a device type: cpu, cuda or meta
-        self.shared_input = len({input_layout(i) for i in per_model}) == 1
+        self.shared_input = not separate_inputs and len({input_layout(i) for i in per_model}) == 1
         self.per_model = [per_model[0]] * len(models) if self.shared_input else per_model
         self.inputs = self.raw_inputs or (per_model[0] if self.shared_input else tuple(a for i in per_model for a in i))
         self._arity = [len(i) for i in per_model]

@@ -25,13 +25,16 @@ DEFAULT_METHODS = ("sequential", "ios", "lios", "hivemind")
 
 
 def model_batch(models: Sequence[torch.nn.Module], inputs: Any,
-                preprocess: torch.nn.Module | None = None) -> ModelBatch:
+                preprocess: torch.nn.Module | None = None, separate_inputs: bool = False) -> ModelBatch:
     """The batch of ``models`` on ``inputs``: one tuple of arguments per model (a list as long as the models,
-    of tuples or lists), or arguments all the models take (given to ``preprocess`` first, if any)."""
+    of tuples or lists), or arguments all the models take (given to ``preprocess`` first, if any);
+    ``separate_inputs``: each model reads its own, even where they have one layout (see :class:`ModelBatch`)."""
     models = list(models)
     per_model = (isinstance(inputs, (list, tuple)) and len(inputs) == len(models)
                  and all(isinstance(i, (list, tuple)) for i in inputs))
-    return ModelBatch(models, list(inputs) if per_model else [inputs] * len(models), preprocess)
+    if separate_inputs and not per_model:
+        raise MultiError("separate inputs: give one tuple of arguments per model")
+    return ModelBatch(models, list(inputs) if per_model else [inputs] * len(models), preprocess, separate_inputs)
 
 
 @dataclass
@@ -77,7 +80,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
              cores: int | None = None, tolerance: float | None = None, repeats: int = 15, cache: bool = True,
              peers: Sequence[str] = MULTI_PEERS, preprocess: torch.nn.Module | None = None,
              say: Callable[[str], Any] = lambda text: None, progress: Any = None,
-             requested: str | None = None, cuda_graph: bool = False, device: str | None = None) -> MultiOutcome:
+             requested: str | None = None, cuda_graph: bool = False, device: str | None = None,
+             separate_inputs: bool = False) -> MultiOutcome:
     """Fuse, schedule, verify and time a model batch against the ways users run one today (``peers``; add
     :data:`COMPILED_PEERS` for torch.compile of the loop over the models and ONNX Runtime's sessions, one after
     another and at the same time). ``preprocess`` runs once on ``inputs`` and every model reads its result (see
@@ -85,7 +89,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     ``cuda``, on the GPU's streams (costs measured there; ``device`` says so where the tensors alone do not, as on
     a stand-in of the CUDA interface); with ``cuda_graph`` each plan is replayed as one CUDA
     graph, and the models one after another captured as one CUDA graph (the ``cuda_graph`` peer) are timed
-    beside it.
+    beside it. ``separate_inputs``: each model reads its own inputs, even where they have one layout.
     With simulated costs the plan is ``requested``'s schedule (default: the last of ``methods``).
 
     >>> import torch
@@ -96,7 +100,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     """
     from opsched.pipeline import Workload, default_streams, method_options, run_workload
 
-    batch = model_batch(models, inputs, preprocess)
+    batch = model_batch(models, inputs, preprocess, separate_inputs)
     for m in batch.models:
         m.eval()
     cores = cores or torch.get_num_threads()

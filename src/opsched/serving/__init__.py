@@ -34,11 +34,12 @@ def _say(text: str) -> None:
 
 
 class Serving:
-    """A server running in a thread of this process (``serve(..., block=False)``): its ``url``, readiness and
-    :meth:`stop`; a context manager that stops it on leaving."""
+    """A server running in a thread of this process (``serve(..., block=False)``): its ``url``, readiness,
+    ``endpoints`` by name, ``fused`` (the :class:`~opsched.serving.fused.FusedGroup`, if any) and :meth:`stop`; a
+    context manager that stops it on leaving."""
 
-    def __init__(self, server: Any, sock: socket.socket, endpoints: dict, preparing: threading.Thread):
-        self.server, self.endpoints, self.preparing = server, endpoints, preparing
+    def __init__(self, server: Any, sock: socket.socket, endpoints: dict, ready: threading.Event, fused: Any = None):
+        self.server, self.endpoints, self.ready, self.fused = server, endpoints, ready, fused
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         self.port = port
@@ -47,9 +48,9 @@ class Serving:
         self.thread.start()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until every model's plans are prepared; whether they were within ``timeout`` seconds."""
-        self.preparing.join(timeout)
-        return all(e.ready.is_set() for e in self.endpoints.values())
+        """Wait until every model's plans (and the fused modules prepared ahead) are ready; whether they were
+        within ``timeout`` seconds."""
+        return self.ready.wait(timeout)
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """Stop accepting, answer what was accepted, end the models' threads."""
@@ -65,13 +66,15 @@ class Serving:
 
 def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0.0.1", port: int = 8000,
           max_delay_ms: float = 2.0, max_batch: int = 8, queue_size: int = 64, max_body_mb: float = 64.0,
-          optimize: bool = True, optimize_options: Mapping[str, Any] | None = None,
+          optimize: bool = True, fuse: bool = True, optimize_options: Mapping[str, Any] | None = None,
           plans: Mapping[str, str | Path] | None = None, block: bool = True,
           say: Callable[[str], Any] = _say) -> Serving | None:
     """Serve ``models`` (name -> ``(model, example_inputs)``) on ``host:port`` (0: a free port). Each model batches
     up to ``max_batch`` samples that arrive within ``max_delay_ms`` of the first; ``queue_size`` requests wait at
     most (then 503). ``optimize``: prepare its plans with ``opsched.optimize(**optimize_options)`` (or, for a name
-    in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``block``: serve until
+    in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``fuse`` (with
+    ``optimize``, for two models or more): requests for several models in one batch run as one call of their fused
+    graph (:mod:`opsched.serving.fused`), all the models' fused module prepared ahead. ``block``: serve until
     SIGTERM or Ctrl-C (returns None once every accepted request was answered); else return a :class:`Serving`
     running in a thread."""
     try:
@@ -79,7 +82,8 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     except ImportError:
         raise OpschedError("opsched serve needs uvicorn and Starlette: pip install 'opsched[serve]'") from None
     from opsched.serving.app import application
-    from opsched.serving.batcher import ModelEndpoint
+    from opsched.serving.batcher import Batcher, ModelEndpoint
+    from opsched.serving.fused import FusedGroup
 
     if not models:
         raise OpschedError("give at least one model to serve")
@@ -89,25 +93,36 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     sock = _bind(host, port)
     lock = threading.Lock()
     try:
-        endpoints = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=max_batch,
-                                         max_delay=max_delay_ms / 1000, queue_size=queue_size, lock=lock)
-                     for name, (model, inputs) in models.items()}
+        endpoints = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=max_batch, queue_size=queue_size,
+                                         lock=lock) for name, (model, inputs) in models.items()}
     except BaseException:
         sock.close()
         raise
+    for endpoint in endpoints.values():
+        if endpoint.note:
+            say(f"{endpoint.name}: {endpoint.note}")
+    options = dict(optimize_options or {})
+    group = None
+    if optimize and fuse and sum(e.batchable for e in endpoints.values()) > 1:
+        group = FusedGroup(list(endpoints.values()), options, say)
+        batchers = [Batcher(list(endpoints.values()), max_delay_ms / 1000, fused=group)]
+    else:
+        batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints.values()]
+    ready = threading.Event()
 
     def shut_down() -> None:
-        for endpoint in endpoints.values():
-            endpoint.close()
+        for batcher in batchers:
+            batcher.close()
+        for module in [e.module for e in endpoints.values()] + ([group] if group else []):
+            if hasattr(module, "close"):
+                module.close()
 
-    preparing = threading.Thread(target=_prepare, args=(endpoints, optimize, dict(optimize_options or {}),
-                                                        dict(plans or {}), say),
-                                 name="opsched-serve-prepare", daemon=True)
-    preparing.start()
-    app = application(endpoints, max_body=int(max_body_mb * (1 << 20)), on_shutdown=shut_down)
+    threading.Thread(target=_prepare, args=(endpoints, group, optimize, options, dict(plans or {}), ready, say),
+                     name="opsched-serve-prepare", daemon=True).start()
+    app = application(endpoints, ready, max_body=int(max_body_mb * (1 << 20)), on_shutdown=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     if not block:
-        return Serving(server, sock, endpoints, preparing)
+        return Serving(server, sock, endpoints, ready, group)
     host_, port_ = sock.getsockname()[:2]
     say(f"serving {', '.join(endpoints)} on http://{host_}:{port_} (Open Inference Protocol, /v2)")
     server.run(sockets=[sock])
@@ -128,8 +143,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _prepare(endpoints: dict, optimize: bool, options: dict, plans: dict, say: Callable[[str], Any]) -> None:
-    """Each model's optimized module, one model at a time; a model whose preparation fails answers itself."""
+def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, plans: dict, ready: threading.Event,
+             say: Callable[[str], Any]) -> None:
+    """Each model's optimized module, one model at a time (a model whose preparation fails answers itself), then
+    the fused module of all the models of ``group`` at one sample each (what a quiet server's batches hold)."""
     for name, endpoint in endpoints.items():
         if not optimize:
             endpoint.use(None)
@@ -151,6 +168,10 @@ def _prepare(endpoints: dict, optimize: bool, options: dict, plans: dict, say: C
             continue
         endpoint.use(module)
         say(f"{name}: ready")
+    if group is not None:
+        group.prepare([e.name for e in group.endpoints])
+    ready.set()
+    say("ready")
 
 
 def _at_batch(examples: tuple, batch: int) -> tuple:

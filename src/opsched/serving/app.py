@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,10 +42,10 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
 
-def application(endpoints: dict[str, ModelEndpoint], *, max_body: int = 64 << 20,
+def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, max_body: int = 64 << 20,
                 on_shutdown: Callable[[], Any] = lambda: None) -> Starlette:
-    """The ASGI application serving ``endpoints`` by name; ``on_shutdown`` runs once uvicorn has stopped accepting
-    and every request it accepted was answered."""
+    """The ASGI application serving ``endpoints`` by name, ready (``/v2/health/ready``) once ``ready`` is set;
+    ``on_shutdown`` runs once uvicorn has stopped accepting and every request it accepted was answered."""
 
     def endpoint_of(request: Request) -> ModelEndpoint | JSONResponse:
         name = request.path_params["name"]
@@ -61,8 +62,8 @@ def application(endpoints: dict[str, ModelEndpoint], *, max_body: int = 64 << 20
     async def live(request: Request) -> Response:
         return Response(status_code=200)
 
-    async def ready(request: Request) -> Response:
-        return Response(status_code=200 if all(e.ready.is_set() for e in endpoints.values()) else 400)
+    async def server_ready(request: Request) -> Response:
+        return Response(status_code=200 if ready.is_set() else 400)
 
     async def model_metadata(request: Request) -> Response:
         endpoint = endpoint_of(request)
@@ -115,7 +116,7 @@ def application(endpoints: dict[str, ModelEndpoint], *, max_body: int = 64 << 20
     model = "/v2/models/{name}"
     versioned = "/v2/models/{name}/versions/{version}"
     routes = [
-        Route("/v2", server_metadata), Route("/v2/health/live", live), Route("/v2/health/ready", ready),
+        Route("/v2", server_metadata), Route("/v2/health/live", live), Route("/v2/health/ready", server_ready),
         Route("/v2/repository/index", repository_index, methods=["GET", "POST"]),
         Route(model, model_metadata), Route(versioned, model_metadata),
         Route(model + "/ready", model_ready), Route(versioned + "/ready", model_ready),

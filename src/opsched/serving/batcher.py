@@ -1,12 +1,14 @@
-"""One served model: what it takes and gives (its signature, checked on every request), a bounded queue of requests,
-and a thread that batches them across time.
+"""Served models: what each takes and gives (its signature, checked on every request), a bounded queue of requests
+per model, and a thread that batches the requests of one model, or of a group of models, across time.
 
-The thread takes the oldest request, gathers what else arrives within ``max_delay`` seconds of it, up to
-``max_batch`` samples, runs the group as one call (the requests' inputs joined along their first dimension) and
-hands each request its own rows of the outputs. A request that does not fit the batch opens the next one. When a
-group's call raises, each of its requests is run alone, so that one bad request fails alone.
+The thread takes the oldest request waiting, gathers what else arrives within ``max_delay`` seconds of it (up to
+each model's ``max_batch`` samples), and runs each model's requests as one call (the requests' inputs joined along
+their first dimension), or, for a group with a fused module (:mod:`opsched.serving.fused`), the requests of every
+model present as one call of the fused multi-model graph. Each request gets its own rows of its model's outputs. A
+request that does not fit its model's batch opens the next one. When a call raises, each of its requests is run
+alone on its model, so that one bad request fails alone.
 
-Calls go to the model itself until its optimized module is ready (plans prepared ahead for the batch sizes the
+Calls go to a model itself until its optimized module is ready (plans prepared ahead for the batch sizes the
 batcher forms), then to that module: either way the answer is the model's. One lock, shared by every model of a
 server, lets one call run at a time: each call takes every intra-op thread, and two at once on the same cores
 would only slow both.
@@ -15,9 +17,9 @@ would only slow both.
 from __future__ import annotations
 
 import inspect
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -47,6 +49,7 @@ class TensorSpec:
 class Request:
     inputs: tuple[torch.Tensor, ...]
     batch: int
+    arrived: float = field(default_factory=time.perf_counter)
     future: Future = field(default_factory=Future)
 
 
@@ -76,29 +79,25 @@ def named_outputs(outputs: Any) -> dict[str, torch.Tensor]:
 
 
 class ModelEndpoint:
-    """``model`` served under ``name``: requests checked against the signature of ``example_inputs``, batched
-    (when the model's outputs follow its inputs' first dimension) and answered by :meth:`submit`'s futures."""
+    """``model`` served under ``name``: requests checked against the signature of ``example_inputs``, queued by
+    :meth:`submit` (at most ``queue_size``), batched (when each sample's outputs follow from its own inputs alone)
+    by the :class:`Batcher` serving it, and answered through :meth:`submit`'s futures."""
 
     def __init__(self, name: str, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], *,
-                 max_batch: int = 8, max_delay: float = 0.002, queue_size: int = 64,
-                 lock: threading.Lock | None = None):
-        if max_batch < 1 or queue_size < 1 or max_delay < 0:
-            raise OpschedError("max_batch and queue_size must be at least 1, max_delay at least 0")
+                 max_batch: int = 8, queue_size: int = 64, lock: threading.Lock | None = None):
+        if max_batch < 1 or queue_size < 1:
+            raise OpschedError("max_batch and queue_size must be at least 1")
         if not example_inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example_inputs):
             raise OpschedError(f"model {name!r}: a served model takes tensors of at least one dimension")
         self.name, self.model = name, model.eval()
         self.examples = tuple(example_inputs)
-        self.max_delay, self.queue_size = max_delay, queue_size
+        self.queue_size = queue_size
         self.lock = lock or threading.Lock()
+        self.batchable, why = batch_independent(model, self.examples)
+        self.note: str | None = None if self.batchable else f"one request a call: {why}"
+        self.max_batch = max_batch if self.batchable else 1
         with torch.inference_mode():
             full = named_outputs(model(*self.examples))
-            one = named_outputs(model(*[t[:1] for t in self.examples]))
-            two = named_outputs(model(*[torch.cat([t[:1], t[:1]]) for t in self.examples]))
-        # batchable: every output's first dimension follows the inputs' (1 -> 2); otherwise one request a call, of
-        # the example's shapes
-        self.batchable = all(t.dim() >= 1 and t.shape[0] == 1 and two[k].shape[0] == 2 and
-                             two[k].shape[1:] == t.shape[1:] for k, t in one.items())
-        self.max_batch = max_batch if self.batchable else 1
 
         def shape(t: torch.Tensor) -> tuple[int, ...]:
             return (-1, *t.shape[1:]) if self.batchable else tuple(t.shape)
@@ -108,12 +107,9 @@ class ModelEndpoint:
         self.outputs = [TensorSpec(k, datatype_of(t.dtype), shape(t)) for k, t in full.items()]
         self.module: Callable[..., Any] = model  # the optimized module, once ready
         self.ready = threading.Event()
-        self.note: str | None = None  # why the model itself answers (its preparation failed), if it does
         self.calls = 0
-        self._queue: queue.Queue[Request] = queue.Queue(maxsize=queue_size)
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name=f"opsched-serve-{name}", daemon=True)
-        self._thread.start()
+        self.pending: deque[Request] = deque()  # guarded by the batcher's condition
+        self.batcher: Batcher | None = None
 
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "versions": ["1"], "platform": "pytorch_opsched",
@@ -130,7 +126,7 @@ class ModelEndpoint:
     def use(self, module: Callable[..., Any] | None, note: str | None = None) -> None:
         """From now on calls go to ``module`` (None: the model itself, ``note`` saying why); the model is ready."""
         self.module = module if module is not None else self.model
-        self.note = note
+        self.note = note or self.note
         self.ready.set()
 
     def check(self, tensors: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], int]:
@@ -162,76 +158,140 @@ class ModelEndpoint:
 
     def submit(self, inputs: tuple[torch.Tensor, ...], batch: int) -> Future:
         """Queue a checked request; its future gets the outputs by name. Raises Overloaded when the queue is full
-        or the model is stopping."""
-        if self._stopping.is_set():
-            raise Overloaded(f"model {self.name!r} is stopping")
+        or the server is stopping."""
+        batcher = self.batcher
+        if batcher is None:
+            raise OpschedError(f"model {self.name!r} has no batcher")
         request = Request(inputs, batch)
-        try:
-            self._queue.put_nowait(request)
-        except queue.Full:
-            raise Overloaded(f"model {self.name!r} has {self.queue_size} requests waiting; try again") from None
+        with batcher.arrived:
+            if batcher.stopping:
+                raise Overloaded(f"model {self.name!r} is stopping")
+            if len(self.pending) >= self.queue_size:
+                raise Overloaded(f"model {self.name!r} has {self.queue_size} requests waiting; try again")
+            self.pending.append(request)
+            batcher.arrived.notify()
         return request.future
 
-    def close(self, timeout: float | None = None) -> None:
-        """Refuse new requests, answer every queued one, and end the thread."""
-        self._stopping.set()
-        self._thread.join(timeout)
+    def samples_waiting(self) -> int:
+        return sum(r.batch for r in self.pending)
 
-    def _serve(self) -> None:
-        carried: Request | None = None
-        while True:
-            if carried is None:
-                try:
-                    carried = self._queue.get(timeout=0.05)
-                except queue.Empty:
-                    if self._stopping.is_set():
-                        return
-                    continue
-            group, total = [carried], carried.batch
-            carried = None
-            deadline = time.perf_counter() + self.max_delay
-            while total < self.max_batch:
-                try:
-                    request = self._queue.get(timeout=max(deadline - time.perf_counter(), 0.0)) \
-                        if deadline > time.perf_counter() else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if total + request.batch > self.max_batch:
-                    carried = request  # opens the next batch
-                    break
-                group.append(request)
-                total += request.batch
-            self._run(group)
+    def take(self) -> list[Request]:
+        """The oldest waiting requests that fit in one batch (under the batcher's condition)."""
+        taken, total = [], 0
+        while self.pending and total + self.pending[0].batch <= self.max_batch:
+            request = self.pending.popleft()
+            taken.append(request)
+            total += request.batch
+        return taken
 
-    def _run(self, group: list[Request]) -> None:
-        group = [r for r in group if r.future.set_running_or_notify_cancel()]
-        if not group:
-            return
-        try:
-            inputs = tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(r.inputs for r in group)))
-            with self.lock, torch.inference_mode():
-                outputs = named_outputs(self.module(*inputs))
-                self.calls += 1
-        except Exception as error:  # noqa: BLE001 - the model's own failure goes to its requests
-            if len(group) > 1:
-                for request in group:  # alone, so that only the request that fails gets the error
-                    self._run_alone(request)
-            else:
-                group[0].future.set_exception(error)
-            return
+    def joined(self, requests: list[Request]) -> tuple[torch.Tensor, ...]:
+        """The requests' inputs as one call's: joined along their first dimension."""
+        return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(r.inputs for r in requests)))
+
+    def answer(self, requests: list[Request], outputs: Any) -> None:
+        """Each request its own rows of ``outputs`` (the model's outputs for the joined inputs), copied: a plan may
+        hand out the same output buffers on its next call."""
+        outputs = named_outputs(outputs)
         start = 0
-        for request in group:
+        for request in requests:
             rows = slice(start, start + request.batch)
-            # a copy: a plan may hand out the same output buffers on its next call
             request.future.set_result({k: (v[rows] if self.batchable else v).clone() for k, v in outputs.items()})
             start += request.batch
 
-    def _run_alone(self, request: Request) -> None:
+    def run(self, requests: list[Request]) -> None:
+        """The requests as one call of the model's module; on a failure each again alone, to fail alone."""
+        requests = [r for r in requests if r.future.set_running_or_notify_cancel()]
+        if requests:
+            self.retry(requests, self.call(requests))
+
+    def retry(self, requests: list[Request], error: Exception | None) -> None:
+        """After a call of several requests that raised ``error`` (None: it did not), each request alone."""
+        if error is None:
+            return
+        if len(requests) == 1:
+            requests[0].future.set_exception(error)
+            return
+        for request in requests:
+            self.retry([request], self.call([request]))
+
+    def call(self, requests: list[Request]) -> Exception | None:
+        """The requests (running) as one call of the model's module, each answered; the error if it raised."""
         try:
+            inputs = self.joined(requests)
             with self.lock, torch.inference_mode():
-                outputs = named_outputs(self.module(*request.inputs))
+                outputs = self.module(*inputs)
                 self.calls += 1
-        except Exception as error:  # noqa: BLE001
-            request.future.set_exception(error)
-        else:
-            request.future.set_result({k: v.clone() for k, v in outputs.items()})
+            self.answer(requests, outputs)
+        except Exception as error:  # noqa: BLE001 - the model's own failure goes to its requests
+            return error
+        return None
+
+
+class Batcher:
+    """The thread that serves ``endpoints``: it waits for a request, gathers for ``max_delay`` seconds after the
+    oldest one, takes a batch of each model and runs them (through ``fused`` when several models of a fused group
+    are present). :meth:`close` refuses new requests and returns once every accepted one is answered."""
+
+    def __init__(self, endpoints: Sequence[ModelEndpoint], max_delay: float = 0.002, fused: Any = None):
+        if max_delay < 0:
+            raise OpschedError("max_delay must be at least 0")
+        self.endpoints, self.max_delay, self.fused = list(endpoints), max_delay, fused
+        self.arrived = threading.Condition()
+        self.stopping = False
+        for endpoint in self.endpoints:
+            endpoint.batcher = self
+        names = "+".join(e.name for e in self.endpoints)
+        self._thread = threading.Thread(target=self._serve, name=f"opsched-serve-{names}", daemon=True)
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        with self.arrived:
+            self.stopping = True
+            self.arrived.notify()
+        self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        while True:
+            with self.arrived:
+                while not any(e.pending for e in self.endpoints):
+                    if self.stopping:
+                        return
+                    self.arrived.wait(0.05)
+                deadline = min(e.pending[0].arrived for e in self.endpoints if e.pending) + self.max_delay
+                while not all(e.samples_waiting() >= e.max_batch for e in self.endpoints if e.pending):
+                    remaining = deadline - time.perf_counter()
+                    if remaining <= 0:
+                        break
+                    self.arrived.wait(remaining)
+                batches = {e: e.take() for e in self.endpoints if e.pending}
+            if self.fused is not None and len(batches) > 1:
+                self.fused.run(batches)
+            else:
+                for endpoint, requests in batches.items():
+                    endpoint.run(requests)
+
+
+def batch_independent(model: torch.nn.Module, examples: tuple[torch.Tensor, ...]) -> tuple[bool, str]:
+    """Whether requests may share a call of ``model``: each output's first dimension follows the inputs' and the
+    rows of a batch of two different samples are each sample's outputs alone (within float noise: a model that
+    normalises over its batch, or returns one figure for it, does not batch). The second sample is made from the
+    example's first (halved, or for integers reversed along its last dimension: still valid token ids)."""
+    from opsched.compare import compare_outputs
+
+    first = tuple(t[:1] for t in examples)
+    second = tuple(t[1:2] if t.shape[0] > 1 else (t[:1] * 0.5 if t.is_floating_point() else t[:1].flip(-1))
+                   for t in examples)
+    try:
+        with torch.inference_mode():
+            alone = [named_outputs(model(*first)), named_outputs(model(*second))]
+            together = named_outputs(model(*(torch.cat([a, b]) for a, b in zip(first, second))))
+    except Exception as e:  # noqa: BLE001 - a model that takes no batch of two
+        return False, f"the model fails on a batch of two ({type(e).__name__})"
+    for name, out in together.items():
+        if out.dim() == 0 or out.shape[0] != 2 or alone[0][name].shape[0:1] != (1,):
+            return False, f"output {name!r} does not follow the batch"
+        for k in range(2):
+            verdict = compare_outputs(out[k:k + 1], alone[k][name])
+            if not verdict.ok:
+                return False, f"output {name!r} of a sample depends on the others in its batch ({verdict.why})"
+    return True, ""

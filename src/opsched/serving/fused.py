@@ -1,0 +1,124 @@
+"""Requests for several models served as one call: the fused multi-model graph (``opsched.optimize_batch``, HiveMind's
+fusion and schedule) of the models that have requests in a batch, each model reading its own requests' inputs.
+
+A fused module is made per set of models that occurs together, the first time it occurs, in the background (one at
+a time); until it exists those models' requests run as one call per model. Each fused module is itself a
+:class:`~opsched.runtime.guarded.GuardedModule`: a plan per combination of batch sizes, made as each new
+combination occurs (the models answering one after another meanwhile). Every plan was verified model by model
+against the models' own forwards, and timed against running them one after another: where fusion does not pay
+above the noise, the plan is the models one after another. When a fused call raises, each model's requests run
+again on their own model, so that a request that fails, fails alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from opsched.errors import first_line
+from opsched.serving.batcher import ModelEndpoint, Request
+
+
+class FusedGroup:
+    """The fused modules of subsets of ``endpoints`` (made with ``opsched.optimize_batch(**options)`` on copies of
+    the models); :meth:`run` is what a :class:`~opsched.serving.batcher.Batcher` calls with several models'
+    requests."""
+
+    def __init__(self, endpoints: Sequence[ModelEndpoint], options: dict[str, Any] | None = None,
+                 say: Callable[[str], Any] = lambda text: None):
+        self.endpoints = [e for e in endpoints if e.batchable]
+        self.options, self.say = dict(options or {}), say
+        self.modules: dict[tuple[str, ...], Any] = {}  # by the sorted names of the models fused
+        self.building: set[tuple[str, ...]] = set()
+        self.apart: set[tuple[str, ...]] = set()  # sets whose fusion failed: they run apart
+        self.calls = 0
+        self._lock = threading.Lock()
+        self._builds: list[threading.Thread] = []
+        self._one_build = threading.Lock()
+
+    def prepare(self, names: Sequence[str], batch: int = 1) -> None:
+        """Make the fused module of the models ``names`` now, at ``batch`` samples each."""
+        key = tuple(sorted(names))
+        with self._lock:
+            if key in self.modules or key in self.apart:
+                return
+            self.building.add(key)
+        self._build(key, batch)
+
+    def run(self, batches: dict[ModelEndpoint, list[Request]]) -> None:
+        """Every model's requests of one batch: one call of the fused module of the models present where it exists
+        (each request answered with its own rows), each model apart where it does not (its build started)."""
+        fusable = {e: r for e, r in batches.items() if e in self.endpoints}
+        key = tuple(sorted(e.name for e in fusable))
+        module = self.modules.get(key) if len(key) > 1 else None
+        if module is None and len(key) > 1:
+            self._build_later(key, 1)
+        if module is None:
+            for endpoint, requests in batches.items():
+                endpoint.run(requests)
+            return
+        for endpoint, requests in batches.items():
+            if endpoint not in fusable:
+                endpoint.run(requests)
+        ordered = sorted(fusable, key=lambda e: e.name)
+        groups = [[r for r in fusable[e] if r.future.set_running_or_notify_cancel()] for e in ordered]
+        present = [(e, g) for e, g in zip(ordered, groups) if g]
+        if len(present) < len(ordered):  # cancelled meanwhile: what is left runs apart
+            for endpoint, requests in present:
+                endpoint.retry(requests, endpoint.call(requests))
+            return
+        lock = ordered[0].lock
+        try:
+            inputs = tuple(t for e, g in present for t in e.joined(g))
+            with lock, torch.inference_mode():
+                outputs = module(*inputs)
+                self.calls += 1
+            for (endpoint, requests), out in zip(present, outputs):
+                endpoint.answer(requests, out)
+        except Exception:  # noqa: BLE001 - each model's requests again on their own, to fail alone
+            for endpoint, requests in present:
+                if not all(r.future.done() for r in requests):
+                    endpoint.retry(requests, endpoint.call(requests))
+
+    def close(self) -> None:
+        """Wait for the builds under way; end the fused modules' worker threads."""
+        for thread in list(self._builds):
+            thread.join()
+        for module in self.modules.values():
+            if hasattr(module, "close"):
+                module.close()
+
+    def _build_later(self, key: tuple[str, ...], batch: int) -> None:
+        with self._lock:
+            if key in self.modules or key in self.building or key in self.apart:
+                return
+            self.building.add(key)
+        thread = threading.Thread(target=self._build, args=(key, batch), name="opsched-serve-fuse", daemon=True)
+        self._builds.append(thread)
+        thread.start()
+
+    def _build(self, key: tuple[str, ...], batch: int) -> None:
+        import opsched
+
+        chosen = sorted((e for e in self.endpoints if e.name in key), key=lambda e: e.name)  # as run() orders them
+        with self._one_build:
+            self.say(f"fusing {', '.join(key)} ...")
+            try:
+                inputs = [tuple(torch.cat([t[:1]] * batch) for t in e.examples) for e in chosen]
+                result = opsched.optimize_batch([copy.deepcopy(e.model) for e in chosen], inputs, separate_inputs=True,
+                                                **self.options)
+                module = result.module
+                self.say(f"fused {', '.join(key)}: {result.chosen} chosen")
+            except Exception as e:  # noqa: BLE001 - those models keep running apart
+                module = None
+                self.say(f"{', '.join(key)} run apart: {first_line(e)}")
+        with self._lock:
+            self.building.discard(key)
+            if module is not None:
+                self.modules[key] = module
+            else:
+                self.apart.add(key)
