@@ -1,0 +1,293 @@
+"""Load on ``opsched serve`` beside what a user would run instead, on this machine (measured).
+
+Each configuration is a server in a process of its own, on the local machine only, fed by this process:
+
+- ``eager``: every request on its own, the model itself (``--max-batch 1 --no-optimize``): a plain server;
+- ``batched``: each model's requests batched across time, the models themselves, never fused (``--no-optimize
+  --no-fuse``): per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's ``@serve.batch`` do;
+- ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused);
+- ``ceiling``: the same server with every model replaced by a copy of its output (a constant): what the protocol
+  alone allows, reported beside every row.
+
+Load: closed-loop (``--clients`` clients, each sending its next request when its answer arrives) and open-loop
+(Poisson arrivals at each of ``--rates`` requests/s, whatever the answers), each for ``--seconds`` after a warm-up,
+spreading requests over the models at random, with JSON tensors and with Triton's binary tensors. Per run: the
+requests sent and answered a second within the measured window (the load generator shares this machine's two
+cores with the server: an open loop sends what it manages), p50 and p99 latency, errors, and the first answers of each model checked against the model
+run here on the same input (``opsched.compare``). Every row goes to ``--out`` as a JSON line with the machine,
+versions, date and commit.
+
+    python benchmarks/serve_load.py --workloads cnn16 --configs eager batched opsched ceiling --out docs/serve_load.jsonl
+    python benchmarks/serve_load.py --workloads cnn16 --configs opsched --soak 600 --soak-rate 50   # the soak
+
+Workloads: ``cnn16`` (16 small CNNs, 32 px), ``resnet18x16`` (16 ResNet-18, 64 px), ``mixed`` (SqueezeNet 1.1,
+MobileNetV3-small, ShuffleNet V2 x0.5, MNASNet 0.5; 64 px).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from sweep import appender
+
+CONFIGS = {
+    "eager": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
+    "batched": {"optimize": False, "fuse": False},
+    "opsched": {},
+    "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
+}
+
+
+def workload(name: str) -> dict[str, tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]:
+    """The workload's models by served name, each with its example input (seeded: client and server agree)."""
+    import torchvision
+    from multi import small_cnn
+
+    torch.manual_seed(0)
+    if name == "cnn16":
+        return {f"cnn{k}": (small_cnn().eval(), (torch.randn(1, 3, 32, 32),)) for k in range(16)}
+    if name == "resnet18x16":
+        return {f"resnet{k}": (torchvision.models.resnet18().eval(), (torch.randn(1, 3, 64, 64),)) for k in range(16)}
+    if name == "mixed":
+        makers = [torchvision.models.squeezenet1_1, torchvision.models.mobilenet_v3_small,
+                  torchvision.models.shufflenet_v2_x0_5, torchvision.models.mnasnet0_5]
+        return {make.__name__: (make().eval(), (torch.randn(1, 3, 64, 64),)) for make in makers}
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+class Constant(torch.nn.Module):
+    """A model's copy for the ceiling: its output for one sample, repeated for the batch."""
+
+    def __init__(self, output: torch.Tensor):
+        super().__init__()
+        self.register_buffer("output", output)
+
+    def forward(self, x):
+        return self.output.expand(x.shape[0], *self.output.shape[1:]).clone()
+
+
+def run_server(name: str, config: str, port: int, max_batch: int, max_delay_ms: float) -> None:
+    import opsched
+
+    models = workload(name)
+    if config == "ceiling":
+        with torch.inference_mode():
+            models = {k: (Constant(m(*x)), x) for k, (m, x) in models.items()}
+    options = {"max_batch": max_batch, "max_delay_ms": max_delay_ms, **CONFIGS[config]}
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # uvicorn drains; exit 0 after
+    opsched.serve(models, port=port, queue_size=1024, **options)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bodies(models: dict, binary: bool, seed: int = 1) -> dict[str, list[tuple[bytes, dict, torch.Tensor]]]:
+    """A few requests for each model (one sample each): body, headers, and the input."""
+    rng = torch.Generator().manual_seed(seed)
+    made = {}
+    for name, (_, example) in models.items():
+        made[name] = []
+        for _ in range(4):
+            x = torch.randn(example[0].shape, generator=rng)
+            entry = {"name": "input", "shape": list(x.shape), "datatype": "FP32"}
+            if binary:
+                raw = x.numpy().astype(np.float32).tobytes()
+                entry["parameters"] = {"binary_data_size": len(raw)}
+                head = json.dumps({"inputs": [entry], "outputs": [{"name": "output_0",
+                                                                   "parameters": {"binary_data": True}}]}).encode()
+                made[name].append((head + raw, {"Inference-Header-Content-Length": str(len(head)),
+                                                "Content-Type": "application/octet-stream"}, x))
+            else:
+                entry["data"] = x.flatten().tolist()
+                made[name].append((json.dumps({"inputs": [entry]}).encode(), {"Content-Type": "application/json"}, x))
+    return made
+
+
+def decoded(response, binary: bool) -> torch.Tensor:
+    if binary:
+        length = int(response.headers["Inference-Header-Content-Length"])
+        head = json.loads(response.content[:length])
+        out = head["outputs"][0]
+        return torch.from_numpy(np.frombuffer(response.content[length:], dtype=np.float32).copy()).reshape(out["shape"])
+    out = response.json()["outputs"][0]
+    return torch.tensor(out["data"]).reshape(out["shape"])
+
+
+async def load(url: str, requests: dict, binary: bool, mode: str, level: float, seconds: float, warmup: float,
+               check: dict | None, check_all: bool = False, pid: int | None = None) -> dict:
+    """Closed loop (``level`` clients) or open loop (``level`` requests/s, Poisson) for ``seconds`` after
+    ``warmup``: answered requests/s, latencies, errors, and answers checked against ``check`` (model by name): the
+    first three of each model, or with ``check_all`` every one. With ``pid``, the server's resident memory is read
+    every five seconds."""
+    import httpx
+
+    from opsched.compare import compare_outputs
+
+    names = list(requests)
+    latencies: list[float] = []
+    errors = checked = wrong = sent_measured = 0
+    started = time.perf_counter()
+    measuring = started + warmup
+    ending = measuring + seconds
+    seen: dict[str, int] = {}
+    sent_all = lost = 0  # lost: sent and never answered (the connection failed or timed out)
+    memory: list[tuple[float, float]] = []  # (seconds into the run, MB)
+
+    async def one(client, rng):
+        nonlocal errors, checked, wrong, sent_measured, sent_all, lost
+        name = rng.choice(names)
+        body, headers, x = rng.choice(requests[name])
+        sent = time.perf_counter()
+        sent_measured += measuring <= sent < ending
+        sent_all += 1
+        try:
+            response = await client.post(f"{url}/v2/models/{name}/infer", content=body, headers=headers)
+        except httpx.HTTPError:
+            lost += 1
+            return
+        done = time.perf_counter()
+        if response.status_code != 200:
+            errors += sent >= measuring
+            return
+        if sent >= measuring and done <= ending:
+            latencies.append(done - sent)
+        if check is not None and (check_all or seen.get(name, 0) < 3):
+            seen[name] = seen.get(name, 0) + 1
+            checked += 1
+            with torch.inference_mode():
+                wrong += not compare_outputs(decoded(response, binary), check[name](x)).ok
+
+    async def sample_memory():
+        while time.perf_counter() < ending:
+            status = Path(f"/proc/{pid}/status")
+            if status.exists():
+                kb = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmRSS"))
+                memory.append((round(time.perf_counter() - started, 1), round(kb / 1024, 1)))
+            await asyncio.sleep(5)
+
+    sampler = asyncio.ensure_future(sample_memory()) if pid else None
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        if mode == "closed":
+            async def client_loop(k):
+                rng = random.Random(k)
+                while time.perf_counter() < ending:
+                    await one(client, rng)
+
+            await asyncio.gather(*(client_loop(k) for k in range(int(level))))
+        else:
+            rng = random.Random(0)
+            tasks = []
+            while (now := time.perf_counter()) < ending:
+                tasks.append(asyncio.ensure_future(one(client, random.Random(rng.random()))))
+                await asyncio.sleep(max(rng.expovariate(level) - (time.perf_counter() - now), 0))
+            await asyncio.gather(*tasks)
+    if sampler is not None:
+        await sampler
+    ms = sorted(1000 * t for t in latencies)
+    return {"sent_per_s": round(sent_measured / seconds, 1), "answered_per_s": round(len(ms) / seconds, 1), "p50_ms": round(statistics.median(ms), 2) if ms else None,
+            "p99_ms": round(ms[min(len(ms) - 1, int(0.99 * len(ms)))], 2) if ms else None, "errors": errors,
+            "checked": checked, "wrong": wrong, "sent": sent_all, "lost": lost,
+            **({"memory_mb": memory} if pid else {})}
+
+
+def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
+    import httpx
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--serve", name, config, "--port", str(port),
+                               "--max-batch", str(args.max_batch), "--max-delay-ms", str(args.max_delay_ms)],
+                              stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    started = time.perf_counter()
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.perf_counter() - started > args.prepare_timeout:
+                append({"workload": name, "config": config, "failed": "not ready in time" if server.poll() is None
+                        else f"exit {server.returncode}: {server.stderr.read().strip().splitlines()[-1:]}"})
+                return
+            time.sleep(0.5)
+        prepared = round(time.perf_counter() - started, 1)
+        models = workload(name)
+        check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
+        if args.soak:
+            row = asyncio.run(load(url, bodies(models, True), True, "open", args.soak_rate, args.soak, args.warmup, check,
+                                   check_all=True, pid=server.pid))
+            row = append({"workload": name, "models": len(models), "config": config, "tensors": "binary",
+                          "load": "soak", "rate_per_s": args.soak_rate, "max_batch": args.max_batch,
+                          "max_delay_ms": args.max_delay_ms, "prepared_s": prepared, **row})
+            print(json.dumps({k: row[k] for k in ("answered_per_s", "p99_ms", "errors", "wrong", "lost", "checked")}),
+                  flush=True)
+            return
+        for binary in (False, True):
+            requests = bodies(models, binary)
+            runs = [("closed", args.clients)] + [("open", rate) for rate in args.rates]
+            for mode, level in runs:
+                row = asyncio.run(load(url, requests, binary, mode, level, args.seconds, args.warmup, check))
+                row = append({"workload": name, "models": len(models), "config": config,
+                              "tensors": "binary" if binary else "json", "load": mode,
+                              ("clients" if mode == "closed" else "rate_per_s"): level,
+                              "max_batch": args.max_batch, "max_delay_ms": args.max_delay_ms,
+                              "prepared_s": prepared, **row})
+                print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "answered_per_s",
+                                                      "p50_ms", "p99_ms", "errors", "wrong")}), flush=True)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=["cnn16"], choices=["cnn16", "resnet18x16", "mixed"])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--clients", type=int, default=32, help="closed loop: clients (default 32)")
+    parser.add_argument("--rates", type=float, nargs="*", default=[50.0, 200.0],
+                        help="open loop: Poisson arrival rates, requests/s (default 50 200)")
+    parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds a run (default 15)")
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--max-delay-ms", type=float, default=2.0)
+    parser.add_argument("--prepare-timeout", type=float, default=900.0, help="seconds for a server to be ready")
+    parser.add_argument("--soak", type=float, metavar="SECONDS",
+                        help="instead: one open-loop run this long at --soak-rate on the first config, every answer "
+                             "checked, the server's resident memory read every five seconds")
+    parser.add_argument("--soak-rate", type=float, default=50.0)
+    parser.add_argument("--out", default="docs/serve_load.jsonl")
+    parser.add_argument("--serve", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        run_server(*args.serve, args.port, args.max_batch, args.max_delay_ms)
+        return
+    append = appender(args.out)
+    for name in args.workloads:
+        for config in args.configs:
+            print(f"{name}: {config} ...", file=sys.stderr, flush=True)
+            measure(name, config, args, append)
+
+
+if __name__ == "__main__":
+    main()
