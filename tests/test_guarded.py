@@ -377,6 +377,23 @@ def test_a_plan_file_loads_in_another_process_for_every_signature(tmp_path):
     assert len(refused) == 1, refused
 
 
+def test_load_refuses_a_plan_of_another_model_even_where_the_model_itself_answered(tmp_path):
+    """A plan whose choice was the model itself (eager: its schedule is never run) still names the graph it was made
+    for: another model is refused."""
+    torch.manual_seed(0)
+    model = Flatten().eval()
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), say=lambda text: None)
+    fast.prepare(torch.randn(2, 3, 8, 8))
+    fast.save(tmp_path / "plan.json")
+    fast.close()
+    document = json.loads((tmp_path / "plan.json").read_text())
+    document["options"]["chosen"] = {"name": "eager", "kind": "peer", "threads": 1}  # as if the model was fastest
+    (tmp_path / "eager.json").write_text(json.dumps(document))
+    assert opsched.load(tmp_path / "eager.json", model).plans  # its own model loads it
+    with pytest.raises(opsched.schedule.ScheduleError, match="was made for another model"):
+        opsched.load(tmp_path / "eager.json", torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1)).eval())
+
+
 def test_load_refuses_what_is_not_a_plan_of_optimize(tmp_path):
     model, graph, _ = branchy()
     plan = schedule_all(graph)["sequential"]

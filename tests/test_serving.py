@@ -108,6 +108,34 @@ def test_a_malformed_request_is_one_protocol_error(request_, binary, message):
         read_inputs(request_, binary)
 
 
+@pytest.mark.parametrize("entry, message", [
+    ({"datatype": "FP32", "data": ["1.5"]}, "FP32 data must be numbers"),
+    ({"datatype": "INT32", "data": [1.7]}, "INT32 data must be integers"),
+    ({"datatype": "INT32", "data": [True]}, "INT32 data must be integers"),
+    ({"datatype": "BOOL", "data": [1]}, "BOOL data must be true or false"),
+    ({"datatype": "FP16", "data": [1e6]}, "out of FP16's range"),
+    ({"datatype": "FP32", "data": [[1], [2, 3]]}, "evenly nested"),
+    ({"datatype": "FP32", "data": [1], "parameters": ["x"]}, "parameters must be an object"),
+    ({"datatype": "FP32", "parameters": {"shared_memory_region": "r"}}, "shared memory is not supported"),
+    ({"datatype": "BOOL", "parameters": {"binary_data_size": 1}}, "BOOL bytes must be 0 or 1"),
+])
+def test_data_of_another_kind_is_refused_not_converted(entry, message):
+    binary = b"\x07" if "binary_data_size" in entry.get("parameters", {}) else b""
+    with pytest.raises(ProtocolError, match=message):
+        read_inputs({"inputs": [{"name": "x", "shape": [1], **entry}]}, binary)
+    with pytest.raises(ProtocolError, match="too large|more than"):
+        read_inputs({"inputs": [{"name": "x", "shape": [1 << 40, 1 << 40], "datatype": "FP32", "data": []}]}, b"")
+
+
+def test_an_output_parameter_we_cannot_honour_is_refused_and_nan_needs_binary():
+    with pytest.raises(ProtocolError, match="classification is not supported"):
+        output_choice({"outputs": [{"name": "y", "parameters": {"classification": 3}}]}, ["y"])
+    with pytest.raises(OpschedError, match="NaN or infinity"):
+        write_response("m", "1", None, {"y": torch.tensor([float("nan")])}, {"y": False})
+    body, length = write_response("m", "1", None, {"y": torch.tensor([float("nan")])}, {"y": True})
+    assert torch.isnan(torch.frombuffer(bytearray(body[length:]), dtype=torch.float32)).all()
+
+
 def test_the_header_length_and_the_outputs_asked_for_are_checked():
     with pytest.raises(ProtocolError, match="not JSON"):
         split_body(b"{nope", None)
@@ -207,6 +235,38 @@ def test_a_model_whose_samples_do_not_stand_alone_serves_one_request_a_call():
     batcher.close()
     centred = ModelEndpoint("centred", Centred(), (torch.randn(1, 4),), max_batch=8)
     assert not centred.batchable and "depends on the others in its batch" in centred.note
+
+
+class ShortRows(torch.nn.Module):
+    """Checked as batchable on its example, then answers a batch of three or more with two rows only."""
+
+    def forward(self, x):
+        return x[:2] if x.shape[0] > 2 else x
+
+
+def test_a_call_that_goes_wrong_fails_its_requests_and_the_batcher_goes_on():
+    endpoint = ModelEndpoint("short", ShortRows(), (torch.randn(1, 3),), max_batch=4)
+    endpoint.use(None)
+    batcher = Batcher([endpoint], 0.2)
+    with endpoint.lock:  # three requests meet in one call, which gives too few rows: each is then run alone
+        futures = [endpoint.submit((torch.randn(1, 3),), 1) for _ in range(3)]
+        time.sleep(0.3)
+    assert all(f.result(10)["output_0"].shape == (1, 3) for f in futures)
+    big = endpoint.submit((torch.randn(3, 3),), 3)  # alone and still short: an error, not a short answer
+    with pytest.raises(OpschedError, match="fewer rows than the 3 samples"):
+        big.result(10)
+    assert endpoint.submit((torch.randn(1, 3),), 1).result(10)["output_0"].shape == (1, 3)  # still serving
+    batcher.close()
+
+
+def test_the_second_sample_of_the_batching_check_always_differs():
+    from opsched.serving.batcher import other_sample
+
+    for sample in (torch.zeros(1, 4), torch.tensor([[3]]), torch.tensor([[5, 5, 5]]), torch.tensor([[0, 0]]),
+                   torch.tensor([7]), torch.tensor([[True, False]]), torch.tensor([[1, 2, 1]])):
+        other = other_sample(sample)
+        assert other.shape == sample.shape and other.dtype == sample.dtype and not torch.equal(other, sample)
+        assert other.dtype == torch.bool or other.is_floating_point() or int(other.min()) >= 0
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
@@ -331,6 +391,27 @@ def test_requests_for_several_models_run_as_one_call_of_their_fused_graph():
         assert serving.fused.calls > 0  # some batches held several models' requests
 
 
+def test_compressed_bodies_unknown_endpoints_and_odd_requests_get_json_answers(server):
+    import gzip
+    import zlib
+
+    httpx = pytest.importorskip("httpx")
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 4, 9]}]}).encode()
+    url = f"{server.url}/v2/models/sqrt/infer"
+    for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+        answer = httpx.post(url, content=packed, headers={"Content-Encoding": encoding})
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [1, 2, 3], encoding
+    assert httpx.post(url, content=body, headers={"Content-Encoding": "br"}).status_code == 415
+    bomb = gzip.compress(b" " * (3 << 20))  # inflates past the 1 MB limit
+    assert httpx.post(url, content=bomb, headers={"Content-Encoding": "gzip"}).status_code == 413
+    for answer in (httpx.get(f"{server.url}/v2/models/sqrt/config"), httpx.get(f"{server.url}/v2/models/sqrt/infer")):
+        assert answer.status_code in (404, 405) and set(answer.json()) == {"error"}
+    odd = json.dumps({"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 4, 9]}],
+                      "outputs": [{"name": "output_0", "parameters": {"classification": 2}}]})
+    answer = httpx.post(url, content=odd)
+    assert answer.status_code == 400 and "classification is not supported" in answer.json()["error"]
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
 def test_curl_is_a_client_too(server):
     ready = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", f"{server.url}/v2/health/ready"],
@@ -420,5 +501,8 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_2():
     done = subprocess.run([sys.executable, "-m", "opsched", "serve", "torchvision:no_such_model"],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 2 and done.stderr.startswith("opsched: error:") and "\n" not in done.stderr.strip()
+    done = subprocess.run([sys.executable, "-m", "opsched", "serve", "squeezenet@no_such_plan.json", "--port", "0"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "no_such_plan.json: no such plan file" in done.stderr
     with pytest.raises(OpschedError, match="at least one model"):
         serve({}, block=False)

@@ -328,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "requests batched across time",
                        description="Start an HTTP server speaking the Open Inference Protocol (KServe v2, the protocol "
                                    "of Triton's HTTP endpoint, with its binary tensor extension) for every MODEL. "
-                                   "Each model's requests that arrive within --max-delay-ms of each other run as one "
-                                   "call of up to --max-batch samples; its plans for the batch sizes the batcher "
+                                   "Each model's requests that arrive within --max-delay-ms of the oldest one waiting "
+                                   "run as one call of up to --max-batch samples; its plans for the batch sizes the batcher "
                                    "forms are prepared at startup in the background (opsched optimize, or a plan "
                                    "file given with NAME=MODEL@PLAN.json), the model answering itself until they "
                                    "are; requests for several models that meet in a batch run as one call of their "
@@ -354,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-optimize", action="store_true", help="serve the models as they are, with no plans")
     p.add_argument("--no-fuse", action="store_true",
                    help="run requests for several models as one call per model, never as one call of their fused "
-                        "graph (by default the fused graph of all the models is prepared at startup, and that of "
-                        "any other set of models the first time their requests meet in a batch)")
+                        "graph (otherwise, for two models or more that batch and unless --no-optimize, the fused "
+                        "graph of all the models is prepared at startup, and that of another set of models once its "
+                        "requests have met in three batches)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],

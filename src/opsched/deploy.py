@@ -145,6 +145,8 @@ def _made_again(path: str | Path, model: torch.nn.Module, inputs: tuple, chosen:
     signature = call_signature(inputs)
     runs_schedule = schedule is not None and schedule.measured is not None and chosen == schedule.measured.measured_as
     if not runs_schedule:
+        if schedule is not None:  # the model answers this call (or a peer): still, the plan must be this model's
+            same_graph(model, inputs, schedule, options, str(path))
         return Plan(signature, inputs, None, chosen, schedule, measured_ms, note, stale=chosen != "eager")
     try:
         module, verdict = recompile(model, inputs, schedule, options, str(path))
@@ -159,22 +161,31 @@ def _made_again(path: str | Path, model: torch.nn.Module, inputs: tuple, chosen:
     return Plan(signature, inputs, module, chosen, schedule, measured_ms, note)
 
 
-def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options: dict[str, Any],
-              source: str = "the plan") -> tuple[Any, Any]:
-    """``schedule`` compiled for ``model`` captured on ``inputs`` (the weights as they are now), and its
-    verification against the model on those inputs. Raises :class:`ScheduleError` when the captured graph is
-    not the one the schedule was made for."""
-    from opsched.evaluation import verify
+def same_graph(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options: dict[str, Any],
+               source: str = "the plan") -> Any:
+    """``model`` captured on ``inputs``; raises :class:`ScheduleError` when its graph is not the one ``schedule``
+    was made for."""
     from opsched.graph.capture import capture
-    from opsched.runtime.guards import Guard
-    from opsched.runtime.kernels import plan_kernels
-    from opsched.runtime.module import OptimizedModule
 
     graph = capture(model, inputs, name=options.get("name"))
     if graph.fingerprint != schedule.fingerprint:
         raise ScheduleError(f"{source} was made for another model, or a PyTorch that captures it differently: its "
                             f"graph {schedule.graph_name} has fingerprint {schedule.fingerprint}, this model's "
                             f"{graph.name} has {graph.fingerprint} (torch {torch.__version__})")
+    return graph
+
+
+def recompile(model: torch.nn.Module, inputs: tuple, schedule: Schedule, options: dict[str, Any],
+              source: str = "the plan") -> tuple[Any, Any]:
+    """``schedule`` compiled for ``model`` captured on ``inputs`` (the weights as they are now), and its
+    verification against the model on those inputs. Raises :class:`ScheduleError` when the captured graph is
+    not the one the schedule was made for."""
+    from opsched.evaluation import verify
+    from opsched.runtime.guards import Guard
+    from opsched.runtime.kernels import plan_kernels
+    from opsched.runtime.module import OptimizedModule
+
+    graph = same_graph(model, inputs, schedule, options, source)
     flat = pytree.tree_leaves(inputs)
     cores = options.get("threads") or torch.get_num_threads()
     device = schedule.device if schedule.device in ("cpu", "cuda") else "cpu"

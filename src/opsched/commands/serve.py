@@ -37,14 +37,18 @@ def served_models(args: argparse.Namespace) -> tuple[dict[str, tuple[Any, tuple]
     return models, plans
 
 
+def _exit_0(signum: int, frame: Any) -> None:
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from opsched.serving import serve
 
-    models, plans = served_models(args)
-    # SIGTERM drains and ends like Ctrl-C, with exit status 0: uvicorn takes the signal while it serves and raises
-    # it again once it has stopped, to this handler, which has nothing left to do
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    # SIGTERM ends with exit status 0: while uvicorn serves it takes the signal, drains, and raises it again once it
+    # has stopped, to this handler; before (the models loading, the socket bound) the handler ends the command
+    previous = signal.signal(signal.SIGTERM, _exit_0)
     try:
+        models, plans = served_models(args)
         serve(models, host=args.host, port=args.port, max_delay_ms=args.max_delay_ms, max_batch=args.max_batch,
               queue_size=args.queue_size, max_body_mb=args.max_body_mb, optimize=not args.no_optimize,
               fuse=not args.no_fuse,

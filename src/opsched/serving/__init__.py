@@ -101,6 +101,17 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     for endpoint in endpoints.values():
         if endpoint.note:
             say(f"{endpoint.name}: {endpoint.note}")
+    loaded = {}
+    try:  # a plan file is read and checked against its model now: one that does not fit is refused, not served
+        import opsched
+
+        for name, path in (plans or {}).items():
+            say(f"{name}: loading {path} ...")
+            loaded[name] = opsched.load(path, copy.deepcopy(endpoints[name].model),
+                                        max_plans=endpoints[name].max_batch + 1)
+    except BaseException:
+        sock.close()
+        raise
     options = dict(optimize_options or {})
     group = None
     if optimize and fuse and sum(e.batchable for e in endpoints.values()) > 1:
@@ -108,17 +119,20 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
         batchers = [Batcher(list(endpoints.values()), max_delay_ms / 1000, fused=group)]
     else:
         batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints.values()]
-    ready = threading.Event()
+    ready, stopped = threading.Event(), threading.Event()
 
     def shut_down() -> None:
+        stopped.set()
+        preparing.join(30)  # a preparation under way ends before the process does (a plan made later is closed)
         for batcher in batchers:
             batcher.close()
         for module in [e.module for e in endpoints.values()] + ([group] if group else []):
             if hasattr(module, "close"):
                 module.close()
 
-    threading.Thread(target=_prepare, args=(endpoints, group, optimize, options, dict(plans or {}), ready, say),
-                     name="opsched-serve-prepare", daemon=True).start()
+    preparing = threading.Thread(target=_prepare, args=(endpoints, group, optimize, options, loaded, ready, stopped,
+                                                        say), name="opsched-serve-prepare", daemon=True)
+    preparing.start()
     app = application(endpoints, ready, max_body=int(max_body_mb * (1 << 20)), on_shutdown=shut_down)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     if not block:
@@ -143,21 +157,22 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, plans: dict, ready: threading.Event,
-             say: Callable[[str], Any]) -> None:
-    """Each model's optimized module, one model at a time (a model whose preparation fails answers itself), then
-    the fused module of all the models of ``group`` at one sample each (what a quiet server's batches hold)."""
+def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded: dict, ready: threading.Event,
+             stopped: threading.Event, say: Callable[[str], Any]) -> None:
+    """Each model's optimized module, one model at a time (a model whose preparation fails answers itself; a model
+    in ``loaded`` has its plan file's module, given the batch sizes it lacks), then the fused module of all the
+    models of ``group`` at one sample each (what a quiet server's batches hold); nothing more once ``stopped``."""
     for name, endpoint in endpoints.items():
-        if not optimize:
+        if stopped.is_set():
+            return
+        if not optimize and name not in loaded:
             endpoint.use(None)
             continue
         sizes = endpoint.batch_sizes() if endpoint.batchable else []
         say(f"{name}: preparing plans" + (f" for batch sizes {', '.join(map(str, sizes))}" if sizes else "") + " ...")
         try:
-            if name in plans:
-                import opsched
-
-                module = opsched.load(plans[name], copy.deepcopy(endpoint.model))
+            if name in loaded:
+                module = loaded[name]
                 for b in sizes:
                     module.prepare(*_at_batch(endpoint.examples, b))
             else:
@@ -166,6 +181,10 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, plans: 
             endpoint.use(None, first_line(e))
             say(f"{name}: ready; the model answers itself: {first_line(e)}")
             continue
+        if stopped.is_set():  # the server stopped meanwhile: the module is never used
+            if hasattr(module, "close"):
+                module.close()
+            return
         endpoint.use(module)
         say(f"{name}: ready")
     if group is not None:
@@ -184,6 +203,7 @@ def _optimized(endpoint: Any, sizes: list[int], options: dict) -> Any:
     import opsched
 
     inputs = _at_batch(endpoint.examples, 1) if endpoint.batchable else endpoint.examples
-    outcome = opsched.optimize(copy.deepcopy(endpoint.model), inputs,
-                               batch_sizes=[b for b in sizes if b != 1], **options)
+    # a plan for every batch size the batcher forms is kept: fewer would be dropped and made again, over and over
+    outcome = opsched.optimize(copy.deepcopy(endpoint.model), inputs, batch_sizes=[b for b in sizes if b != 1],
+                               **{"max_plans": endpoint.max_batch + 1, **options})
     return outcome.module

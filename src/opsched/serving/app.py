@@ -5,8 +5,10 @@ Endpoints (KServe v2, as Triton's HTTP endpoint has them): ``GET /v2`` (server m
 ``/v2/health/ready``, ``GET /v2/models/{name}[/versions/1]`` (metadata), ``/v2/models/{name}/ready``, ``POST
 /v2/models/{name}[/versions/1]/infer`` (JSON tensors, or Triton's binary tensor extension), ``POST
 /v2/repository/index``. Errors are ``{"error": "one line"}``: 400 for a request the protocol or the model's
-signature does not allow, 404 for an unknown model or version, 413 for a body over the limit, 503 at once when the
-model's queue is full or the server stops, 500 with the model's own message when it raised. Readiness answers 400
+signature does not allow (an output parameter other than ``binary_data`` among them: Triton's classification and
+shared memory are not supported), 404 for an unknown model, version or endpoint, 413 for a body over the limit (as it
+arrives, and once inflated: gzip and deflate bodies are taken), 415 for another Content-Encoding, 503 at once when
+the model's queue is full or the server stops, 500 with the model's own message when it raised. Readiness answers 400
 while the models' plans are being prepared (the models already answer requests then, themselves).
 """
 
@@ -15,16 +17,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from opsched import __version__
-from opsched.errors import first_line
+from opsched.errors import OpschedError, first_line
 from opsched.serving.batcher import ModelEndpoint, Overloaded
 from opsched.serving.protocol import (
     HEADER_LENGTH,
@@ -79,20 +84,49 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         return JSONResponse([{"name": name, "version": VERSION, "state": "READY" if e.ready.is_set() else "LOADING"}
                              for name, e in endpoints.items()])
 
+    async def body_of(request: Request) -> bytes | JSONResponse:
+        """The request's body, decompressed as its Content-Encoding says, refused past ``max_body`` bytes as it
+        arrives (a chunked body has no length to check first)."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            return _error(413, f"the body has {declared} bytes; at most {max_body} are taken")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body:
+                return _error(413, f"the body has more than {max_body} bytes; at most {max_body} are taken")
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        encoding = request.headers.get("content-encoding", "identity").strip().lower()
+        if encoding in ("", "identity"):
+            return body
+        if encoding not in ("gzip", "deflate"):
+            return _error(415, f"Content-Encoding {encoding!r} is not supported (gzip, deflate or none)")
+        inflate = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
+        try:
+            body = inflate.decompress(body, max_body + 1)
+        except zlib.error as e:
+            return _error(400, f"the body is not {encoding} data: {e}")
+        if len(body) > max_body or inflate.unconsumed_tail:
+            return _error(413, f"the body inflates past {max_body} bytes; at most {max_body} are taken")
+        return body
+
+    def parsed(endpoint: ModelEndpoint, body: bytes, header_length: str | None) -> tuple:
+        message, binary = split_body(body, header_length)
+        choice = output_choice(message, [s.name for s in endpoint.outputs])
+        inputs, batch = endpoint.check(read_inputs(message, binary))
+        return message, choice, inputs, batch
+
     async def infer(request: Request) -> Response:
         endpoint = endpoint_of(request)
         if isinstance(endpoint, Response):
             return endpoint
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            return _error(413, f"the body has {declared} bytes; at most {max_body} are taken")
-        body = await request.body()
-        if len(body) > max_body:
-            return _error(413, f"the body has {len(body)} bytes; at most {max_body} are taken")
-        try:
-            message, binary = split_body(body, request.headers.get(HEADER_LENGTH.lower()))
-            choice = output_choice(message, [s.name for s in endpoint.outputs])
-            inputs, batch = endpoint.check(read_inputs(message, binary))
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        try:  # parsing a large JSON body takes a while: off the event loop, which answers health probes meanwhile
+            message, choice, inputs, batch = await run_in_threadpool(
+                parsed, endpoint, body, request.headers.get(HEADER_LENGTH.lower()))
             future = endpoint.submit(inputs, batch)
         except ProtocolError as e:
             return _error(400, str(e))
@@ -102,11 +136,27 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
             outputs = await asyncio.wrap_future(future)
         except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
             return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
-        content, header_length = write_response(endpoint.name, VERSION, message.get("id"), outputs, choice)
+        try:
+            content, header_length = await run_in_threadpool(write_response, endpoint.name, VERSION,
+                                                             message.get("id"), outputs, choice)
+        except OpschedError as e:
+            return _error(500, str(e))
         if header_length is None:
             return Response(content, media_type="application/json")
         return Response(content, media_type="application/octet-stream",
                         headers={HEADER_LENGTH: str(header_length)})
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        status = getattr(error, "status_code", 500)
+        detail = getattr(error, "detail", None) or "internal error"
+        if status == 404:
+            detail = f"no such endpoint: {request.method} {request.url.path}"
+        elif status == 405:
+            detail = f"{request.method} is not allowed on {request.url.path}"
+        return _error(status, detail)
+
+    async def internal_error(request: Request, error: Exception) -> Response:
+        return _error(500, f"internal error: {first_line(error)}")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -122,4 +172,5 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         Route(model + "/ready", model_ready), Route(versioned + "/ready", model_ready),
         Route(model + "/infer", infer, methods=["POST"]), Route(versioned + "/infer", infer, methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error, Exception: internal_error})

@@ -184,19 +184,37 @@ class ModelEndpoint:
             total += request.batch
         return taken
 
-    def joined(self, requests: list[Request]) -> tuple[torch.Tensor, ...]:
-        """The requests' inputs as one call's: joined along their first dimension."""
-        return tuple(torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(r.inputs for r in requests)))
+    def joined(self, requests: list[Request], rows: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The requests' inputs as one call's: joined along their first dimension, and padded to ``rows`` with
+        copies of the first sample (whose outputs :meth:`answer` drops) where asked."""
+        joined = [torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*(r.inputs for r in requests))]
+        extra = (rows or 0) - sum(r.batch for r in requests)
+        if extra > 0:
+            joined = [torch.cat([t, t[:1].expand(extra, *t.shape[1:])]) for t in joined]
+        return tuple(joined)
 
     def answer(self, requests: list[Request], outputs: Any) -> None:
         """Each request its own rows of ``outputs`` (the model's outputs for the joined inputs), copied: a plan may
-        hand out the same output buffers on its next call."""
+        hand out the same output buffers on its next call. Every answer is made before any is given, and outputs
+        with too few rows are an error, not short answers."""
         outputs = named_outputs(outputs)
-        start = 0
+        total = sum(r.batch for r in requests)
+        if self.batchable and any(v.dim() == 0 or v.shape[0] < total for v in outputs.values()):
+            raise OpschedError(f"model {self.name!r} gave fewer rows than the {total} samples it was given")
+        answers, start = [], 0
         for request in requests:
             rows = slice(start, start + request.batch)
-            request.future.set_result({k: (v[rows] if self.batchable else v).clone() for k, v in outputs.items()})
+            answers.append({k: (v[rows] if self.batchable else v).clone() for k, v in outputs.items()})
             start += request.batch
+        for request, answer in zip(requests, answers, strict=True):
+            if not request.future.done():
+                request.future.set_result(answer)
+
+    def fail(self, requests: list[Request], error: BaseException) -> None:
+        """``error`` for every request not yet answered."""
+        for request in requests:
+            if not request.future.done():
+                request.future.set_exception(error)
 
     def run(self, requests: list[Request]) -> None:
         """The requests as one call of the model's module; on a failure each again alone, to fail alone."""
@@ -205,11 +223,13 @@ class ModelEndpoint:
             self.retry(requests, self.call(requests))
 
     def retry(self, requests: list[Request], error: Exception | None) -> None:
-        """After a call of several requests that raised ``error`` (None: it did not), each request alone."""
-        if error is None:
+        """After a call of several requests that raised ``error`` (None: it did not), each request not yet
+        answered alone."""
+        requests = [r for r in requests if not r.future.done()]
+        if error is None or not requests:
             return
         if len(requests) == 1:
-            requests[0].future.set_exception(error)
+            self.fail(requests, error)
             return
         for request in requests:
             self.retry([request], self.call([request]))
@@ -264,23 +284,30 @@ class Batcher:
                         break
                     self.arrived.wait(remaining)
                 batches = {e: e.take() for e in self.endpoints if e.pending}
-            if self.fused is not None and len(batches) > 1:
-                self.fused.run(batches)
-            else:
+            try:
+                if self.fused is not None and len(batches) > 1:
+                    self.fused.run(batches)
+                else:
+                    for endpoint, requests in batches.items():
+                        endpoint.run(requests)
+            except BaseException as error:  # noqa: BLE001 - never leave a request unanswered, nor the thread dead
                 for endpoint, requests in batches.items():
-                    endpoint.run(requests)
+                    endpoint.fail(requests, error)
 
 
 def batch_independent(model: torch.nn.Module, examples: tuple[torch.Tensor, ...]) -> tuple[bool, str]:
-    """Whether requests may share a call of ``model``: each output's first dimension follows the inputs' and the
-    rows of a batch of two different samples are each sample's outputs alone (within float noise: a model that
-    normalises over its batch, or returns one figure for it, does not batch). The second sample is made from the
-    example's first (halved, or for integers reversed along its last dimension: still valid token ids)."""
+    """Whether requests may share a call of ``model``, as far as one check can tell: each output's first dimension
+    follows the inputs', and the rows of a batch of two different samples are each sample's outputs alone (within
+    float noise). A model that normalises over its batch, or returns one figure for it, fails it; weaker coupling
+    between samples than float noise would not show. The second sample is the example's second, or one made from
+    its first that differs from it (see :func:`other_sample`); where none can be made, nothing is batched."""
     from opsched.compare import compare_outputs
 
     first = tuple(t[:1] for t in examples)
-    second = tuple(t[1:2] if t.shape[0] > 1 else (t[:1] * 0.5 if t.is_floating_point() else t[:1].flip(-1))
+    second = tuple(t[1:2] if t.shape[0] > 1 and not torch.equal(t[1:2], t[:1]) else other_sample(t[:1])
                    for t in examples)
+    if any(b is None for b in second):
+        return False, "no second sample that differs from the example could be made to check it"
     try:
         with torch.inference_mode():
             alone = [named_outputs(model(*first)), named_outputs(model(*second))]
@@ -295,3 +322,20 @@ def batch_independent(model: torch.nn.Module, examples: tuple[torch.Tensor, ...]
             if not verdict.ok:
                 return False, f"output {name!r} of a sample depends on the others in its batch ({verdict.why})"
     return True, ""
+
+
+def other_sample(sample: torch.Tensor) -> torch.Tensor | None:
+    """A sample of the same shape and dtype that differs from ``sample`` and stays within what it holds (for
+    integers, token ids: its values reversed or rolled, else each lowered or raised by one within its range);
+    None where none can be made."""
+    if sample.numel() == 0:
+        return None
+    if sample.dtype == torch.bool:
+        return ~sample
+    if sample.is_floating_point() or sample.is_complex():
+        return sample * 0.5 + 0.25
+    for candidate in (sample.flip(-1), sample.roll(1, -1), sample.reshape(-1).roll(1).reshape(sample.shape)):
+        if not torch.equal(candidate, sample):
+            return candidate
+    low = int(sample.min())
+    return sample - 1 if low > 0 else sample + 1

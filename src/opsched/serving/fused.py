@@ -1,13 +1,17 @@
 """Requests for several models served as one call: the fused multi-model graph (``opsched.optimize_batch``, HiveMind's
 fusion and schedule) of the models that have requests in a batch, each model reading its own requests' inputs.
 
-A fused module is made per set of models that occurs together, the first time it occurs, in the background (one at
-a time); until it exists those models' requests run as one call per model. Each fused module is itself a
-:class:`~opsched.runtime.guarded.GuardedModule`: a plan per combination of batch sizes, made as each new
-combination occurs (the models answering one after another meanwhile). Every plan was verified model by model
-against the models' own forwards, and timed against running them one after another: where fusion does not pay
-above the noise, the plan is the models one after another. When a fused call raises, each model's requests run
-again on their own model, so that a request that fails, fails alone.
+The fused module of all the models is prepared at startup. That of another set of models is made once the set has
+met in ``SEEN_BEFORE_FUSING`` batches, in the background, one build at a time, at most ``MAX_FUSED`` sets in all
+(random traffic over many models makes sets that seldom recur: they run apart); until then those models' requests
+run as one call per model. In a fused call every model's batch is padded to the largest one present (with copies
+of its first sample, whose outputs are dropped; the models were checked to answer each sample on its own), so
+that a fused module meets one call signature per batch size: each is a
+:class:`~opsched.runtime.guarded.GuardedModule` keeping a plan for every batch size up to ``max_batch``, made as
+each occurs (the models answering one after another meanwhile). Every plan was verified model by model against
+the models' own forwards, and timed against running them one after another: where fusion does not pay above the
+noise, the plan is the models one after another. When a fused call raises, each model's requests run again on
+their own model, so that a request that fails, fails alone.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import torch
 from opsched.errors import first_line
 from opsched.serving.batcher import ModelEndpoint, Request
 
+SEEN_BEFORE_FUSING = 3
+MAX_FUSED = 8
+
 
 class FusedGroup:
     """The fused modules of subsets of ``endpoints`` (made with ``opsched.optimize_batch(**options)`` on copies of
@@ -31,7 +38,11 @@ class FusedGroup:
     def __init__(self, endpoints: Sequence[ModelEndpoint], options: dict[str, Any] | None = None,
                  say: Callable[[str], Any] = lambda text: None):
         self.endpoints = [e for e in endpoints if e.batchable]
-        self.options, self.say = dict(options or {}), say
+        self.max_batch = max((e.max_batch for e in self.endpoints), default=1)
+        self.options = {"max_plans": self.max_batch + 1, **(options or {})}
+        self.say = say
+        self.seen: dict[tuple[str, ...], int] = {}
+        self.stopping = False
         self.modules: dict[tuple[str, ...], Any] = {}  # by the sorted names of the models fused
         self.building: set[tuple[str, ...]] = set()
         self.apart: set[tuple[str, ...]] = set()  # sets whose fusion failed: they run apart
@@ -51,12 +62,16 @@ class FusedGroup:
 
     def run(self, batches: dict[ModelEndpoint, list[Request]]) -> None:
         """Every model's requests of one batch: one call of the fused module of the models present where it exists
-        (each request answered with its own rows), each model apart where it does not (its build started)."""
+        (each request answered with its own rows), each model apart where it does not."""
         fusable = {e: r for e, r in batches.items() if e in self.endpoints}
         key = tuple(sorted(e.name for e in fusable))
         module = self.modules.get(key) if len(key) > 1 else None
         if module is None and len(key) > 1:
-            self._build_later(key, 1)
+            with self._lock:
+                self.seen[key] = self.seen.get(key, 0) + 1
+                wanted = self.seen[key] >= SEEN_BEFORE_FUSING and len(self.modules) + len(self.building) < MAX_FUSED
+            if wanted:
+                self._build_later(key, 1)
         if module is None:
             for endpoint, requests in batches.items():
                 endpoint.run(requests)
@@ -71,30 +86,32 @@ class FusedGroup:
             for endpoint, requests in present:
                 endpoint.retry(requests, endpoint.call(requests))
             return
-        lock = ordered[0].lock
+        rows = max(sum(r.batch for r in g) for _, g in present)
         try:
-            inputs = tuple(t for e, g in present for t in e.joined(g))
-            with lock, torch.inference_mode():
+            inputs = tuple(t for e, g in present for t in e.joined(g, rows))
+            with ordered[0].lock, torch.inference_mode():
                 outputs = module(*inputs)
                 self.calls += 1
-            for (endpoint, requests), out in zip(present, outputs):
+            for (endpoint, requests), out in zip(present, outputs, strict=True):
                 endpoint.answer(requests, out)
         except Exception:  # noqa: BLE001 - each model's requests again on their own, to fail alone
             for endpoint, requests in present:
-                if not all(r.future.done() for r in requests):
-                    endpoint.retry(requests, endpoint.call(requests))
+                endpoint.retry(requests, endpoint.call(requests))
 
-    def close(self) -> None:
-        """Wait for the builds under way; end the fused modules' worker threads."""
+    def close(self, timeout: float = 60.0) -> None:
+        """Make no more fused modules; wait (up to ``timeout`` seconds each) for the builds under way; end the fused
+        modules' worker threads."""
+        with self._lock:
+            self.stopping = True
         for thread in list(self._builds):
-            thread.join()
-        for module in self.modules.values():
+            thread.join(timeout)
+        for module in list(self.modules.values()):
             if hasattr(module, "close"):
                 module.close()
 
     def _build_later(self, key: tuple[str, ...], batch: int) -> None:
         with self._lock:
-            if key in self.modules or key in self.building or key in self.apart:
+            if key in self.modules or key in self.building or key in self.apart or self.stopping:
                 return
             self.building.add(key)
         thread = threading.Thread(target=self._build, args=(key, batch), name="opsched-serve-fuse", daemon=True)
@@ -106,6 +123,8 @@ class FusedGroup:
 
         chosen = sorted((e for e in self.endpoints if e.name in key), key=lambda e: e.name)  # as run() orders them
         with self._one_build:
+            if self.stopping:
+                return
             self.say(f"fusing {', '.join(key)} ...")
             try:
                 inputs = [tuple(torch.cat([t[:1]] * batch) for t in e.examples) for e in chosen]
@@ -118,7 +137,9 @@ class FusedGroup:
                 self.say(f"{', '.join(key)} run apart: {first_line(e)}")
         with self._lock:
             self.building.discard(key)
-            if module is not None:
+            if module is not None and self.stopping:  # made as the server stopped: never used
+                module.close()
+            elif module is not None:
                 self.modules[key] = module
             else:
                 self.apart.add(key)

@@ -19,6 +19,7 @@ tensor([[1.5000, 2.5000]])
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import numpy as np
@@ -66,8 +67,20 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
     return request, rest
 
 
+def parameters_of(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    """An object's ``parameters`` (a JSON object, or absent)."""
+    parameters = entry.get("parameters") or {}
+    if not isinstance(parameters, dict):
+        raise ProtocolError(f"{where}: parameters must be an object")
+    return parameters
+
+
+MAX_ELEMENTS = 1 << 34  # no request holds more; a larger shape is a mistake, not data
+
+
 def read_inputs(request: dict[str, Any], binary: bytes) -> dict[str, torch.Tensor]:
     """Each input of ``request`` as a tensor, by name (binary inputs read from ``binary`` in order)."""
+    parameters_of(request, "the request")
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError("the request has no inputs (a list of tensors)")
@@ -85,8 +98,13 @@ def read_inputs(request: dict[str, Any], binary: bytes) -> dict[str, torch.Tenso
             raise ProtocolError(f"input {name!r}: shape must be a list of sizes, got {shape!r}")
         if datatype not in DATATYPES:
             raise ProtocolError(f"input {name!r}: datatype {datatype!r} is not one of {', '.join(DATATYPES)}")
-        dtype, count = DATATYPES[datatype], int(np.prod(shape, dtype=np.int64))
-        size = (entry.get("parameters") or {}).get("binary_data_size")
+        dtype, count = DATATYPES[datatype], math.prod(shape)
+        if count > MAX_ELEMENTS:
+            raise ProtocolError(f"input {name!r}: shape {shape} holds more than {MAX_ELEMENTS} elements")
+        parameters = parameters_of(entry, f"input {name!r}")
+        if "shared_memory_region" in parameters:
+            raise ProtocolError(f"input {name!r}: shared memory is not supported; send the data in the request")
+        size = parameters.get("binary_data_size")
         if size is not None:
             itemsize = torch.empty((), dtype=dtype).element_size()
             if not isinstance(size, int) or size != count * itemsize or offset + size > len(binary):
@@ -95,6 +113,8 @@ def read_inputs(request: dict[str, Any], binary: bytes) -> dict[str, torch.Tenso
             raw = bytearray(binary[offset:offset + size])  # writable: the tensor owns its memory
             offset += size
             tensor = torch.frombuffer(raw, dtype=dtype) if size else torch.empty(0, dtype=dtype)
+            if dtype == torch.bool and size and max(raw) > 1:
+                raise ProtocolError(f"input {name!r}: BOOL bytes must be 0 or 1")
         else:
             if "data" not in entry:
                 raise ProtocolError(f"input {name!r} has neither data nor binary_data_size")
@@ -108,29 +128,36 @@ def read_inputs(request: dict[str, Any], binary: bytes) -> dict[str, torch.Tenso
 
 
 def _from_json(name: str, data: Any, dtype: torch.dtype, datatype: str) -> torch.Tensor:
-    if dtype == torch.bool:
-        array = np.asarray(data)
-        if array.size and array.dtype != np.bool_:
-            raise ProtocolError(f"input {name!r}: BOOL data must be true or false")
-        return torch.from_numpy(array.astype(np.bool_).reshape(-1))
+    """JSON data as ``datatype`` says, refused rather than converted where it holds other kinds of values: strings,
+    fractions for an integer type, numbers for BOOL, values out of the type's range."""
     try:
-        array = np.asarray(data, dtype=np.float64 if dtype.is_floating_point else np.int64)
-    except (TypeError, ValueError, OverflowError):
-        raise ProtocolError(f"input {name!r}: data must be numbers for {datatype}") from None
-    if array.dtype == object:
-        raise ProtocolError(f"input {name!r}: data must be numbers for {datatype}")
+        array = np.asarray(data)
+    except ValueError:  # ragged nesting
+        raise ProtocolError(f"input {name!r}: data must be a flat or evenly nested list") from None
+    kinds = {"BOOL": "b"}.get(datatype, "iu" if not dtype.is_floating_point else "iuf")
+    if array.size and array.dtype.kind not in kinds:
+        expected = {"b": "true or false", "iu": "integers"}.get(kinds, "numbers")
+        raise ProtocolError(f"input {name!r}: {datatype} data must be {expected}")
+    if dtype == torch.bool:
+        return torch.from_numpy(array.astype(np.bool_).reshape(-1))
     if not dtype.is_floating_point:
         info = torch.iinfo(dtype)
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range")
-    return torch.from_numpy(array.reshape(-1)).to(dtype)
+        return torch.from_numpy(array.astype(np.int64).reshape(-1)).to(dtype)
+    values = torch.from_numpy(array.astype(np.float64).reshape(-1))
+    tensor = values.to(dtype)
+    if bool((torch.isinf(tensor) & torch.isfinite(values)).any()):
+        raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range")
+    return tensor
 
 
 def output_choice(request: dict[str, Any], names: list[str]) -> dict[str, bool]:
     """The outputs a request asks for (all of ``names`` when it names none), each with whether it is written as
-    binary data."""
+    binary data. An output parameter other than ``binary_data`` (Triton's ``classification``, shared memory) is
+    refused: answering without it would be a wrong answer."""
     wanted = request.get("outputs")
-    everything_binary = bool((request.get("parameters") or {}).get("binary_data_output"))
+    everything_binary = bool(parameters_of(request, "the request").get("binary_data_output"))
     if not wanted:
         return dict.fromkeys(names, everything_binary)
     if not isinstance(wanted, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in wanted):
@@ -139,7 +166,11 @@ def output_choice(request: dict[str, Any], names: list[str]) -> dict[str, bool]:
     for o in wanted:
         if o["name"] not in names:
             raise ProtocolError(f"the model has no output {o['name']!r}; it has {', '.join(names)}")
-        choice[o["name"]] = bool((o.get("parameters") or {}).get("binary_data", everything_binary))
+        parameters = parameters_of(o, f"output {o['name']!r}")
+        other = sorted(set(parameters) - {"binary_data"})
+        if other:
+            raise ProtocolError(f"output {o['name']!r}: {', '.join(other)} is not supported")
+        choice[o["name"]] = bool(parameters.get("binary_data", everything_binary))
     return choice
 
 
@@ -156,12 +187,15 @@ def write_response(model: str, version: str, request_id: Any, outputs: dict[str,
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise OpschedError(f"output {name!r} holds NaN or infinity, which JSON cannot carry: ask for it as "
+                                   "binary data")
             entry["data"] = _to_json(tensor)
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id is not None:
         response["id"] = request_id
-    head = json.dumps(response).encode()
+    head = json.dumps(response, allow_nan=False).encode()
     if not blobs:
         return head, None
     return head + b"".join(blobs), len(head)
