@@ -120,6 +120,11 @@ def measured(models: list[str], repeats: int, max_block_size: int, record: Recor
                    stage_errors=[round(e, 4) for e in stage_errors] if k == "ios" else None)
             print(f"| {name} | {stage_text} | {k} ({len(stages_of(s, g))} stages) | {s.predicted_latency:.1f} | "
                   f"{timed[k]:.1f} | {100 * error:+.0f}% |", flush=True)
+        # what IOS gains over sequential, predicted and measured in one interleaved timing
+        predicted = schedules["ios"].predicted_latency / schedules["sequential"].predicted_latency
+        measured_ratio = timed["ios"] / timed["sequential"]
+        record("IOS over sequential on this CPU", model=name, simulated=False, predicted_ratio=round(predicted, 3),
+               measured_ratio=round(measured_ratio, 3), error=round(predicted / measured_ratio - 1.0, 3))
     print(f"\nwhole schedules: median absolute error {100 * statistics.median(whole_errors):.0f}%, "
           f"worst {100 * max(whole_errors):.0f}% (measured)")
 

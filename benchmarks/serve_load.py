@@ -259,6 +259,38 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
             server.kill()
 
 
+def table(path: str) -> str:
+    """The markdown table of the rows in ``path`` (the last run of each workload, configuration, tensors and load),
+    the ceiling's answered requests/s beside every row."""
+    rows: dict[tuple, dict] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        if "failed" in row or row.get("load") == "soak":
+            continue
+        level = row.get("clients") or row.get("rate_per_s")
+        rows[(row["workload"], row["config"], row["tensors"], row["load"], level)] = row
+    header = ("| workload | tensors | load | configuration | sent/s | answered/s | p50 ms | p99 ms | errors | wrong "
+              "(checked) | ceiling answered/s | against eager | against batched |")
+    lines = [header, "|" + "---|" * 13]
+    for (name, config, tensors, load_, level), row in rows.items():
+        if config == "ceiling":
+            continue
+        ceiling = rows.get((name, "ceiling", tensors, load_, level), {}).get("answered_per_s")
+        eager = rows.get((name, "eager", tensors, load_, level), {}).get("answered_per_s")
+        batched = rows.get((name, "batched", tensors, load_, level), {}).get("answered_per_s")
+        what = f"{level} clients" if load_ == "closed" else f"Poisson {level:g}/s"
+        answered = row["answered_per_s"]
+
+        def ratio(base, answered=answered):
+            return f"{answered / base:.2f}x" if base else "-"
+
+        lines.append(f"| {name} | {tensors} | {what} | {config} | {row.get('sent_per_s', '-')} | {row['answered_per_s']} | "
+                     f"{row['p50_ms']} | {row['p99_ms']} | {row['errors'] + row.get('lost', 0)} | {row['wrong']} "
+                     f"({row['checked']}) | {ceiling if ceiling is not None else '-'} | {ratio(eager)} | "
+                     f"{ratio(batched)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["cnn16"], choices=["cnn16", "resnet18x16", "mixed"])
@@ -276,11 +308,15 @@ def main() -> None:
                              "checked, the server's resident memory read every five seconds")
     parser.add_argument("--soak-rate", type=float, default=50.0)
     parser.add_argument("--out", default="docs/serve_load.jsonl")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of --out's rows and stop")
     parser.add_argument("--serve", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         run_server(*args.serve, args.port, args.max_batch, args.max_delay_ms)
+        return
+    if args.table:
+        print(table(args.out))
         return
     append = appender(args.out)
     for name in args.workloads:
