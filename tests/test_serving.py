@@ -191,6 +191,30 @@ def test_requests_that_arrive_together_run_as_one_call_up_to_max_batch():
     batcher.close()
 
 
+def test_with_plans_for_some_sizes_the_batches_hold_those_sizes():
+    class Counting(Rows):
+        def __init__(self):
+            super().__init__()
+            self.sizes = []
+
+        def forward(self, x):
+            self.sizes.append(x.shape[0])
+            return super().forward(x)
+
+    module = Counting()
+    endpoint = ModelEndpoint("rows", Rows(), (torch.randn(1, 5),), max_batch=8)
+    endpoint.use(module)  # as an optimized module with plans for 1, 2, 4 and 8 samples
+    batcher = Batcher([endpoint], 0.2)
+    with endpoint.lock:  # seven requests of one sample wait together: 4, 2 and 1 samples, never 7
+        futures = [endpoint.submit((torch.randn(1, 5),), 1) for _ in range(7)]
+        time.sleep(0.3)
+    assert all(f.result(10)["output_0"].shape == (1, 5) for f in futures)
+    assert module.sizes == [4, 2, 1], module.sizes
+    lone = endpoint.submit((torch.randn(3, 5),), 3)  # a request's own size is kept
+    assert lone.result(10)["output_0"].shape == (3, 5) and module.sizes[-1] == 3
+    batcher.close()
+
+
 def test_a_bad_request_fails_alone_and_a_full_queue_is_refused_at_once():
     endpoint = ModelEndpoint("sqrt", FailsOnNegative(), (torch.ones(1, 3),), max_batch=8)
     endpoint.use(None)

@@ -106,6 +106,7 @@ class ModelEndpoint:
         self.inputs = [TensorSpec(n, datatype_of(t.dtype), shape(t)) for n, t in zip(names, self.examples)]
         self.outputs = [TensorSpec(k, datatype_of(t.dtype), shape(t)) for k, t in full.items()]
         self.module: Callable[..., Any] = model  # the optimized module, once ready
+        self.sizes: list[int] | None = None  # the batch sizes it has plans for
         self.ready = threading.Event()
         self.calls = 0
         self.pending: deque[Request] = deque()  # guarded by the batcher's condition
@@ -124,8 +125,11 @@ class ModelEndpoint:
         return sizes + [self.max_batch]
 
     def use(self, module: Callable[..., Any] | None, note: str | None = None) -> None:
-        """From now on calls go to ``module`` (None: the model itself, ``note`` saying why); the model is ready."""
+        """From now on calls go to ``module`` (None: the model itself, ``note`` saying why), which has a plan for
+        each of :meth:`batch_sizes`: the batches formed from then on hold one of those sizes where they can (see
+        :meth:`take`). The model is ready."""
         self.module = module if module is not None else self.model
+        self.sizes = self.batch_sizes() if module is not None and self.batchable else None
         self.note = note or self.note
         self.ready.set()
 
@@ -176,12 +180,19 @@ class ModelEndpoint:
         return sum(r.batch for r in self.pending)
 
     def take(self) -> list[Request]:
-        """The oldest waiting requests that fit in one batch (under the batcher's condition)."""
+        """The oldest waiting requests that fit in one batch (under the batcher's condition). Where the module has
+        plans for some sizes only, the batch is cut back, newest request first, to the largest of those sizes it
+        can hold (a lone request keeps its own size): every call then runs a plan made and verified ahead, never
+        one made while serving. The requests left open the next batch."""
         taken, total = [], 0
         while self.pending and total + self.pending[0].batch <= self.max_batch:
             request = self.pending.popleft()
             taken.append(request)
             total += request.batch
+        while self.sizes and len(taken) > 1 and total not in self.sizes:
+            request = taken.pop()
+            self.pending.appendleft(request)
+            total -= request.batch
         return taken
 
     def joined(self, requests: list[Request], rows: int | None = None) -> tuple[torch.Tensor, ...]:

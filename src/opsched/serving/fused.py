@@ -4,11 +4,11 @@ fusion and schedule) of the models that have requests in a batch, each model rea
 The fused module of all the models is prepared at startup. That of another set of models is made once the set has
 met in ``SEEN_BEFORE_FUSING`` batches, in the background, one build at a time, at most ``MAX_FUSED`` sets in all
 (random traffic over many models makes sets that seldom recur: they run apart); until then those models' requests
-run as one call per model. In a fused call every model's batch is padded to the largest one present (with copies
-of its first sample, whose outputs are dropped; the models were checked to answer each sample on its own), so
-that a fused module meets one call signature per batch size: each is a
-:class:`~opsched.runtime.guarded.GuardedModule` keeping a plan for every batch size up to ``max_batch``, made as
-each occurs (the models answering one after another meanwhile). Every plan was verified model by model against
+run as one call per model. In a fused call every model's batch is padded to the smallest of the sizes prepared ahead
+(powers of two up to ``max_batch``, and ``max_batch``) that holds the largest one present (with copies of its
+first sample, whose outputs are dropped; the models were checked to answer each sample on its own), so that a
+fused module meets only signatures it has plans for: each is a
+:class:`~opsched.runtime.guarded.GuardedModule` whose plans for those sizes are made when it is. Every plan was verified model by model against
 the models' own forwards, and timed against running them one after another: where fusion does not pay above the
 noise, the plan is the models one after another. When a fused call raises, each model's requests run again on
 their own model, so that a request that fails, fails alone.
@@ -39,6 +39,7 @@ class FusedGroup:
                  say: Callable[[str], Any] = lambda text: None):
         self.endpoints = [e for e in endpoints if e.batchable]
         self.max_batch = max((e.max_batch for e in self.endpoints), default=1)
+        self.sizes = sorted({b for e in self.endpoints for b in e.batch_sizes()})  # those a fused call pads to
         self.options = {"max_plans": self.max_batch + 1, **(options or {})}
         self.say = say
         self.seen: dict[tuple[str, ...], int] = {}
@@ -86,7 +87,8 @@ class FusedGroup:
             for endpoint, requests in present:
                 endpoint.retry(requests, endpoint.call(requests))
             return
-        rows = max(sum(r.batch for r in g) for _, g in present)
+        needed = max(sum(r.batch for r in g) for _, g in present)
+        rows = next((b for b in self.sizes if b >= needed), needed)  # a size prepared ahead
         try:
             inputs = tuple(t for e, g in present for t in e.joined(g, rows))
             with ordered[0].lock, torch.inference_mode():
@@ -131,6 +133,8 @@ class FusedGroup:
                 result = opsched.optimize_batch([copy.deepcopy(e.model) for e in chosen], inputs, separate_inputs=True,
                                                 **self.options)
                 module = result.module
+                for size in self.sizes[1:]:  # every size a batch is padded to: made and verified now, not in a call
+                    module.prepare(*(t for e in chosen for t in e.joined([Request(tuple(x[:1] for x in e.examples), 1)], size)))
                 self.say(f"fused {', '.join(key)}: {result.chosen} chosen")
             except Exception as e:  # noqa: BLE001 - those models keep running apart
                 module = None
