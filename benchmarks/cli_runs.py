@@ -2,9 +2,11 @@
 ``opsched map`` and ``opsched multi`` runs come from here.
 
 Each preset is a list of commands; each command runs ``--runs`` times, one process a run (so that every run pays
-what a user's does: imports, capture, profiling unless cached), the presets' commands interleaved run by run. Each
-run's JSON is appended to OUT as one line, with the command, the run's number, its wall time, and the machine,
-versions, date and commit. A command that fails is recorded with its exit status and the last line it wrote.
+what a user's does: imports, capture, and profiling, every command measuring afresh with ``--no-cache``), the
+presets' commands interleaved run by run. Each run's JSON is appended to OUT as one line, with the command as run,
+the session (when this invocation started) and the run's number, its wall time, the load average before it, and the
+machine, versions, date and commit. A command that fails (or prints something else than its JSON) is recorded with
+its exit status and the last line it wrote.
 
     python benchmarks/cli_runs.py --preset mapping-cpu2 --runs 3 --out docs/mapping_cpu2.jsonl
     python benchmarks/cli_runs.py --preset multi-resnet18 multi-mixed --out docs/multi_cli.jsonl
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 
 from sweep import appender
 
@@ -36,29 +40,36 @@ PRESETS: dict[str, list[list[str]]] = {
          "--no-cache"],
     ],
     "multi-resnet18": [
-        ["multi", "torchvision:resnet18", "--copies", "4", "--batch", "2", "--image-size", str(size)]
+        ["multi", "torchvision:resnet18", "--copies", "4", "--batch", "2", "--image-size", str(size), "--no-cache"]
         for size in (64, 112, 224)
     ],
     "multi-mixed": [
         ["multi", "torchvision:squeezenet1_1", "torchvision:mobilenet_v3_small", "torchvision:shufflenet_v2_x0_5",
-         "torchvision:mnasnet0_5", "--image-size", "64", "--kernels", "onnxruntime"],
+         "torchvision:mnasnet0_5", "--image-size", "64", "--kernels", "onnxruntime", "--no-cache"],
     ],
 }
+
+
+def command_line(command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "opsched", *command, "--json"]
 
 
 def run(command: list[str], timeout: float) -> dict:
     """One run of ``opsched COMMAND --json`` in its own process: its JSON, or its failure."""
     started = time.perf_counter()
     try:
-        done = subprocess.run([sys.executable, "-m", "opsched", *command, "--json"], capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        done = subprocess.run(command_line(command), capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"failed": f"over {timeout:.0f} s", "seconds": round(time.perf_counter() - started, 1)}
     seconds = round(time.perf_counter() - started, 1)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["(nothing on stderr)"])[-1]
         return {"failed": f"exit {done.returncode}: {last}", "seconds": seconds}
-    return {"result": json.loads(done.stdout), "seconds": seconds}
+    try:
+        return {"result": json.loads(done.stdout), "seconds": seconds}
+    except json.JSONDecodeError:
+        last = (done.stdout.strip().splitlines() or ["(nothing)"])[-1]
+        return {"failed": f"stdout is not one JSON object: {last[:200]}", "seconds": seconds}
 
 
 def main() -> None:
@@ -69,12 +80,14 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="JSON lines appended here")
     args = parser.parse_args()
     append = appender(args.out)
+    session = datetime.now().isoformat(timespec="seconds")
     commands = [(preset, command) for preset in args.preset for command in PRESETS[preset]]
     for number in range(1, args.runs + 1):
         for preset, command in commands:
             print(f"run {number}: opsched {' '.join(command)}", file=sys.stderr, flush=True)
-            row = append({"preset": preset, "command": ["opsched", *command, "--json"], "run": number,
-                          **run(command, args.timeout)})
+            load = os.getloadavg()[0]
+            row = append({"preset": preset, "command": command_line(command)[1:], "session": session, "run": number,
+                          "load_average_before": round(load, 2), **run(command, args.timeout)})
             print(row.get("failed") or f"{row['seconds']} s", file=sys.stderr, flush=True)
 
 

@@ -23,8 +23,8 @@ smaller than the paper's networks, so absolute times differ.
 
 prints the fitted figures (put them in ``opsched.mapping.platform.BUILTIN["diviml"]`` and
 ``opsched.cost.devices.CPUS``) and Table II as the built-in platform gives it once fitted (its four ratios match
-the paper's by construction: four figures fitted to four ratios, no check); with ``--out``, that table's rows are
-written afresh there as JSON lines, with the machine, versions, date and commit.
+the paper's by construction: four figures fitted to four ratios, no check); with ``--out``, the fitted figures and that
+table's rows replace what is there, once the run is whole, as JSON lines, with the machine, versions, date and commit.
 """
 
 from __future__ import annotations
@@ -105,13 +105,17 @@ def fitted_table(graphs_by_family) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", help="JSON lines of the fitted Table II, written afresh")
+    parser.add_argument("--out", help="JSON lines of the fitted figures and Table II, replaced once the run is whole")
     args = parser.parse_args()
-    if args.out:
-        Path(args.out).write_text("")
-    append = appender(args.out) if args.out else None
+    partial = Path(args.out + ".partial") if args.out else None  # the record is replaced only by a whole run
+    if partial:
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+    append = appender(partial) if partial else None
     graphs = families()
     fitted = fit({f: totals(g) for f, g in graphs.items()})
+    if append:
+        append({"fitted": {k: float(v) for k, v in fitted.items()}, "simulated": True})
     print("fitted:", ", ".join(f"{k} {v:.5g}" + (" ms" if "overhead" in k else "") for k, v in fitted.items()))
     print(f"built in: xeon ms_per_gflop {CPUS['xeon'].ms_per_gflop}, "
           + ", ".join(f"{d.name} op_overhead {d.op_overhead} ms" for d in load_platform("diviml").devices))
@@ -126,6 +130,8 @@ def main() -> None:
                 append({"family": family, "device": device, "simulated": True, "table_ii_ms": ms,
                         "table_ii_ratio": ms / row["a100"], "builtin_ms": ours[family][device],
                         "builtin_ratio": ours[family][device] / ours[family]["a100"]})
+    if partial:
+        partial.replace(args.out)
 
 
 if __name__ == "__main__":

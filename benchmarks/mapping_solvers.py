@@ -6,7 +6,7 @@ platform's RandWire stacks are SIMULATED (its analytical device model), the othe
 
     python benchmarks/mapping_solvers.py --time-limit 20 --out docs/mapping_solvers.jsonl
 
-OUT is written afresh; each line records the machine, the versions, the date and the commit.
+OUT is replaced once the run is whole; each line records the machine, the versions, the date and the commit.
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per solve (model building included)")
     parser.add_argument("--out", default="mapping_solvers.jsonl", help="one JSON line per run")
     args = parser.parse_args()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("")
-    append = appender(args.out)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")  # the record is replaced only by a whole run
+    partial.write_text("")
+    append = appender(partial)
     for options in SOLVERS.values():  # untimed: the first solve of each pays for imports and thread start-up
         milp(heft_example(), time_limit=1.0, **options)
     for i, (name, objective, costs, make) in enumerate(instances()):
@@ -92,6 +94,7 @@ def main() -> None:
                     "makespan": best, "heft": replay(problem, start).makespan, "bound": result.bound,
                     "gap": (best - result.bound) / best if best > 0 else 0.0, "time_limit": args.time_limit}
             print(json.dumps(append(line)), flush=True)
+    partial.replace(out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -222,7 +223,7 @@ def _variant(options: dict[str, Any]) -> str:
 
 
 def _key(row: dict[str, Any]) -> tuple:
-    return (row["preset"], row["model"], str(row["batch"]), row["cost"], row["method"], row["variant"])
+    return tuple(str(row.get(k) or "") for k in ("preset", "model", "batch", "cost", "method", "variant"))
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -237,22 +238,26 @@ def _append(path: Path, rows: Iterable[dict[str, Any]]) -> None:
 
     where = machine()
     where["versions"] = json.dumps(where["versions"], sort_keys=True)
+    columns = COLUMNS
     if path.exists():
         with path.open(newline="") as f:
             header = next(csv.reader(f), [])
-        if header != COLUMNS:  # written by an earlier opsched: the same rows under today's columns
+        if header != COLUMNS:  # written by an earlier opsched: its rows, and any column it had, under today's
+            columns = COLUMNS + [c for c in header if c not in COLUMNS]
             earlier = read_rows(path)
-            with path.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+            partial = path.with_suffix(".csv.partial")
+            with partial.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns)
                 writer.writeheader()
-                writer.writerows({k: r.get(k) or "" for k in COLUMNS} for r in earlier)
+                writer.writerows({k: r.get(k) or "" for k in columns} for r in earlier)
+            os.replace(partial, path)  # whole or not at all: the rows a resumed run skips are never lost
     new = not path.exists()
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         for r in rows:
-            writer.writerow({k: r.get(k, where.get(k, "")) for k in COLUMNS})
+            writer.writerow({k: r.get(k, where.get(k, "")) for k in columns})
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:

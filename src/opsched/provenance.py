@@ -36,10 +36,19 @@ def machine() -> dict:
 
 
 def _commit() -> str | None:
-    if not (CHECKOUT / ".git").exists():
+    """opsched's commit when it runs from its own source checkout (``src/opsched`` beside a ``pyproject.toml`` of
+    opsched, in a git work tree), ``+changes`` when its source differs from that commit; otherwise None."""
+    pyproject = CHECKOUT / "pyproject.toml"
+    if Path(__file__).resolve().parents[1].name != "src" or not (CHECKOUT / ".git").exists() \
+            or not pyproject.is_file() or 'name = "opsched"' not in pyproject.read_text():
         return None
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=CHECKOUT, check=False).stdout.strip()
-    commit = git("rev-parse", "--short", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "src")  # the package's own source
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--", "src/opsched")  # the package's own source, new files included
+    except OSError:  # no git here
+        return None
     return (commit + ("+changes" if dirty else "")) or None
