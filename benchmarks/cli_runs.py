@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime
+from pathlib import Path
 
 from sweep import appender
 
@@ -72,13 +73,45 @@ def run(command: list[str], timeout: float) -> dict:
         return {"failed": f"stdout is not one JSON object: {last[:200]}", "seconds": seconds}
 
 
+def table(path: str, preset: str) -> str:
+    """The markdown table of ``preset``'s runs in the record at ``path`` (its latest session): each run's
+    prediction (if any), every configuration's median, the one chosen, and the largest error."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    rows = [r for r in rows if r["preset"] == preset]
+    latest = max((r["session"] for r in rows), default=None)
+    rows = [r for r in rows if r["session"] == latest]
+    configs = sorted({k for r in rows for k in r.get("result", {}).get("measured_ms", {})})
+    lines = ["| command | run | predicted | " + " | ".join(configs) + " | chosen | largest error | load before |",
+             "|" + "---|" * (len(configs) + 6)]
+    for r in rows:
+        command = " ".join(a for a in r["command"][2:] if a not in ("--json", "--no-cache"))
+        if "failed" in r:
+            lines.append(f"| `{command}` | {r['run']} | {r['failed']} |" + " |" * (len(configs) + 3))
+            continue
+        result = r["result"]
+        ms = result.get("measured_ms", {})
+        predicted = result.get("predicted")
+        cells = [f"{ms[c]:.2f}" if c in ms else "-" for c in configs]
+        lines.append(f"| `{command}` | {r['run']} | {predicted:.2f} |" if isinstance(predicted, (int, float))
+                     else f"| `{command}` | {r['run']} | - |")
+        lines[-1] += " " + " | ".join(cells) + f" | {result.get('chosen')} | {result.get('max_error', 0):.1e} | " \
+            f"{r['load_average_before']} |"
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", nargs="+", choices=sorted(PRESETS), required=True)
     parser.add_argument("--runs", type=int, default=1, help="runs of each command")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run")
     parser.add_argument("--out", required=True, help="JSON lines appended here")
+    parser.add_argument("--table", action="store_true", help="print the markdown table of each preset's latest "
+                                                             "session in --out, and stop")
     args = parser.parse_args()
+    if args.table:
+        for preset in args.preset:
+            print(f"{preset}:\n\n{table(args.out, preset)}\n")
+        return
     append = appender(args.out)
     session = datetime.now().isoformat(timespec="seconds")
     commands = [(preset, command) for preset in args.preset for command in PRESETS[preset]]
