@@ -96,15 +96,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def bodies(models: dict, binary: bool, seed: int = 1) -> dict[str, list[tuple[bytes, dict, torch.Tensor]]]:
-    """A few requests for each model (one sample each): body, headers, and the input."""
+def bodies(models: dict, binary: bool, inputs: dict[str, str], seed: int = 1) -> dict[str, list]:
+    """A few requests for each model (one sample each, its input named as ``inputs`` says): body, headers, and
+    the input."""
     rng = torch.Generator().manual_seed(seed)
     made = {}
     for name, (_, example) in models.items():
         made[name] = []
         for _ in range(4):
             x = torch.randn(example[0].shape, generator=rng)
-            entry = {"name": "input", "shape": list(x.shape), "datatype": "FP32"}
+            entry = {"name": inputs[name], "shape": list(x.shape), "datatype": "FP32"}
             if binary:
                 raw = x.numpy().astype(np.float32).tobytes()
                 entry["parameters"] = {"binary_data_size": len(raw)}
@@ -230,8 +231,10 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
         prepared = round(time.perf_counter() - started, 1)
         models = workload(name)
         check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
+        # each model's input as the server names it (its forward's parameter)
+        inputs = {k: httpx.get(f"{url}/v2/models/{k}").json()["inputs"][0]["name"] for k in models}
         if args.soak:
-            row = asyncio.run(load(url, bodies(models, True), True, "open", args.soak_rate, args.soak, args.warmup, check,
+            row = asyncio.run(load(url, bodies(models, True, inputs), True, "open", args.soak_rate, args.soak, args.warmup, check,
                                    check_all=True, pid=server.pid))
             row = append({"workload": name, "models": len(models), "config": config, "tensors": "binary",
                           "load": "soak", "rate_per_s": args.soak_rate, "max_batch": args.max_batch,
@@ -240,7 +243,7 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
                   flush=True)
             return
         for binary in (False, True):
-            requests = bodies(models, binary)
+            requests = bodies(models, binary, inputs)
             runs = [("closed", args.clients)] + [("open", rate) for rate in args.rates]
             for mode, level in runs:
                 row = asyncio.run(load(url, requests, binary, mode, level, args.seconds, args.warmup, check))

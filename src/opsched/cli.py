@@ -332,8 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "run as one call of up to --max-batch samples; its plans for the batch sizes the batcher "
                                    "forms are prepared at startup in the background (opsched optimize, or a plan "
                                    "file given with NAME=MODEL@PLAN.json), the model answering itself until they "
-                                   "are; requests for several models that meet in a batch run as one call of their "
-                                   "fused graph (opsched multi's fusion, verified per model). /v2/health/ready "
+                                   "are; requests for several models that meet in a batch run as one call of the "
+                                   "models' fused graph where that is faster (opsched multi's fusion, verified per "
+                                   "model). /v2/health/ready "
                                    "answers 200 once all are prepared. SIGTERM or Ctrl-C stops "
                                    "accepting, answers what was accepted and exits (see docs/serving.md).")
     p.add_argument("models", metavar="MODEL", nargs="+",
@@ -355,8 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fuse", action="store_true",
                    help="run requests for several models as one call per model, never as one call of their fused "
                         "graph (otherwise, for two models or more that batch and unless --no-optimize, the fused "
-                        "graph of all the models is prepared at startup, and that of another set of models once its "
-                        "requests have met in three batches)")
+                        "graph of all the models is made at startup, and a batch runs as one call of it when its "
+                        "models would take longer one by one, by the startup's timings)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],

@@ -187,8 +187,8 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
             return
         endpoint.use(module)
         say(f"{name}: ready")
-    if group is not None:
-        group.prepare([e.name for e in group.endpoints])
+    if group is not None and not stopped.is_set():
+        group.prepare()
     ready.set()
     say("ready")
 
