@@ -29,19 +29,10 @@ UNSOURCED = {
     ("benchmarks.md", "| model | batch | cost | method | variant | predicted ms"): 5,
     ("cost-models.md", "| model | stages compared | stage error median / worst"): 1,
     ("cost-models.md", "| model | predicted IOS / sequential | measured IOS / sequential"): 1,
-    ("mapping.md", "| model | heft (predicted) | heft | cpu0 alone | eager | chosen |"): 1,
-    ("mapping.md", "| model | predicted | measured | eager (best of 1 and 2 threads)"): 1,
-    ("mapping.md", "| model | heft (predicted) | heft (measured) | cpu0 alone | eager"): 1,
-    ("mapping.md", "| model | run | predicted | heft measured (x prediction) | cpu0 alone"): 2,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp | milp-split |"): 2,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp-split | UB"): 1,
     ("mapping.md", "| modules | channels | units | MILP s | MILP ms | SPLIT s | SPLIT ms"): 2,
     ("mapping.md", "| module | best-device | met | greedy | heft | sa | ea | milp | milp-split"): 1,
-    ("multi.md", "| configuration | ms | vs the models one after another |"): 1,
-    ("multi.md", "| image | opsched's best (ms) | `sequential_models` | `threads` | `vmap`"): 1,
-    ("ray.md", "| plan | local engine | compiled graph, a call per segment (default)"): 1,
-    ("ray.md", "| GoogLeNet 64x64, HEFT, both devices on n0 | on Ray | local engine"): 1,
-    ("ray.md", "| form | per inference, one device | per unit | per value crossing"): 1,
 }
 
 
