@@ -27,8 +27,6 @@ NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of defini
 # must name its records, and an entry whose tables name them now (or are gone) must leave the list.
 UNSOURCED = {
     ("benchmarks.md", "| model | batch | cost | method | variant | predicted ms"): 5,
-    ("cost-models.md", "| model | stages compared | stage error median / worst"): 1,
-    ("cost-models.md", "| model | predicted IOS / sequential | measured IOS / sequential"): 1,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp | milp-split |"): 2,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp-split | UB"): 1,
     ("mapping.md", "| modules | channels | units | MILP s | MILP ms | SPLIT s | SPLIT ms"): 2,
