@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -59,7 +60,9 @@ def run(command: list[str], timeout: float) -> dict:
     """One run of ``opsched COMMAND --json`` in its own process: its JSON, or its failure."""
     started = time.perf_counter()
     try:
-        done = subprocess.run(command_line(command), capture_output=True, text=True, timeout=timeout, check=False)
+        with tempfile.TemporaryDirectory() as scratch:  # the plans and charts a command writes are not kept
+            done = subprocess.run(command_line(command), capture_output=True, text=True, timeout=timeout,
+                                  check=False, cwd=scratch)
     except subprocess.TimeoutExpired:
         return {"failed": f"over {timeout:.0f} s", "seconds": round(time.perf_counter() - started, 1)}
     seconds = round(time.perf_counter() - started, 1)
