@@ -11,11 +11,10 @@ Prints a markdown table and appends one JSON line per row (with the machine, ver
 """
 
 import argparse
-import json
 import time
 
 import torch
-from sweep import machine
+from sweep import appender
 
 from opsched.graph.capture import capture
 from opsched.models import load_model
@@ -60,16 +59,14 @@ def main() -> None:
     parser.add_argument("--max-block-size", type=int, default=20)
     parser.add_argument("--out", default="docs/zoo_cpu.jsonl")
     args = parser.parse_args()
-    where = machine()
+    append = appender(args.out)  # as each row finishes: a long run interrupted keeps what it measured
     print("| model | batch | eager ms (threads) | sequential ms | IOS ms | IOS vs eager | IOS predicted ms (error) | "
           "stages: concurrent / merge | profile+search+timing s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for batch in args.batches:
-            r = {**one(model, batch, args.repeats, args.kernels, args.max_block_size), "repeats": args.repeats,
-                 "kernels": args.kernels, **where}
-            with open(args.out, "a") as f:  # as each row finishes: a long run interrupted keeps what it measured
-                f.write(json.dumps(r) + "\n")
+            r = append({**one(model, batch, args.repeats, args.kernels, args.max_block_size),
+                        "repeats": args.repeats, "kernels": args.kernels})
             print(f"| {model} | {batch} | {r['eager_ms']:.1f} ({r['eager_threads']}) | {r['sequential_ms']:.1f} | "
                   f"{r['ios_ms']:.1f} | {r['speedup_vs_eager']:.2f}x | {r['predicted_ios_ms']:.1f} "
                   f"({100 * r['ios_prediction_error']:+.0f}%) | {r['ios_concurrent_stages']} / {r['ios_merges']} | "

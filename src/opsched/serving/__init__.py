@@ -174,7 +174,7 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
             if name in loaded:
                 module = loaded[name]
                 for b in sizes:
-                    module.prepare(*_at_batch(endpoint.examples, b))
+                    module.prepare(*endpoint.example_batch(b))
             else:
                 module = _optimized(endpoint, sizes, options)
         except Exception as e:  # noqa: BLE001 - the model still answers, itself
@@ -193,16 +193,10 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
     say("ready")
 
 
-def _at_batch(examples: tuple, batch: int) -> tuple:
-    import torch
-
-    return tuple(torch.cat([t[:1]] * batch) for t in examples)
-
-
 def _optimized(endpoint: Any, sizes: list[int], options: dict) -> Any:
     import opsched
 
-    inputs = _at_batch(endpoint.examples, 1) if endpoint.batchable else endpoint.examples
+    inputs = endpoint.example_batch(1) if endpoint.batchable else endpoint.examples
     # a plan for every batch size the batcher forms is kept: fewer would be dropped and made again, over and over
     outcome = opsched.optimize(copy.deepcopy(endpoint.model), inputs, batch_sizes=[b for b in sizes if b != 1],
                                **{"max_plans": endpoint.max_batch + 1, **options})

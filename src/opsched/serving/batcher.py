@@ -195,6 +195,11 @@ class ModelEndpoint:
             total -= request.batch
         return taken
 
+    def example_batch(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """The example's first sample, ``rows`` times: the inputs plans are prepared on, and what a model with no
+        request reads in a fused call."""
+        return self.joined([Request(tuple(t[:1] for t in self.examples), 1)], rows)
+
     def joined(self, requests: list[Request], rows: int | None = None) -> tuple[torch.Tensor, ...]:
         """The requests' inputs as one call's: joined along their first dimension, and padded to ``rows`` with
         copies of the first sample (whose outputs :meth:`answer` drops) where asked."""

@@ -32,7 +32,6 @@ class FusedGroup:
     def __init__(self, endpoints: Sequence[ModelEndpoint], options: dict[str, Any] | None = None,
                  say: Callable[[str], Any] = lambda text: None):
         self.endpoints = sorted((e for e in endpoints if e.batchable), key=lambda e: e.name)
-        self.max_batch = max((e.max_batch for e in self.endpoints), default=1)
         self.sizes = sorted({b for e in self.endpoints for b in e.batch_sizes()})  # those a fused call pads to
         self.options = {"max_plans": len(self.sizes) + 1, **(options or {})}
         self.say = say
@@ -104,11 +103,8 @@ class FusedGroup:
     def _padded(self, running: dict[ModelEndpoint, list[Request]], rows: int) -> tuple:
         """Every model's inputs of a fused call of ``rows`` samples each: its requests' (padded), or a copy of its
         example's first sample."""
-        inputs = []
-        for e in self.endpoints:
-            requests = running.get(e) or [Request(tuple(t[:1] for t in e.examples), 1)]
-            inputs.extend(e.joined(requests, rows))
-        return tuple(inputs)
+        return tuple(t for e in self.endpoints
+                     for t in (e.joined(running[e], rows) if running.get(e) else e.example_batch(rows)))
 
     def close(self) -> None:
         """Make no fused module from now on; end the fused module's worker threads."""
