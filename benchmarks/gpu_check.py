@@ -12,7 +12,9 @@ each call, after verifying every one against the model's own outputs):
 - ``tests``: the suite's CUDA tests (tests/test_cuda*.py) on the device.
 - ``model:NAME`` for GoogLeNet, Inception V3, RandWire, SqueezeNet and NASNet-A at batch 1: eager, the whole
   model captured as one CUDA graph (``torch.cuda.graph``), opsched's sequential, LIOS, Nimble and IOS plans on
-  streams and replayed as CUDA graphs (costs measured on this GPU), torch.compile ``reduce-overhead`` and
+  streams and replayed as CUDA graphs (costs measured on this GPU), IOS's and LIOS's plans searched again on
+  costs measured with the launches hidden (``@replayed``, as ``--cuda-graph`` costs them) and replayed as CUDA
+  graphs, torch.compile ``reduce-overhead`` and
   ``max-autotune-no-cudagraphs``; beside each plan what the measured cost model predicted and what the
   simulator (``sim:NAME``, the catalogue GPU closest to this one) predicts for the same schedule.
 - ``multi``: 16 small CNNs and a ResNet-18 trunk with 8 heads through the pipeline of ``opsched multi --cuda-graph``,
@@ -68,8 +70,8 @@ MODELS = {
 DRY_IMAGE = {"googlenet": 64, "inception_v3": 75, "randwire": 64, "squeezenet": 64, "nasnet": 64}
 # From the first H100 run (docs/gpu_runs/): capture, profile and search took 5-19 s a model, reduce-overhead
 # compiled in 5-31 s (NASNet's not within 73 s), and max-autotune-no-cudagraphs did not finish compiling
-# GoogLeNet in what its step had left; it has a step of its own, last, which the default budget leaves out
-# (--budget 600 gives it about two minutes).
+# GoogLeNet in what its step had left; it has a step of its own, before SqueezeNet's (which that session
+# measured whole in a second run), and what the budget leaves it.
 STEPS = [
     Step("gpu", 60),
     Step("tests", 120),
@@ -78,12 +80,14 @@ STEPS = [
     Step("end-to-end", 50),
     Step("model:inception_v3", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
     Step("model:randwire", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:nasnet", 90, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:squeezenet", 50),
+    Step("model:nasnet", 100, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
     Step("autotune:googlenet", 240, "never behind torch.compile's best mode"),
+    Step("model:squeezenet", 50),  # measured whole in the first GPU session's second run: last
 ]
 DRY_LIMIT_S = 240
 METHODS = ["sequential", "lios", "nimble", "ios"]
+# searched again on the costs of replayed graphs (launches hidden), and run as CUDA graphs only
+REPLAYED, REPLAYED_METHODS = "@replayed", ["ios", "lios"]
 COMPILE_MODES = ["reduce-overhead", "max-autotune-no-cudagraphs"]  # a model step compiles the first, autotune the second
 # a GPU's marketing name -> the simulator's catalogue entry that models it
 SIM_NAMES = {"V100": "v100", "A100": "a100", "H100": "h100", "H200": "h100", "T4": "t4", "3080": "rtx3080",
@@ -361,25 +365,31 @@ def model_step(key: str, record: Recorder, dry_run: bool, modes: list[str]) -> N
     captured_s = time.perf_counter() - started
     cost, operator = cost_model(graph, inputs, "measured", device="cuda", cache=False)
     profiled_s = time.perf_counter() - started - captured_s
+    # the costs of plans replayed as CUDA graphs: the same runs queued behind a hold, their launches hidden
+    replayed, _ = cost_model(graph, inputs, "measured", device="cuda", cache=False, replayed=True)
+    replayed_s = time.perf_counter() - started - captured_s - profiled_s
     sim_name = simulated_device(api.describe())
     sim = SimulatedGPU(graph, sim_name)
     schedules, search_s = {}, {}
-    for method in METHODS:
+    for method, costs in [*((m, cost) for m in METHODS), *((f"{m}{REPLAYED}", replayed) for m in REPLAYED_METHODS)]:
         began = time.perf_counter()
-        schedules[method] = search(graph, cost, method, **method_options(
-            method, max_block_size=8 if dry_run else block, default_streams=8))
+        schedules[method] = search(graph, costs, method.removesuffix(REPLAYED), **method_options(
+            method.removesuffix(REPLAYED), max_block_size=8 if dry_run else block, default_streams=8))
         search_s[method] = round(time.perf_counter() - began, 3)
     record.save(model=label, spec=spec, units=len(graph), input_shape=list(inputs[0].shape), sim=sim_name,
                 capture_s=round(captured_s, 2), profile_s=round(profiled_s, 2), search_s=search_s,
-                capacity=cost.capacity, contention=cost.contention,
+                profile_replayed_s=round(replayed_s, 2), capacity=cost.capacity, contention=cost.contention,
+                capacity_replayed=replayed.capacity, contention_replayed=replayed.contention,
+                handoff_ms=cost.sync_overhead, handoff_replayed_ms=replayed.sync_overhead,
                 unit_ms={name: round(cost.op_latency(i), 5) for name, i in graph.index.items()},  # to recalibrate
+                unit_replayed_ms={name: round(replayed.op_latency(i), 5) for name, i in graph.index.items()},
                 predicted_ms={m: s.predicted_latency for m, s in schedules.items()},
                 simulated_ms={m: simulated_ms(graph, s, sim) for m, s in schedules.items()},
                 stages={m: None if s.stages is None else len(s.stages) for m, s in schedules.items()})
     sync = api.synchronize
     candidates = [*eager(model, inputs, 1, sync), *cuda_graph_peer(model, inputs, sync)]
     for method, schedule in schedules.items():
-        for graph_mode in (False, True):
+        for graph_mode in (False, True) if not method.endswith(REPLAYED) else (True,):
             module = OptimizedModule(graph, schedule, 1, operator, device="cuda", cuda_graph=graph_mode)
             candidates.append(Candidate(f"{method}{'+graph' if graph_mode else ''}",
                                         module_runner(module, inputs, 1, sync)))
@@ -578,7 +588,8 @@ def markdown(report: dict[str, Any]) -> str:
               if n.split(":")[0] in ("model", "autotune") and e.get("result", {}).get("event_ms")]
     if models:
         names = ["eager", "cuda_graph", *[f"compile:{m}" for m in COMPILE_MODES],
-                 *[f"{m}{suffix}" for m in METHODS for suffix in ("", "+graph")]]
+                 *[f"{m}{suffix}" for m in METHODS for suffix in ("", "+graph")],
+                 *[f"{m}{REPLAYED}+graph" for m in REPLAYED_METHODS]]
         lines += ["", "## One model, batch 1: milliseconds per call (CUDA events, medians of interleaved rounds)", "",
                   ("CUDA events are recorded around each call on the current stream, and a call ends by "
                    "synchronising: the times include the host's launches, as a caller waits for them. `chosen` is "
@@ -586,7 +597,7 @@ def markdown(report: dict[str, Any]) -> str:
                    "opsched.noise); the ratios are of CUDA-event medians. A step marked partial stopped at its "
                    "limit: its figures are those of the last phase it finished."), "",
                   "| step | units | " + " | ".join(names) + " | chosen | chosen over cuda_graph | over best compile "
-                  "| IOS+graph over cuda_graph |", "|---|---|" + "---|" * (len(names) + 4)]
+                  "| IOS+graph over cuda_graph | IOS@replayed+graph over cuda_graph |", "|---|---|" + "---|" * (len(names) + 5)]
         for step, r in models:
             ms = r["event_ms"]
             compiled = [ms[n] for n in ms if n.startswith("compile:")]
@@ -595,18 +606,24 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {step}{partial} | {r['units']} | " + " | ".join(_cell(ms.get(n)) for n in names)
                          + f" | {chosen} | {_speedup(ms.get('cuda_graph'), ms.get(chosen))}"
                          f" | {_speedup(min(compiled) if compiled else None, ms.get(chosen))}"
-                         f" | {_speedup(ms.get('cuda_graph'), ms.get('ios+graph'))} |")
+                         f" | {_speedup(ms.get('cuda_graph'), ms.get('ios+graph'))}"
+                         f" | {_speedup(ms.get('cuda_graph'), ms.get(f'ios{REPLAYED}+graph'))} |")
         lines += ["", "## Predictions beside the measurements (CUDA events)", "",
                   ("| step | method | streams ms | measured-cost prediction (error) | as a CUDA graph ms | simulated "
                   "(error against streams; against the graph) | search s |"), "|---|---|---|---|---|---|---|"]
         for step, r in models:
-            for m in METHODS:
+            for m in [*METHODS, *(f"{m}{REPLAYED}" for m in REPLAYED_METHODS)]:
+                if m not in r["predicted_ms"]:  # a record from before the replayed costs
+                    continue
                 streams, graph = r["event_ms"].get(m), r["event_ms"].get(f"{m}+graph")
                 lines.append(f"| {step} | {m} | {_cell(streams)} | "
-                             f"{_cell(r['predicted_ms'][m])} ({_error(r['predicted_ms'][m], streams)}) | "
+                             f"{_cell(r['predicted_ms'][m])} ({_error(r['predicted_ms'][m], graph if REPLAYED in m else streams)}) | "
                              f"{_cell(graph)} | {_cell(r['simulated_ms'][m])} sim:{r['sim']} "
                              f"({_error(r['simulated_ms'][m], streams)}; {_error(r['simulated_ms'][m], graph)}) | "
                              f"{r['search_s'][m]} |")
+        lines.append(f"\nMethods marked {REPLAYED} were searched on costs measured with their launches hidden, as "
+                     "a replayed CUDA graph runs (opsched optimize --cuda-graph's costs); their prediction is of the "
+                     "graph, not of streams.")
         for step, r in models:
             lines += [f"- {step}: dropped {name}: {why}" for name, why in r.get("dropped", {}).items()]
             lines.append(f"- {step}: capture {r['capture_s']} s, profile {r['profile_s']} s, torch.compile seconds "

@@ -349,6 +349,16 @@ class CudaStandIn:
                         if memory is not None:
                             memory.writer = (stream, stream.position)
 
+    def hold(self, ms: float) -> None:
+        with self._lock:
+            self._count("hold")
+            self._raise_broken()
+            if self.capture_id is not None:
+                raise BrokenRule("a hold (a spin kernel for timing) during graph capture")
+            stream = self.current_stream()  # one kernel on the current stream, reading and writing nothing
+            stream.position += 1
+            stream.clock[stream.number] = stream.position
+
     # -- for tests --
 
     def made_on_current(self, *tensors: torch.Tensor) -> None:

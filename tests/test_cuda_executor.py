@@ -291,6 +291,33 @@ def test_measured_costs_on_a_gpu_profile_once_and_measure_how_units_share_the_de
     assert again.counts["units_cached"] == len(g) and again.fill == cost.fill
 
 
+def test_costs_for_replayed_graphs_time_every_run_behind_a_hold_and_are_cached_apart(models, tmp_path):
+    # At batch 1 on an H100, IOS's costs timed on streams carried every launch, concurrency rarely paid, and
+    # its plan replayed as a CUDA graph ran 1.02-1.23x the whole model's graph where LIOS's ran 1.76-2.10x.
+    from opsched.cost.cache import LatencyCache
+
+    _, inputs, g = models["branches"]
+    cache = LatencyCache(tmp_path / "c.sqlite")
+    launched, replayed = CudaStandIn(), CudaStandIn()
+    with cuda.use_api(launched):
+        with_launches = measured_cost(g, inputs, device="cuda", cache=cache, repeats=2)
+    with cuda.use_api(replayed):
+        without = measured_cost(g, inputs, device="cuda", cache=cache, repeats=2, replayed=True)
+        holds = replayed.calls["hold"]
+        program = compile_program(make_schedule("lios", g, without, streams=2), g, 1)
+        assert without.measure_program(program) > 0
+        assert replayed.calls["hold"] == holds + 2  # each timed run of the program, not its warm-up
+    replayed.check()
+    assert "hold" not in launched.calls
+    # the units in order, their copies side by side, and the two hand-off probes, 2 timed runs each: every timed
+    # run held, none of the warm-ups
+    assert holds == 2 + 2 + 2 * 2
+    assert without.device == with_launches.device + "|launches hidden, as replayed"
+    assert without.counts["units_measured"] == len(g)  # not the other's timings from the cache
+    with cuda.use_api(CudaStandIn()):
+        assert cuda.time_cuda(lambda: None, repeats=4, warmup=1, queued=True) >= 0
+
+
 # -- the whole model as one CUDA graph (the cuda_graph peer), and the command line on the device interface --
 
 def test_the_cuda_graph_peer_replays_the_model_within_cudas_rules(models, monkeypatch):
@@ -342,9 +369,12 @@ def test_optimize_on_cuda_runs_through_the_device_interface(tmp_path, capsys):
     answer = json.loads(capsys.readouterr().out)
     assert {"eager", "cuda_graph", "lios"} <= set(answer["measured_ms"]) and answer["chosen"]
     assert standin.calls["replay"] and standin.calls["wait"]
+    assert standin.calls["hold"]  # plans to be replayed are costed with their launches hidden
     standin.check()
-    with cuda.use_api(CudaStandIn()):  # on streams alone, the answer says what --cuda-graph would add
+    on_streams = CudaStandIn()
+    with cuda.use_api(on_streams):  # on streams alone, the answer says what --cuda-graph would add
         assert main(["optimize", f"{model}:make", "--device", "cuda", "--method", "lios", "--repeats", "3",
                      "--no-cache", "--json", "-q", "--out", str(tmp_path / "q.json")]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert "cuda_graph" not in answer["measured_ms"] and any("--cuda-graph" in w for w in answer["warnings"])
+    assert "hold" not in on_streams.calls  # plans run on streams pay their launches, and are costed with them

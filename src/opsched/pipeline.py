@@ -139,11 +139,15 @@ def with_regions(schedule: Schedule, graph: Graph, cost: CostModel) -> Schedule:
 
 def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, device: str = "cpu",
                kernels: Any = "eager", cores: int | None = None, cache: bool = True,
-               progress: Callable[[str, int], Any] | None = None) -> tuple[CostModel, Any]:
+               progress: Callable[[str, int], Any] | None = None,
+               replayed: bool = False) -> tuple[CostModel, Any]:
     """The cost model ``spec`` names (``measured`` on ``device``, or ``sim:NAME``) and the kernels the units
     are measured with and will run on (a :class:`~opsched.runtime.kernels.ChosenKernels`; None for a simulated
     device, where nothing runs). ``kernels``: what ``--kernels`` asks (the choice is then
-    :func:`~opsched.runtime.choice.choose_kernels`'s for ``device``), or a choice made already (a mapping's)."""
+    :func:`~opsched.runtime.choice.choose_kernels`'s for ``device``), or a choice made already (a mapping's).
+    ``replayed``: on a GPU, for plans replayed as CUDA graphs, costs measured without launches (see
+    :class:`~opsched.runtime.profile.InPlaceRuns`): measured with them, at batch 1 every stage pays its
+    launches and the events between streams, concurrency rarely pays, and IOS found few concurrent stages."""
     if is_simulated(spec):
         from opsched.cost.simulate import SimulatedGPU
 
@@ -158,7 +162,7 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
     if not isinstance(kernels, ChosenKernels):
         kernels = kernels_for(graph, kernels, device, values.__getitem__)
     cost = measured_cost(graph, inputs, kernels, device, progress=progress, values=values, cores=cores,
-                         cache=None if cache else False)
+                         cache=None if cache else False, replayed=replayed)
     return cost, kernels
 
 
@@ -343,7 +347,7 @@ def run_workload(job: Workload) -> Outcome:
     flat = pytree.tree_leaves(tuple(job.inputs))
     simulated = is_simulated(job.cost)
     cost, kernels = cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels, cores=cores,
-                               cache=job.cache, progress=job.profile_progress)
+                               cache=job.cache, progress=job.profile_progress, replayed=job.cuda_graph)
     schedules = {}
     for name, (method, options) in job.methods.items():
         job.say(f"scheduling with {name} ...")

@@ -22,6 +22,7 @@ process on one thread, and eager was then timed on one thread (1.5x slower than 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,12 +41,17 @@ MIN_SAMPLE_SECONDS = 0.002  # a sample of the hand-off probe repeats it until it
 class InPlaceRuns:
     """Runs of ``graph`` on its input values ``inputs`` (flat, in the graph's input order), on ``device``
     (``cpu`` or ``cuda``), every unit on the kernel ``kernels`` chose for it; ``progress(label, total)`` gives a
-    context whose ``update(n)`` counts runs done."""
+    context whose ``update(n)`` counts runs done. ``replayed`` (on ``cuda``): every timed run is queued behind
+    a hold on the device (:func:`~opsched.runtime.cuda.hold_for`), so that its timeline is its device work
+    without its launches, as it runs replayed in a CUDA graph; the runs a plan for ``--cuda-graph`` is costed
+    on. (A timeline inside a real graph would need event nodes in it, which PyTorch records only as
+    dependencies.)"""
 
     def __init__(self, graph: Graph, inputs: Sequence[Any], kernels: ChosenKernels, device: str = "cpu",
-                 repeats: int = 9, progress: Callable[[str, int], Any] | None = None):
+                 repeats: int = 9, progress: Callable[[str, int], Any] | None = None, replayed: bool = False):
         self.graph, self.inputs, self.kernels, self.device, self.repeats = graph, list(inputs), kernels, device, repeats
         self.progress = progress or (lambda what, total: _NoProgress())
+        self.replayed = replayed and device == "cuda"
 
     @property
     def choice(self) -> dict[str, str]:
@@ -56,7 +62,7 @@ class InPlaceRuns:
         """The GPU the runs are timed on (its name, compute capability, CUDA and PyTorch versions)."""
         from opsched.runtime.cuda import current_api
 
-        return current_api().describe()
+        return current_api().describe() + ("|launches hidden, as replayed" if self.replayed else "")
 
     def stages(self, orders: Sequence[Sequence[Any]], threads: Sequence[int], label: str,
                stage_threads: Sequence[Any] | None = None) -> list[list[Timeline]]:
@@ -73,14 +79,21 @@ class InPlaceRuns:
         ``kernels``, by default the graph's), interleaved: one list of ``repeats`` timelines per program."""
         executors = [make_executor(p, kernels or self.kernels, self.device) for p in programs]
         timelines: list[list[Timeline]] = [[] for _ in programs]
+        host_seconds = [0.0] * len(programs)  # what the host took for a timed run, the warm-up
+        if self.replayed:
+            from opsched.runtime.cuda import current_api, hold_for
         caller_threads = torch.get_num_threads()
         try:
             with self.progress(label, len(programs) * (self.repeats + 1)) as bar:
-                for executor in executors:
-                    executor(*self.inputs)
+                for k, executor in enumerate(executors):
+                    began = time.perf_counter()
+                    executor(*self.inputs, record_timeline=self.replayed)
+                    host_seconds[k] = time.perf_counter() - began
                     bar.update(1)
                 for _ in range(self.repeats):
                     for k, executor in enumerate(executors):
+                        if self.replayed:
+                            hold_for(current_api(), host_seconds[k])
                         executor(*self.inputs, record_timeline=True)
                         timelines[k].append(executor.timeline)
                         bar.update(1)
@@ -130,7 +143,8 @@ class InPlaceRuns:
                 from opsched.runtime.cuda import current_api, time_cuda
 
                 x = torch.zeros(1, device=current_api().device)
-                return tuple(time_cuda(lambda run=run: run(x), repeats=self.repeats) for run in (one, two))
+                return tuple(time_cuda(lambda run=run: run(x), repeats=self.repeats, queued=self.replayed)
+                             for run in (one, two))
             x = torch.zeros(1)
             t_one, t_two = interleaved_medians([lambda: one(x), lambda: two(x)], self.repeats,
                                                min_sample_seconds=MIN_SAMPLE_SECONDS)
@@ -154,18 +168,19 @@ class InPlaceRuns:
 
 def measured_cost(graph: Graph, inputs: Sequence[Any], kernels: ChosenKernels | None = None, device: str = "cpu",
                   repeats: int = 9, progress: Callable[[str, int], Any] | None = None,
-                  values: dict[str, Any] | None = None, **options: Any) -> Any:
+                  values: dict[str, Any] | None = None, replayed: bool = False, **options: Any) -> Any:
     """The measured cost model of ``graph`` on ``device`` (:class:`~opsched.cost.measure.MeasuredCost`, with
     ``options``: ``cores``, ``cache``), reading runs of its units on ``kernels`` (default: the eager choice,
     :func:`~opsched.runtime.kernels.kernels_for`) fed ``inputs`` (flat); ``values`` (every unit's output on
-    ``inputs``) saves computing them again."""
+    ``inputs``) saves computing them again; ``replayed``: on a GPU, timed as a replayed CUDA graph runs, without
+    launches (see :class:`InPlaceRuns`)."""
     from opsched.cost.measure import MeasuredCost
     from opsched.graph.interpret import all_values
     from opsched.runtime.kernels import kernels_for
 
     values = values if values is not None else all_values(graph, inputs)
     runs = InPlaceRuns(graph, [values[name] for name in graph.inputs], kernels or kernels_for(graph, "eager", device),
-                       device, repeats, progress)
+                       device, repeats, progress, replayed)
     return MeasuredCost(graph, inputs, runs, values=values, **options)
 
 

@@ -5,7 +5,7 @@ program whose streams run on several devices, for mapped plans)."""
 
 from opsched.runtime.cuda.api import CudaApi, CudaError, TorchCuda, available, current_api, tensor_device, use_api
 from opsched.runtime.cuda.devices import DevicesExecutor
-from opsched.runtime.cuda.streams import CUDAExecutor, StreamPerTask, time_cuda
+from opsched.runtime.cuda.streams import CUDAExecutor, StreamPerTask, hold_for, time_cuda
 
 __all__ = ["CUDAExecutor", "CudaApi", "CudaError", "DevicesExecutor", "StreamPerTask", "TorchCuda", "available",
-           "current_api", "tensor_device", "time_cuda", "use_api"]
+           "current_api", "hold_for", "tensor_device", "time_cuda", "use_api"]

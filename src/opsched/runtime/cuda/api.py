@@ -80,6 +80,11 @@ class CudaApi(Protocol):
 
     def replay(self, graph: Any) -> None: ...
 
+    def hold(self, ms: float) -> None:
+        """Keep the current stream busy on the device for about ``ms`` milliseconds (a kernel that spins), so
+        that the work the host queues meanwhile starts after it and then runs back to back, as a replayed CUDA
+        graph runs: timed from behind a hold, work shows its device time without its launches."""
+
 
 class TorchCuda:
     """:class:`CudaApi` on ``torch.cuda`` (or on ``api``, any object with torch.cuda's names)."""
@@ -88,6 +93,7 @@ class TorchCuda:
 
     def __init__(self, api: Any = None):
         self.api = api if api is not None else torch.cuda
+        self._cycles_per_ms: float | None = None  # the spin kernel's clock, measured at the first hold
 
     def available(self) -> bool:
         return self.api.is_available()
@@ -148,6 +154,19 @@ class TorchCuda:
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def hold(self, ms: float) -> None:
+        if self._cycles_per_ms is None:
+            # torch.cuda._sleep spins for a count of GPU clock cycles: how many make a millisecond, timed once
+            cycles = 1_000_000
+            began, ended = self.new_event(timing=True), self.new_event(timing=True)
+            self.api._sleep(cycles)  # the first launch of the kernel loads it: not timed
+            began.record()
+            self.api._sleep(cycles)
+            ended.record()
+            ended.synchronize()
+            self._cycles_per_ms = cycles / max(began.elapsed_time(ended), 1e-3)
+        self.api._sleep(max(1, int(ms * self._cycles_per_ms)))
 
 
 _installed: list[CudaApi] = []

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -45,6 +46,9 @@ from opsched.runtime.cuda.api import CudaApi, CudaError, current_api
 from opsched.runtime.kernels import Operator
 from opsched.runtime.lowered import Call, Record, Remaining, Wait, lower
 from opsched.runtime.program import StreamProgram
+
+HOLD_MARGIN = 1.5  # a hold lasts this many times the host's last time for the work queued behind it,
+HOLD_EXTRA_MS = 0.05  # plus this, so that the host's jitter does not reach the device
 
 
 class StreamPerTask:
@@ -246,14 +250,21 @@ def autograd_off(persistent: bool) -> contextlib.AbstractContextManager:
     return stack
 
 
-def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, api: CudaApi | None = None) -> float:
+def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, api: CudaApi | None = None,
+              queued: bool = False) -> float:
     """Median milliseconds of ``fn`` on the device, timed with events around each call on the current
-    stream (default interface: :func:`current_api`)."""
+    stream (default interface: :func:`current_api`). ``queued``: each call is queued behind a hold (see
+    :func:`hold_for`), so that its launches are hidden and the events time its device work alone."""
     cuda = api or current_api()
+    host_seconds = 0.0
     for _ in range(warmup):
+        began_on_host = time.perf_counter()
         fn()
+        host_seconds = time.perf_counter() - began_on_host
     samples = []
     for _ in range(repeats):
+        if queued:
+            hold_for(cuda, host_seconds)
         stream = cuda.current_stream()
         began, ended = cuda.new_event(timing=True), cuda.new_event(timing=True)
         cuda.record(began, stream)
@@ -262,3 +273,11 @@ def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, api: Cu
         cuda.synchronize()
         samples.append(cuda.elapsed_ms(began, ended))
     return statistics.median(samples)
+
+
+def hold_for(cuda: CudaApi, host_seconds: float) -> None:
+    """Hold the current stream (:meth:`~opsched.runtime.cuda.api.CudaApi.hold`) for longer than the host took,
+    last time, to queue (and wait for) what comes next: that work then runs on the device back to back, its
+    launches hidden, as it runs replayed in a CUDA graph. A graph does not hide what CUDA's launch queue cannot
+    hold: a program of more launches than the queue takes stalls the host, and then the device, part way."""
+    cuda.hold(HOLD_MARGIN * host_seconds * 1000.0 + HOLD_EXTRA_MS)
