@@ -26,7 +26,6 @@ NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of defini
 # named by its page and the start of its header, with how many tables have that header; a table not listed here
 # must name its records, and an entry whose tables name them now (or are gone) must leave the list.
 UNSOURCED = {
-    ("benchmarks.md", "| model | batch | cost | method | variant | predicted ms"): 5,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp | milp-split |"): 2,
     ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp-split | UB"): 1,
     ("mapping.md", "| modules | channels | units | MILP s | MILP ms | SPLIT s | SPLIT ms"): 2,
