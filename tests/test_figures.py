@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # checked as its fraction, a ratio (1.42x) and a quantity (12.3ms) as the number
 DECIMAL = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)\.\d+(?:%|x|ms|us|s|MB|GB)?(?![\w.])")
 UNIT = re.compile(r"(%|x|ms|us|s|MB|GB)$")
+REMARK = re.compile(r"\s*\([^()]*\)$")  # a figure's parenthesised qualifier in a record: "60.0 (limit)"
 PROVENANCE = {"machine", "versions", "date", "commit", "session"}  # where and when: never a figure
 RECORD_SUFFIXES = (".json", ".jsonl", ".csv")
 SOURCE = re.compile(r"<!--\s*source:\s*(.+?)\s*-->")
@@ -25,12 +26,7 @@ NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of defini
 # Tables of docs/ whose figures name no record yet: known debt, each measured again or removed in turn. Each is
 # named by its page and the start of its header, with how many tables have that header; a table not listed here
 # must name its records, and an entry whose tables name them now (or are gone) must leave the list.
-UNSOURCED = {
-    ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp | milp-split |"): 2,
-    ("mapping.md", "| model | best-device | met | greedy | heft | sa | ea | milp-split | UB"): 1,
-    ("mapping.md", "| modules | channels | units | MILP s | MILP ms | SPLIT s | SPLIT ms"): 2,
-    ("mapping.md", "| module | best-device | met | greedy | heft | sa | ea | milp | milp-split"): 1,
-}
+UNSOURCED: dict[tuple[str, str], int] = {}
 
 
 # Records written before their scripts said where and when they were measured: known debt, each to be measured
@@ -66,9 +62,9 @@ def _numbers(value, key: str = "") -> list[float]:
         return []
     if isinstance(value, (int, float)):
         return [float(value)]
-    if isinstance(value, str):  # a number, or a figure with its unit as a record quotes it ("1.59x")
+    if isinstance(value, str):  # a number, or a figure as a record quotes it: "1.59x", "60.0 (limit)"
         try:
-            return [float(UNIT.sub("", value.strip()))]
+            return [float(UNIT.sub("", REMARK.sub("", value.strip())))]
         except ValueError:
             return []
     if isinstance(value, dict):

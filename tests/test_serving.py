@@ -335,6 +335,16 @@ def test_the_official_client_infers_with_json_and_binary_tensors(server):
             assert compare_outputs(got, want).ok, (batch, binary)
 
 
+def test_the_plans_for_more_samples_come_from_the_schedule_searched_for_one(server):
+    # Searched size by size, the plans of 16 small CNNs at four sizes each were not ready within 15 minutes.
+    module = server.endpoints["cnn"].module
+    plans = {plan.inputs[0].shape[0]: plan for plan in module.plans.values()}  # by the batch size they serve
+    assert sorted(plans) == [1, 2, 4]
+    assert module.dynamic == ({0: (1, 4)},)
+    for size in (2, 4):
+        assert "the schedule made for" in plans[size].note, plans[size].note
+
+
 def test_requests_from_many_clients_are_batched_and_each_gets_its_own_answer(server):
     httpx = pytest.importorskip("httpx")
     model = server.endpoints["cnn"].model

@@ -10,7 +10,8 @@ True
 
 At startup every model's plans are prepared in the background, one model at a time, for the batch sizes its
 batcher forms (:meth:`~opsched.serving.batcher.ModelEndpoint.batch_sizes`), by ``opsched.optimize`` on a copy of
-the model (or read from a saved plan with ``opsched.load``); the server is ready once they all are, and until then
+the model, searched for one sample and made for the other sizes from that schedule (or read from a saved plan
+with ``opsched.load``); the server is ready once they all are, and until then
 each model answers its requests itself. Progress goes to stderr, a line per model.
 
 Needs the ``serve`` extra (``pip install 'opsched[serve]'``: Starlette and uvicorn).
@@ -176,7 +177,7 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
                 for b in sizes:
                     module.prepare(*endpoint.example_batch(b))
             else:
-                module = _optimized(endpoint, sizes, options)
+                module = _optimized(endpoint, sizes, options, say)
         except Exception as e:  # noqa: BLE001 - the model still answers, itself
             endpoint.use(None, first_line(e))
             say(f"{name}: ready; the model answers itself: {first_line(e)}")
@@ -193,11 +194,25 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
     say("ready")
 
 
-def _optimized(endpoint: Any, sizes: list[int], options: dict) -> Any:
+def _optimized(endpoint: Any, sizes: list[int], options: dict, say: Callable[[str], Any] = _say) -> Any:
+    """``endpoint``'s optimized module, with a plan for each of ``sizes``. The batch dimension is declared dynamic:
+    the plan for one sample is searched, and every other size's plan is that schedule captured at the size,
+    compiled, verified and timed beside the model (no costs measured, no search; see
+    :mod:`opsched.runtime.dynamic`). Searched size by size, 16 small CNNs at four sizes each were not ready within
+    15 minutes on 2 cores. A model that torch.export finds fixes its batch size gets a search per size."""
     import opsched
+    from opsched.errors import CaptureError
 
     inputs = endpoint.example_batch(1) if endpoint.batchable else endpoint.examples
     # a plan for every batch size the batcher forms is kept: fewer would be dropped and made again, over and over
-    outcome = opsched.optimize(copy.deepcopy(endpoint.model), inputs, batch_sizes=[b for b in sizes if b != 1],
-                               **{"max_plans": endpoint.max_batch + 1, **options})
-    return outcome.module
+    options = {"max_plans": endpoint.max_batch + 1, **options, "batch_sizes": [b for b in sizes if b != 1]}
+    if len(sizes) > 1:
+        from torch.export import Dim
+
+        batch = Dim("batch", min=1, max=endpoint.max_batch)
+        try:
+            return opsched.optimize(copy.deepcopy(endpoint.model), inputs,
+                                    dynamic_shapes=tuple({0: batch} for _ in inputs), **options).module
+        except CaptureError as e:
+            say(f"{endpoint.name}: a search for each batch size ({first_line(e)})")
+    return opsched.optimize(copy.deepcopy(endpoint.model), inputs, **options).module
