@@ -149,6 +149,7 @@ class CudaStandIn:
         self.aliases: dict[int, torch.Tensor] = {}  # during capture: a kernel's output object -> the graph's alias
         self.broken: list[str] = []
         self.calls: dict[str, int] = {}
+        self.holds: list[tuple[int, float, str | None]] = []  # per hold: its stream, its ms, what came next on it
         self._captures = itertools.count(1)
         self._lock = threading.RLock()
         self._thread = _Thread()
@@ -204,6 +205,7 @@ class CudaStandIn:
             self._may_work(stream, "records an event")
             if event.stream is not None and event.stream.device != stream.device:
                 raise BrokenRule(f"an event of cuda:{event.stream.device} recorded on {stream!r}")
+            self._after_hold(stream, "a timing event" if event.timing else "an event")
             event.clock = dict(stream.clock)
             event.stream = stream
             event.host_time = time.perf_counter()
@@ -358,6 +360,16 @@ class CudaStandIn:
             stream = self.current_stream()  # one kernel on the current stream, reading and writing nothing
             stream.position += 1
             stream.clock[stream.number] = stream.position
+            self.holds.append((stream.number, ms, None))
+
+    def _after_hold(self, stream: Stream, what: str) -> None:
+        """Say what came first on ``stream`` after its last hold (a timed run's first event, it should be)."""
+        for k in range(len(self.holds) - 1, -1, -1):
+            number, ms, following = self.holds[k]
+            if number == stream.number:
+                if following is None:
+                    self.holds[k] = (number, ms, what)
+                return
 
     # -- for tests --
 

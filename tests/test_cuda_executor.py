@@ -16,6 +16,7 @@ from opsched.errors import OpschedError
 from opsched.graph.capture import capture
 from opsched.graph.ir import Graph, Node
 from opsched.runtime import cuda, make_executor
+from opsched.runtime.cuda.streams import HOLD_EXTRA_MS
 from opsched.runtime.kernels import unit_operator
 from opsched.runtime.merge import merged_operator
 from opsched.runtime.profile import measured_cost
@@ -312,10 +313,16 @@ def test_costs_for_replayed_graphs_time_every_run_behind_a_hold_and_are_cached_a
     # the units in order, their copies side by side, and the two hand-off probes, 2 timed runs each: every timed
     # run held, none of the warm-ups
     assert holds == 2 + 2 + 2 * 2
+    # each on the stream the run is timed from, long enough to cover the host, and followed first by the run's
+    # origin (a timing event): a hold after the run, or on another stream, would hide nothing
+    assert all(stream == 0 and ms >= HOLD_EXTRA_MS and following == "a timing event"
+               for stream, ms, following in replayed.holds), replayed.holds
     assert without.device == with_launches.device + "|launches hidden, as replayed"
     assert without.counts["units_measured"] == len(g)  # not the other's timings from the cache
-    with cuda.use_api(CudaStandIn()):
-        assert cuda.time_cuda(lambda: None, repeats=4, warmup=1, queued=True) >= 0
+    timed = CudaStandIn()
+    with cuda.use_api(timed):
+        cuda.time_cuda(lambda: None, repeats=4, warmup=1, queued=True)
+    assert [following for *_, following in timed.holds] == ["a timing event"] * 4
 
 
 # -- the whole model as one CUDA graph (the cuda_graph peer), and the command line on the device interface --

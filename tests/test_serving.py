@@ -404,10 +404,11 @@ def test_errors_are_one_line_with_their_status_and_the_other_models_keep_answeri
 def test_requests_for_several_models_run_as_one_call_of_their_fused_graph():
     httpx = pytest.importorskip("httpx")
     models = {f"cnn{k}": (_small_cnn(seed=k), (torch.randn(1, 3, 16, 16),)) for k in range(3)}
-    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=20,
+    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=20, fuse_max_batch=4,
                optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
         assert serving.wait_ready(300)
         assert serving.fused.module is not None and serving.fused.fused_ms > 0  # prepared ahead, and timed
+        assert serving.fused.sizes == [1, 2, 4]  # every size a batch of these models holds
         assert serving.fused.worth_it(3) == (3 * serving.fused.apart_ms > serving.fused.fused_ms)
         serving.fused.fused_ms = 0.0  # as if fusion always paid: every batch of two models or more runs fused
         asked = [(f"cnn{k % 3}", torch.randn(1 + k % 2, 3, 16, 16)) for k in range(18)]
@@ -425,6 +426,17 @@ def test_requests_for_several_models_run_as_one_call_of_their_fused_graph():
             got = torch.tensor(answer.json()["outputs"][0]["data"]).reshape(x.shape[0], 4)
             assert compare_outputs(got, models[name][0](x).detach()).ok, name
         assert serving.fused.calls > 0  # batches of several models ran fused, an absent model reading its example
+
+
+def test_the_fused_graph_is_prepared_for_small_batches_and_larger_ones_run_apart():
+    from opsched.serving.batcher import ModelEndpoint
+    from opsched.serving.fused import FusedGroup
+
+    endpoints = [ModelEndpoint(f"m{k}", _small_cnn(seed=k), (torch.randn(1, 3, 8, 8),), max_batch=8) for k in range(2)]
+    group = FusedGroup(endpoints)  # each size a search of the whole fused graph: by default 1 and 2 samples
+    assert group.sizes == [1, 2] and FusedGroup(endpoints, max_rows=8).sizes == [1, 2, 4, 8]
+    group.module, group.fused_ms, group.apart_ms = object(), 1.0, 1.0  # as if prepared, and fusion paid
+    assert group.worth_it(2, rows=2) and not group.worth_it(2, rows=3)  # no plan for 3: each model apart
 
 
 def test_compressed_bodies_unknown_endpoints_and_odd_requests_get_json_answers(server):

@@ -358,6 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "graph (otherwise, for two models or more that batch and unless --no-optimize, the fused "
                         "graph of all the models is made at startup, and a batch runs as one call of it when its "
                         "models would take longer one by one, by the startup's timings)")
+    p.add_argument("--fuse-max-batch", type=_positive, default=2, metavar="F",
+                   help="the fused graph's plans are made for up to F samples of each model (1, 2, 4, ... up to F; "
+                        "default 2): a batch holding more of one model runs each model apart. Each size is a search "
+                        "of all the models' fused graph: with 16 small CNNs on 2 cores, four sizes did not end "
+                        "within 10 minutes")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],

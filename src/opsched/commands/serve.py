@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         models, plans = served_models(args)
         serve(models, host=args.host, port=args.port, max_delay_ms=args.max_delay_ms, max_batch=args.max_batch,
               queue_size=args.queue_size, max_body_mb=args.max_body_mb, optimize=not args.no_optimize,
-              fuse=not args.no_fuse,
+              fuse=not args.no_fuse, fuse_max_batch=args.fuse_max_batch,
               optimize_options={"repeats": args.repeats, "kernels": args.kernels, "cache": not args.no_cache},
               plans=plans)
     finally:

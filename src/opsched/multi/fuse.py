@@ -111,12 +111,14 @@ def fuse_graph(batch: ModelBatch, rewrites: Sequence[str] = REWRITES,
 
 class CostLatencies:
     """Each unit's predicted milliseconds under the cost model ``spec`` (measured on ``device``; see
-    :func:`opsched.pipeline.cost_model`), called with a graph; :meth:`regions_ms`, the whole graph's."""
+    :func:`opsched.pipeline.cost_model`; ``replayed``: of plans replayed as CUDA graphs), called with a graph;
+    :meth:`regions_ms`, the whole graph's."""
 
     def __init__(self, spec: str, inputs: Sequence[Any], kernels: str = "eager", cores: int | None = None,
-                 cache: bool = True, progress: Any = None, device: str = "cpu"):
+                 cache: bool = True, progress: Any = None, device: str = "cpu", replayed: bool = False):
         self.spec, self.kernels, self.cores, self.cache, self.progress, self.device = \
             spec, kernels, cores, cache, progress, device
+        self.replayed = replayed
         self.flat = pytree.tree_leaves(tuple(inputs))
         self.models: dict[str, Any] = {}  # by fingerprint: fuse_graph and optimize both ask for the combined graph
 
@@ -126,7 +128,7 @@ class CostLatencies:
         if graph.fingerprint not in self.models:
             self.models[graph.fingerprint], _ = cost_model(graph, self.flat, self.spec, device=self.device,
                                                            kernels=self.kernels, cores=self.cores, cache=self.cache,
-                                                           progress=self.progress)
+                                                           progress=self.progress, replayed=self.replayed)
         return self.models[graph.fingerprint]
 
     def __call__(self, graph: Graph) -> list[float]:

@@ -107,7 +107,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     simulated = is_simulated(cost)
     say("combining the models and choosing the fusions that pay ...")
     device = "cpu" if simulated else device or batch.device
-    latencies = CostLatencies(cost, batch.inputs, kernels, cores, cache, progress, device=device)
+    # the fusions are chosen on the costs of the program that will run: on a GPU with cuda_graph, without launches
+    latencies = CostLatencies(cost, batch.inputs, kernels, cores, cache, progress, device=device, replayed=cuda_graph)
     fusion = fuse_graph(batch, rewrites, latencies, whole=latencies.regions_ms)
     sequential_ms = sum(latencies(fusion.combined))
     jobs = {m: (m, method_options(m, default_streams=default_streams(simulated, device, cores))) for m in methods}

@@ -67,7 +67,8 @@ class Serving:
 
 def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0.0.1", port: int = 8000,
           max_delay_ms: float = 2.0, max_batch: int = 8, queue_size: int = 64, max_body_mb: float = 64.0,
-          optimize: bool = True, fuse: bool = True, optimize_options: Mapping[str, Any] | None = None,
+          optimize: bool = True, fuse: bool = True, fuse_max_batch: int = 2,
+          optimize_options: Mapping[str, Any] | None = None,
           plans: Mapping[str, str | Path] | None = None, block: bool = True,
           say: Callable[[str], Any] = _say) -> Serving | None:
     """Serve ``models`` (name -> ``(model, example_inputs)``) on ``host:port`` (0: a free port). Each model batches
@@ -75,7 +76,8 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     most (then 503). ``optimize``: prepare its plans with ``opsched.optimize(**optimize_options)`` (or, for a name
     in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``fuse`` (with
     ``optimize``, for two models or more): requests for several models in one batch run as one call of their fused
-    graph (:mod:`opsched.serving.fused`), all the models' fused module prepared ahead. ``block``: serve until
+    graph (:mod:`opsched.serving.fused`), all the models' fused module prepared ahead for batches of up to
+    ``fuse_max_batch`` samples of each model (larger ones run each model apart). ``block``: serve until
     SIGTERM or Ctrl-C (returns None once every accepted request was answered); else return a :class:`Serving`
     running in a thread."""
     try:
@@ -116,7 +118,7 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     options = dict(optimize_options or {})
     group = None
     if optimize and fuse and sum(e.batchable for e in endpoints.values()) > 1:
-        group = FusedGroup(list(endpoints.values()), options, say)
+        group = FusedGroup(list(endpoints.values()), options, say, max_rows=fuse_max_batch)
         batchers = [Batcher(list(endpoints.values()), max_delay_ms / 1000, fused=group)]
     else:
         batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints.values()]

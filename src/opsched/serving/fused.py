@@ -1,13 +1,15 @@
 """Requests for several models served as one call: the fused multi-model graph (``opsched.optimize_batch``, HiveMind's
 fusion and schedule) of the served models, each model reading its own requests' inputs.
 
-The fused module of all the models is made at startup, with a plan for each batch size a call is padded to (powers
-of two up to ``max_batch``, and ``max_batch``): every plan verified model by model against the models' own
+The fused module of all the models is made at startup, with a plan for each batch size a call is padded to (the
+models' batch sizes up to ``max_rows``, 2 by default: each is a search of the whole fused graph, and four sizes of 16
+small CNNs did not end within 10 minutes on 2 cores): every plan verified model by model against the models' own
 forwards, and timed against running the models one after another. No fused module is made while serving (a build
 would take the cores from the calls). A batch runs as one fused call when the models it holds would take longer
 one by one than the fused call of all of them, by those timings (``len(present) * sequential / models >
-fused``); a model with no request in the batch then reads a copy of its example, whose outputs are dropped, and
-every model's batch is padded to the smallest prepared size that holds the largest present (the models were
+fused``) and no model's batch is larger than the largest prepared size; a model with no request in the batch
+then reads a copy of its example, whose outputs are dropped, and every model's batch is padded to the smallest
+prepared size that holds the largest present (the models were
 checked to answer each sample on its own). Otherwise each model runs apart. When a fused call raises, each
 model's requests run again on their own model, so that a request that fails, fails alone.
 """
@@ -30,9 +32,10 @@ class FusedGroup:
     requests."""
 
     def __init__(self, endpoints: Sequence[ModelEndpoint], options: dict[str, Any] | None = None,
-                 say: Callable[[str], Any] = lambda text: None):
+                 say: Callable[[str], Any] = lambda text: None, max_rows: int = 2):
         self.endpoints = sorted((e for e in endpoints if e.batchable), key=lambda e: e.name)
-        self.sizes = sorted({b for e in self.endpoints for b in e.batch_sizes()})  # those a fused call pads to
+        # the sizes a fused call pads to: a batch holding more samples of a model runs each model apart
+        self.sizes = sorted({b for e in self.endpoints for b in e.batch_sizes() if b <= max_rows}) or [1]
         self.options = {"max_plans": len(self.sizes) + 1, **(options or {})}
         self.say = say
         self.module: Any = None  # the fused module, once made
@@ -68,15 +71,17 @@ class FusedGroup:
         self.say(f"fused {names}: {result.chosen} chosen, {self.fused_ms:.2f} ms for all against "
                  f"{self.apart_ms:.2f} ms a model apart")
 
-    def worth_it(self, present: int) -> bool:
-        """Whether ``present`` models' requests are better served by one fused call of all the models."""
-        return self.module is not None and present > 1 and present * self.apart_ms > self.fused_ms
+    def worth_it(self, present: int, rows: int = 1) -> bool:
+        """Whether ``present`` models' requests, at most ``rows`` samples of each, are better served by one fused
+        call of all the models (which has plans for at most the largest prepared size)."""
+        return (self.module is not None and present > 1 and rows <= self.sizes[-1]
+                and present * self.apart_ms > self.fused_ms)
 
     def run(self, batches: dict[ModelEndpoint, list[Request]]) -> None:
         """Every model's requests of one batch: one fused call where :meth:`worth_it` (each request answered with
         its own rows), each model apart otherwise."""
         fusable = {e: r for e, r in batches.items() if e in self.endpoints}
-        if not self.worth_it(len(fusable)):
+        if not self.worth_it(len(fusable), max((sum(r.batch for r in g) for g in fusable.values()), default=0)):
             for endpoint, requests in batches.items():
                 endpoint.run(requests)
             return
@@ -88,7 +93,7 @@ class FusedGroup:
         if not running:
             return
         needed = max(sum(r.batch for r in g) for g in running.values())
-        rows = next((b for b in self.sizes if b >= needed), needed)  # a size prepared ahead
+        rows = next(b for b in self.sizes if b >= needed)  # a size prepared ahead (worth_it saw to it)
         try:
             with self.endpoints[0].lock, torch.inference_mode():
                 outputs = self.module(*self._padded(running, rows))

@@ -15,6 +15,8 @@ import torch
 
 from opsched.errors import OpschedError
 
+HOLD_CALIBRATIONS = 5  # spins timed to learn the GPU clock a hold counts in
+
 
 class CudaError(OpschedError, RuntimeError):
     """CUDA asked for where there is none, or used in a way the CUDA backend does not support."""
@@ -157,15 +159,18 @@ class TorchCuda:
 
     def hold(self, ms: float) -> None:
         if self._cycles_per_ms is None:
-            # torch.cuda._sleep spins for a count of GPU clock cycles: how many make a millisecond, timed once
-            cycles = 1_000_000
-            began, ended = self.new_event(timing=True), self.new_event(timing=True)
+            # torch.cuda._sleep spins for a count of GPU clock cycles: how many make a millisecond, timed on a few
+            # spins, the most kept: a spin timed while the clocks were low would make every later hold too short
+            cycles, rates = 1_000_000, []
             self.api._sleep(cycles)  # the first launch of the kernel loads it: not timed
-            began.record()
-            self.api._sleep(cycles)
-            ended.record()
-            ended.synchronize()
-            self._cycles_per_ms = cycles / max(began.elapsed_time(ended), 1e-3)
+            for _ in range(HOLD_CALIBRATIONS):
+                began, ended = self.new_event(timing=True), self.new_event(timing=True)
+                began.record()
+                self.api._sleep(cycles)
+                ended.record()
+                ended.synchronize()
+                rates.append(cycles / max(began.elapsed_time(ended), 1e-3))
+            self._cycles_per_ms = max(rates)
         self.api._sleep(max(1, int(ms * self._cycles_per_ms)))
 
 

@@ -278,6 +278,6 @@ def time_cuda(fn: Callable[[], Any], repeats: int = 20, warmup: int = 3, api: Cu
 def hold_for(cuda: CudaApi, host_seconds: float) -> None:
     """Hold the current stream (:meth:`~opsched.runtime.cuda.api.CudaApi.hold`) for longer than the host took,
     last time, to queue (and wait for) what comes next: that work then runs on the device back to back, its
-    launches hidden, as it runs replayed in a CUDA graph. A graph does not hide what CUDA's launch queue cannot
-    hold: a program of more launches than the queue takes stalls the host, and then the device, part way."""
+    launches hidden, as it runs replayed in a CUDA graph. Not checked: that the host did finish queuing within the
+    hold (a host stalled by a full launch queue, or by a collection, leaves part of the run launch-bound)."""
     cuda.hold(HOLD_MARGIN * host_seconds * 1000.0 + HOLD_EXTRA_MS)
