@@ -125,6 +125,17 @@ def test_a_fusion_that_does_not_pay_is_not_made():
     assert fusion.graph is not None and len(fusion.graph) == 3
 
 
+def test_simulated_costs_choose_fusions_without_compiled_regions():
+    # It raised AttributeError: a simulated GPU's list of kernels per unit was read as compiled kernels, and the
+    # fused graph's regions were asked of a cost model that runs nothing (benchmarks/multi.py's simulated rows).
+    torch.manual_seed(0)
+    models = [_randomised(Residual(), k) for k in range(4)]
+    result = optimize(models, (torch.randn(16, 3, 8, 8),), methods=("sequential", "hivemind"), cost="sim:v100",
+                      cache=False)
+    assert result.fusion.fused["same_shape"] > 0 and result.fusion.whole is None
+    assert result.outcome.evaluation is None  # nothing ran
+
+
 def test_fuse_returns_a_verified_module():
     models = [_randomised(Residual(), k) for k in range(2)]
     x = torch.randn(1, 3, 8, 8)

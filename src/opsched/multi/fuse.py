@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from opsched.cost.devices import is_simulated
 from opsched.graph.ir import Graph
 from opsched.multi.combine import ModelBatch, MultiError, combine
 from opsched.multi.shared import share_work
@@ -141,8 +142,8 @@ class CostLatencies:
         from opsched.pipeline import with_regions
         from opsched.schedulers import make_schedule
 
-        cost = self.cost(graph)
-        if getattr(cost, "kernels", "eager") == "eager":  # a simulated cost model has no kernels either
+        if self.kernels == "eager" or is_simulated(self.spec):  # nothing to compile, or nothing that runs
             return None
+        cost = self.cost(graph)
         plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
         return None if cost.region_error else plan.predicted_latency
