@@ -32,7 +32,7 @@ UNSOURCED: dict[tuple[str, str], int] = {}
 # Records written before their scripts said where and when they were measured: known debt, each to be measured
 # again or its tables removed. Any other record a table names says it on every line.
 WITHOUT_PROVENANCE = {"docs/ensembles.jsonl", "docs/ensembles_vm2.jsonl", "docs/ensembles_vm2_inductor.jsonl",
-                      "docs/gpt3_cluster.jsonl", "docs/gpt3_cluster_repeats.jsonl", "docs/multi.jsonl"}
+                      "docs/gpt3_cluster.jsonl", "docs/gpt3_cluster_repeats.jsonl"}
 
 
 def _tables(markdown: str) -> list[tuple[str | None, list[tuple[int, str]]]]:
