@@ -371,10 +371,11 @@ def model_step(key: str, record: Recorder, dry_run: bool, modes: list[str]) -> N
     sim_name = simulated_device(api.describe())
     sim = SimulatedGPU(graph, sim_name)
     schedules, search_s = {}, {}
-    for method, costs in [*((m, cost) for m in METHODS), *((f"{m}{REPLAYED}", replayed) for m in REPLAYED_METHODS)]:
+    for method, base, costs in [*((m, m, cost) for m in METHODS),
+                                *((f"{m}{REPLAYED}", m, replayed) for m in REPLAYED_METHODS)]:
         began = time.perf_counter()
-        schedules[method] = search(graph, costs, method.removesuffix(REPLAYED), **method_options(
-            method.removesuffix(REPLAYED), max_block_size=8 if dry_run else block, default_streams=8))
+        schedules[method] = search(graph, costs, base, **method_options(
+            base, max_block_size=8 if dry_run else block, default_streams=8))
         search_s[method] = round(time.perf_counter() - began, 3)
     record.save(model=label, spec=spec, units=len(graph), input_shape=list(inputs[0].shape), sim=sim_name,
                 capture_s=round(captured_s, 2), profile_s=round(profiled_s, 2), search_s=search_s,

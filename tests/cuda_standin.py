@@ -84,6 +84,12 @@ class Stream:
     def __repr__(self) -> str:
         return f"<stream {self.number} of cuda:{self.device}>"
 
+    def queue(self) -> int:
+        """One more piece of work queued here (a kernel, a copy, a replay): its position."""
+        self.position += 1
+        self.clock[self.number] = self.position
+        return self.position
+
 
 class Event:
     """A stand-in event. It deliberately defines no ordering (rule 5)."""
@@ -255,8 +261,7 @@ class CudaStandIn:
                 return tensor
             stream = self._current_of(source if device is None else device)
             self._may_work(stream, "copies a tensor")
-            stream.position += 1
-            stream.clock[stream.number] = stream.position
+            stream.queue()
             self._read(tensor, stream, "a copy", copying=True)
             with self._paused():
                 moved = tensor.detach().clone()  # copying a copy to the host reads it there: rule 10 applies
@@ -339,8 +344,7 @@ class CudaStandIn:
             if not graph.captured:
                 raise BrokenRule("replay of a graph that was never captured")
             stream = self.current_stream()  # the whole graph is one piece of work on the current stream
-            stream.position += 1
-            stream.clock[stream.number] = stream.position
+            stream.queue()
             with torch.no_grad():
                 for func, args, kwargs, outputs in graph.ops:
                     fresh = func(*args, **kwargs)
@@ -358,8 +362,7 @@ class CudaStandIn:
             if self.capture_id is not None:
                 raise BrokenRule("a hold (a spin kernel for timing) during graph capture")
             stream = self.current_stream()  # one kernel on the current stream, reading and writing nothing
-            stream.position += 1
-            stream.clock[stream.number] = stream.position
+            stream.queue()
             self.holds.append((stream.number, ms, None))
 
     def _after_hold(self, stream: Stream, what: str) -> None:
@@ -377,8 +380,7 @@ class CudaStandIn:
         """Say that ``tensors`` were just written on the current stream (as a copy to the device would)."""
         with self._lock:
             stream = self.current_stream()
-            stream.position += 1
-            stream.clock[stream.number] = stream.position
+            stream.queue()
             for t in tensors:
                 self._allocated(t, stream)
 
@@ -454,8 +456,7 @@ class CudaStandIn:
             self._may_work(stream, f"runs {func}")
             inputs = _tensors((args, kwargs))
             self._check_device(func, inputs)
-            stream.position += 1
-            stream.clock[stream.number] = stream.position
+            stream.queue()
             for t in inputs:
                 self._read(t, stream, f"{func}")
             result = func(*args, **kwargs)

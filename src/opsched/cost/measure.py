@@ -22,9 +22,8 @@ stages for Inception V3). This model measures what is cheap and predicts the res
   the smallest fraction;
 - on a GPU, for plans replayed as CUDA graphs (``replayed``, see :class:`~opsched.runtime.profile.InPlaceRuns`),
   every timed run is queued behind a hold on the device, so that it shows its device work without its launches,
-  as the graph replays it: measured with their launches at batch 1, concurrent stages rarely paid, and IOS's plans
-  replayed as graphs ran 1.05-1.26x the whole model as one graph on an H200, where LIOS's ran 1.74-2.31x;
-  costed as replayed, IOS's ran 1.69-1.99x on GoogLeNet, Inception V3 and RandWire;
+  as the graph replays it: measured with their launches at batch 1, concurrent stages rarely paid and IOS made
+  few of them, though replayed they run without launches (docs/gpu.md has the figures);
 - :meth:`MeasuredCost.measure_schedule` runs a whole staged schedule and keeps the latency of each of its
   concurrent and merge stages as measured in place; from then on the measured latency is used, and the contention and merge factors
   become the median ratio of measured to predicted. The pipeline (:func:`opsched.pipeline.search_measured`)
