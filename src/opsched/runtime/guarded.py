@@ -54,7 +54,8 @@ from opsched.runtime.guards import (
 
 
 def say_on_stderr(text: str) -> None:
-    print(f"opsched: {text}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"opsched: {text}\n")  # one write: lines from a background build stay whole
+    sys.stderr.flush()
 
 
 @dataclass

@@ -31,7 +31,10 @@ from opsched.errors import OpschedError, first_line
 
 
 def _say(text: str) -> None:
-    print(f"opsched serve: {text}", file=sys.stderr, flush=True)
+    # one write per line: print writes the text and its newline apart, and the preparing thread's lines and the
+    # server's were seen run together
+    sys.stderr.write(f"opsched serve: {text}\n")
+    sys.stderr.flush()
 
 
 class Serving:
