@@ -9,7 +9,8 @@ row of the table); rows are appended to OUT.jsonl as they finish, so an interrup
 records the machine, the versions and the date, its noise floor (one program timed twice in the same rounds)
 and which candidates ran as one program.
 
-    python benchmarks/sweep.py [--models NAME ...] [--image-size N] [--peers] [--timeout 900] [--out docs/sweep]
+    python benchmarks/sweep.py [--models NAME ...] [--image-size N] [--peers] [--kernels auto|eager|...]
+                               [--timeout 900] [--out docs/sweep]
 
 Without --image-size each model runs at its own usual input size. Writes OUT.jsonl and OUT.md (the table).
 """
@@ -56,8 +57,9 @@ def appender(path: str | Path):
     return append
 
 
-def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:
-    """One model through the pipeline (in this process)."""
+def one(spec: str, image_size: int, peers: bool, repeats: int, kernels: str = "auto") -> dict:
+    """One model through the pipeline (in this process), its units on ``kernels`` (``auto``: as a plain
+    ``opsched optimize`` runs them)."""
     import torch
 
     from opsched.commands.optimize import explain
@@ -79,11 +81,12 @@ def one(spec: str, image_size: int, peers: bool, repeats: int) -> dict:
     row.update(units=len(graph), width=graph.width, capture_seconds=round(time.perf_counter() - began, 1))
     methods = {m: (m, method_options(m)) for m in ("sequential", "ios")}
     outcome = run_workload(Workload(loaded.model, tuple(loaded.inputs), graph, methods, repeats=repeats,
-                                    cores=torch.get_num_threads(),
+                                    cores=torch.get_num_threads(), kernels=kernels,
                                     peers=("eager", "torch_compile", "onnxruntime") if peers else ("eager",)))
     ev = outcome.evaluation
     best_plan, best_peer = ev.fastest("schedule"), ev.fastest("peer")
-    row.update(input_shape=list(loaded.inputs[0].shape),
+    row.update(input_shape=list(loaded.inputs[0].shape), kernels=kernels,
+               kernel_choice=getattr(outcome.cost, "kernel_choice", None),
                measured_ms={k: round(v, 3) for k, v in ev.measured_ms.items()}, errors=ev.errors,
                abs_errors=ev.abs_errors, dropped=ev.dropped, warnings=ev.warnings + outcome.notes, chosen=ev.chosen,
                tie=ev.tie, noise=ev.noise(), verified=all(m in ev.measured_ms for m in methods),
@@ -102,12 +105,15 @@ def main() -> None:
     parser.add_argument("--image-size", type=int, default=None, help="default: each model's usual size")
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--peers", action="store_true", help="also torch.compile and ONNX Runtime")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
+                        help="the units' kernels (default auto, as opsched optimize; the sweep of 2026-11-26 ran "
+                             "eager, the default then)")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per model")
     parser.add_argument("--out", default="docs/sweep")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.image_size, args.peers, args.repeats)))
+        print(json.dumps(one(args.one, args.image_size, args.peers, args.repeats, args.kernels)))
         return
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +122,7 @@ def main() -> None:
     for spec in args.models or models():
         if spec in done:
             continue
-        command = ([sys.executable, __file__, "--one", spec, "--repeats", str(args.repeats)]
+        command = ([sys.executable, __file__, "--one", spec, "--repeats", str(args.repeats), "--kernels", args.kernels]
                    + (["--image-size", str(args.image_size)] if args.image_size else [])
                    + (["--peers"] if args.peers else []))
         began = time.perf_counter()

@@ -167,7 +167,8 @@ def test_a_length_declared_dynamic_gets_a_plan_per_length_from_the_first_schedul
     path = tmp_path / "plan.json"
     result.save(path)
     loaded = opsched.load(path, model, say=lambda line: None)
-    assert loaded.dynamic == fast.dynamic and len(loaded.plans) == len(fast.plans)
+    # the file holds the plans built from the weights as they are (those from before the change are not written)
+    assert loaded.dynamic == fast.dynamic and len(loaded.plans) == sum(not p.stale for p in fast.plans.values())
     loaded.close()
     fast.close()
 

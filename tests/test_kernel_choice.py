@@ -113,7 +113,7 @@ def test_a_job_records_the_kernels_it_measured_with_and_its_modules_run_them():
     model, x = Branches().eval(), torch.randn(1, 3, 8, 8)
     from opsched.jobs import optimize_once
 
-    outcome = optimize_once(model, (x,), method="ios", repeats=3, cache=False)
+    outcome = optimize_once(model, (x,), method="ios", kernels="eager", repeats=3, cache=False)
     plan = outcome.plan()
     assert plan.unit_kernels == outcome.kernels.choice == outcome.cost.runs.kernels.choice
     assert "packed" in plan.unit_kernels.values()
@@ -131,7 +131,7 @@ def test_a_plan_runs_on_the_kernels_it_records_or_says_why_not(tmp_path):
 
     torch.manual_seed(0)
     model, x = Branches().eval(), torch.randn(1, 3, 8, 8)
-    outcome = opsched.optimize(model, (x,), method="sequential", repeats=3, cache=False)
+    outcome = opsched.optimize(model, (x,), method="sequential", kernels="eager", repeats=3, cache=False)
     path = tmp_path / "plan.json"
     outcome.save(path)
     doc = json.loads(path.read_text())

@@ -4,7 +4,7 @@ step's threads."""
 
 import pytest
 import torch
-from support.small_models import ChannelSplit
+from support.small_models import ChannelSplit, unit_costed
 from torch import nn
 
 from opsched.cost.table import TableCost
@@ -37,10 +37,7 @@ def _setup():
     torch.manual_seed(0)
     model = Branchy().eval()
     x = torch.randn(2, 3, 16, 16)
-    graph = capture(model, (x,))
-    for n in graph.nodes:
-        n.latency = 1.0
-    return model, x, graph
+    return model, x, unit_costed(model, x)
 
 
 @pytest.mark.parametrize("method", sorted(SCHEDULERS))

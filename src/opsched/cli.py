@@ -186,10 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "sim:t4, sim:rtx3080, sim:k80 (figures then are simulated and nothing runs)")
     p.add_argument("--method", default="ios", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written (default ios)")
-    p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
-                   help="how units run: eager ATen operators (default), compiled by TorchInductor, or each unit "
-                        "(region) on an ONNX Runtime session of its own (pip install 'opsched[onnx]'); the last "
-                        "two add the peers torch.compile and ONNX Runtime to the measurements")
+    p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
+                   help="how units run: auto (default) runs each block of units on eager ATen operators or on an "
+                        "ONNX Runtime session (when installed), whichever measured faster, the model possibly as one "
+                        "session; eager, inductor (compiled by TorchInductor) or onnxruntime (each unit or region "
+                        "on a session of its own) run every unit so, and the last two add the peers torch.compile "
+                        "and ONNX Runtime to the measurements")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the whole model (freezing on, compiled for each thread count "
                         "in isolation) and ONNX Runtime (when installed) beside eager; the choice (above the run's "

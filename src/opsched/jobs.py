@@ -60,7 +60,7 @@ def check_options(cost: str, device: str = "cpu", kernels: str = "eager", cuda_g
 
 
 def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", cost: str = "measured",
-             device: str = "cpu", kernels: str = "eager", peers: bool = False, threads: int | None = None,
+             device: str = "cpu", kernels: str = "auto", peers: bool = False, threads: int | None = None,
              streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
              max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
              cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
@@ -70,7 +70,9 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     """Capture ``model`` (in eval mode, with its inputs, on ``device``) unless its ``graph`` is given, schedule
     it with sequential, greedy, LIOS and ``method``, and on a real device compile every schedule, verify it
     against the model and time it interleaved with the peers (eager; with ``peers`` or compiled ``kernels``
-    also torch.compile and ONNX Runtime). Raises :class:`~opsched.errors.VerificationError` when no schedule
+    also torch.compile and ONNX Runtime). ``kernels``: ``auto`` chooses each block's kernel from what each
+    measured on it (:mod:`opsched.runtime.auto`), so that a plan may be the model as one ONNX Runtime region;
+    ``eager``, ``inductor`` or ``onnxruntime`` run every unit so. Raises :class:`~opsched.errors.VerificationError` when no schedule
     verifies.
 
     On a real device ``module`` is a :class:`~opsched.runtime.guarded.GuardedModule`: a plan per call
@@ -122,7 +124,7 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
 
 
 def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", cost: str = "measured",
-                  device: str = "cpu", kernels: str = "eager", peers: bool = False, threads: int | None = None,
+                  device: str = "cpu", kernels: str = "auto", peers: bool = False, threads: int | None = None,
                   streams: int | None = None, max_group_size: int = 3, max_groups: int = 8,
                   max_block_size: int = DEFAULT_MAX_SIZE, tolerance: float | None = None, repeats: int = 15,
                   cache: bool = True, cuda_graph: bool = False, name: str | None = None, graph: Any = None,
@@ -143,7 +145,8 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
                                      max_block_size=max_block_size,
                                      default_streams=default_streams(simulated, device, cores)))
                for m in dict.fromkeys([*TABLE_METHODS, method])}
-    chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels != "eager" else ("eager",)
+    chosen_peers = ("eager", "torch_compile", "onnxruntime") if peers or kernels not in ("eager", "auto") \
+        else ("eager",)
     if cuda_graph:  # plans replayed as CUDA graphs meet the model replayed as one (outputs overwritten alike)
         chosen_peers += ("cuda_graph",)
     outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,

@@ -144,7 +144,8 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
     """The cost model ``spec`` names (``measured`` on ``device``, or ``sim:NAME``) and the kernels the units
     are measured with and will run on (a :class:`~opsched.runtime.kernels.ChosenKernels`; None for a simulated
     device, where nothing runs). ``kernels``: what ``--kernels`` asks (the choice is then
-    :func:`~opsched.runtime.choice.choose_kernels`'s for ``device``), or a choice made already (a mapping's).
+    :func:`~opsched.runtime.choice.choose_kernels`'s for ``device``; for ``auto``, measured unit by unit:
+    :mod:`opsched.runtime.auto`), or a choice made already (a mapping's).
     ``replayed``: on a GPU, for plans replayed as CUDA graphs, costs measured without launches (see
     :class:`~opsched.runtime.profile.InPlaceRuns`): measured with them, at batch 1 every stage pays its
     launches and the events between streams, concurrency rarely pays, and IOS found few concurrent stages."""
@@ -159,6 +160,11 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
     from opsched.runtime.profile import measured_cost
 
     values = all_values(graph, inputs)
+    if kernels == "auto" and not replayed:
+        from opsched.runtime.auto import auto_cost
+
+        return auto_cost(graph, inputs, values, device, cores=cores, cache=None if cache else False,
+                         progress=progress)
     if not isinstance(kernels, ChosenKernels):
         kernels = kernels_for(graph, kernels, device, values.__getitem__)
     cost = measured_cost(graph, inputs, kernels, device, progress=progress, values=values, cores=cores,
@@ -355,11 +361,13 @@ def run_workload(job: Workload) -> Outcome:
         schedule.device = job.cost if simulated else job.device
         schedule.run = dataclasses.replace(schedule.run, kernels=job.kernels, cuda_graph=job.cuda_graph)
         schedule.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
+        if getattr(cost, "kernel_choice", None):  # --kernels auto: how the units' kernels were chosen
+            schedule.stats["kernel_choice"] = cost.kernel_choice
         schedules[name] = schedule
     outcome = Outcome(cost, schedules, kernels)
     if simulated or not job.measure:
         return outcome
-    if job.kernels != "eager":
+    if kernels is not None and kernels.asked != "eager":
         # Compiled regions beside compiled units, for every schedule that does not run them yet (IOS chose its
         # own, block by block): which pays is measured. A stream schedule's regions are its streams' runs of
         # units (four different small networks on ONNX Runtime: a session per network and stream).

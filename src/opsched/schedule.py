@@ -249,7 +249,7 @@ class Measurement:
         return out
 
 
-RUN_KERNELS = ("eager", "inductor", "onnxruntime")  # what --kernels asks for
+RUN_KERNELS = ("auto", "eager", "inductor", "onnxruntime")  # what --kernels asks for
 
 
 @dataclass

@@ -165,6 +165,13 @@ def _print(result: dict[str, Any], schedules) -> None:
               f"{c['units_cached']} cached; {c['stages_measured']} stages measured, {c['stages_cached']} cached"
               + (f"; {c['regions_measured']} compiled regions measured, {c['regions_cached']} cached"
                  if c.get("regions_measured") or c.get("regions_cached") else "") + ")")
+    choice = result.get("cost_model", {}).get("kernel_choice")
+    if choice:
+        units = ", ".join(f"{n} {kernel}" for kernel, n in sorted(choice["units"].items()))
+        print(f"kernels    auto: {choice['blocks_on_onnxruntime']} blocks on ONNX Runtime ({units} units; chosen in "
+              f"{choice['seconds']:.1f} s)")
+        for unit, why in choice["not_offered"].get("onnxruntime", {}).items():
+            print(f"{'':<10} not offered ONNX Runtime: unit {unit} ({why})")
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")

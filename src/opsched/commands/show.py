@@ -38,6 +38,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from opsched.commands.optimize import signature_rows, signature_text
 
         result["signatures"] = signature_rows(plan)
+    if plan.unit_kernels:
+        result["kernels"] = {k: sum(1 for v in plan.unit_kernels.values() if v == k)
+                             for k in sorted(set(plan.unit_kernels.values()))}
+        refused = plan.stats.get("kernel_choice", {}).get("not_offered", {}).get("onnxruntime", {})
+        if refused:
+            result["not_on_onnxruntime"] = refused
     if mapping:
         result.update(devices=[d.name for d in mapping.devices], lower_bound=plan.bounds.get("lower_bound"),
                       optimal=mapping.optimal, transfers=len(mapping.transfers))
@@ -48,6 +54,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               + (f" in {count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
         unit = time_unit(plan)
         print(f"predicted   {plan.predicted_latency:.4g}{' ' + unit if unit else ''}  ({label})")
+        if "kernels" in result:
+            print(f"kernels     {plan.run.kernels}: " + ", ".join(f"{count(n, 'unit')} {k}"
+                                                          for k, n in result["kernels"].items()))
+        for unit, why in result.get("not_on_onnxruntime", {}).items():
+            print(f"{'':<11} not offered ONNX Runtime: unit {unit} ({why})")
         names = result["devices"] if mapping else None
         for k, units in enumerate(streams):
             print(f"{'device ' + names[k] if names else f'stream {k}':<11} {count(len(units), 'unit')}")

@@ -116,6 +116,7 @@ class MeasuredCost:
         self.measured_stages: dict[StageKey, float] = {}
         self.regions: dict[tuple[int, ...], float] = {}
         self.region_error: str | None = None
+        self.kernel_choice: dict | None = None  # with --kernels auto, how the units' kernels were chosen
         self.predicted_when_measured: dict[StageKey, float] = {}
         self.contention = CONTENTION_PRIOR
         self.merge_factor = MERGE_PRIOR
@@ -233,6 +234,8 @@ class MeasuredCost:
                      **self.counts}
         if self.region_error:
             described["region_error"] = self.region_error
+        if self.kernel_choice is not None:
+            described["kernel_choice"] = self.kernel_choice
         if self.gpu:
             del described["cores"]
             described["capacity"] = self.capacity

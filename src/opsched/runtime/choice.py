@@ -15,6 +15,10 @@ Kernels (``UNIT_KERNELS``):
 - ``onnxruntime``: an ONNX Runtime session (``--kernels onnxruntime``); a unit ONNX cannot take falls back to
   ``eager`` when it is first compiled, and the table says so from then on.
 
+``--kernels auto`` (``opsched optimize``'s default) chooses unit by unit from what each kernel measured
+(:mod:`opsched.runtime.auto`); without measurements (a simulated device, a mapping, several models) it is the
+default below.
+
 A packed unit leaves its values ``channels_last``, which only units rewritten for it read right: so units are
 packed only where every unit of the graph runs on the CPU. With CUDA devices in the plan (a GPU, or a mapping
 onto CPU and GPU devices) every unit is ``eager``, on both kinds of device, and is measured so.
@@ -50,7 +54,7 @@ def choose_kernels(graph: Any, asked: str = "eager", device: str = "cpu", shippe
         raise OpschedError(f"unknown kernels {asked!r}; choose from {', '.join(ASKED)}")
     if device not in PLACES:
         raise OpschedError(f"unknown place {device!r} for kernels; choose from {', '.join(PLACES)}")
-    if asked != "eager":
+    if asked not in ("eager", "auto"):
         return {n.name: asked for n in graph.nodes}
     packing = device == "cpu" and packs_graph(graph, examples=not shipped)
     return {n.name: "packed" if packing and packs(n.run) else "eager" for n in graph.nodes}

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from opsched.errors import OpschedError
+from opsched.errors import OpschedError, first_line
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.runtime.choice import ASKED
@@ -47,6 +47,7 @@ from opsched.runtime.merge import merged_operator
 from opsched.runtime.packed import packed_unit, packs
 
 Operator = Callable[[Sequence[Node], int], Callable[..., Any]]
+COMPILED = frozenset({"inductor", "onnxruntime"})  # the kernels compiled for example values
 
 
 
@@ -140,6 +141,9 @@ class OnnxRuntimeOperator(CompiledOperator):
         super().__init__(example)
         self.eager_units: list[str] = []
         self.eager_runs: set[tuple[Any, ...]] = set()  # the operators of the units and regions that stay eager
+        self.why_eager: dict[str, str] = {}  # unit name: why ONNX Runtime could not take it (one line)
+        # each unit's export, made once for every thread count its sessions are made for
+        self._exported: dict[tuple[Any, ...], bytes] = {}
 
     def _compile(self, nodes: Sequence[Node], threads: int) -> Callable[..., Any]:
         import torch.utils._pytree as pytree
@@ -148,29 +152,27 @@ class OnnxRuntimeOperator(CompiledOperator):
         # what runs where ONNX cannot: the unit as it is, so that values reach the sessions in eager's layout
         base = run.forward if isinstance(run, torch.fx.GraphModule) else run
         args = [self.example(a) for a in nodes[0].args]
+        key = tuple(n.run for n in nodes)
         began = time.perf_counter()
         try:
             with torch.no_grad():
                 _, out_spec = pytree.tree_flatten(base(*args))
-                module = run if isinstance(run, torch.fx.GraphModule) else _trace(base, nodes, self.example)
-                module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
-                # named by position among the arguments' tensors: the exporter drops those the unit does not
-                # use (one of the list chunk made), and the names say which are left
-                exported = onnx_bytes(module, args,
-                                      input_names=[f"in{k}" for k in range(len(pytree.tree_leaves(args)))])
-            session = onnx_session(exported, threads)
-        except Exception:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
-            self.eager_units.append(nodes[0].name)
-            self.eager_runs.add(tuple(n.run for n in nodes))
-            return base
+                if key not in self._exported:
+                    module = run if isinstance(run, torch.fx.GraphModule) else _trace(base, nodes, self.example)
+                    module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
+                    # named by position among the arguments' tensors: the exporter drops those the unit does not
+                    # use (one of the list chunk made), and the names say which are left
+                    self._exported[key] = onnx_bytes(
+                        module, args, input_names=[f"in{k}" for k in range(len(pytree.tree_leaves(args)))])
+            session = onnx_session(self._exported[key], threads)
+        except Exception as e:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
+            return self._stays_eager(nodes, base, first_line(e))
         finally:
             self.compile_seconds += time.perf_counter() - began
         # The exporter takes a list argument (what chunk or split made) as one input per tensor in it, in order;
         # fed the list itself, the session failed (ShuffleNet V2).
         if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
-            self.eager_units.append(nodes[0].name)
-            self.eager_runs.add(tuple(n.run for n in nodes))
-            return base
+            return self._stays_eager(nodes, base, "it reads a list of tensors, which its session cannot be fed")
         names = [i.name for i in session.get_inputs()]
         used = [int(n[2:]) for n in names]
         run = session.run
@@ -182,6 +184,12 @@ class OnnxRuntimeOperator(CompiledOperator):
             return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
 
         return call
+
+    def _stays_eager(self, nodes: Sequence[Node], base: Callable[..., Any], why: str) -> Callable[..., Any]:
+        self.eager_units.append(nodes[0].name)
+        self.eager_runs.add(tuple(n.run for n in nodes))
+        self.why_eager.setdefault(nodes[0].name, why)
+        return base
 
 
 def _flat(gm: torch.fx.GraphModule, args: list[Any]) -> tuple[torch.fx.GraphModule, list[Any], Any]:
@@ -233,16 +241,26 @@ class ChosenKernels:
     ('PackedUnit', True)
     """
 
-    def __init__(self, choice: Mapping[str, str], example: Callable[[str], Any] | None = None):
+    def __init__(self, choice: Mapping[str, str], example: Callable[[str], Any] | None = None,
+                 asked: str | None = None):
         self.choice = dict(choice)
         self._lock = threading.Lock()
-        compiled = set(self.choice.values()) & {"inductor", "onnxruntime"}
+        compiled = set(self.choice.values()) & COMPILED
         if compiled and example is None:
             raise OpschedError(f"{min(compiled)} kernels are compiled for example values, and none were given")
         self.inductor = InductorOperator(example) if "inductor" in compiled else None
         self.onnxruntime = OnnxRuntimeOperator(example) if "onnxruntime" in compiled else None
-        # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled
-        self.asked = min(compiled) if compiled else "eager"
+        # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled; ``auto``
+        # where measurement chose unit by unit (compiled regions then hold units of one kernel: regions.py)
+        self.asked = "auto" if asked == "auto" and compiled else min(compiled) if compiled else "eager"
+
+    def chosen_as(self, choice: Mapping[str, str]) -> ChosenKernels:
+        """The kernels ``choice`` names, chosen unit by unit (``asked`` is ``auto`` where some are compiled),
+        run by these kernels' compilers: what was compiled for measuring each kernel is not compiled again."""
+        other = copy.copy(self)
+        other.choice, other._lock = dict(choice), threading.Lock()
+        other.asked = "auto" if set(other.choice.values()) & COMPILED else "eager"
+        return other
 
     def copies(self, of: Mapping[str, str]) -> ChosenKernels:
         """These kernels, also for the units that ``of`` names (a copy's name to the unit it copies): each copy
@@ -256,7 +274,9 @@ class ChosenKernels:
         of kind ``region``, named after its last unit: :mod:`opsched.runtime.regions`) runs on the compiled
         kernels asked for, or, with eager kernels, packed where the plan packs."""
         if nodes[0].kind == "region":
-            return self.asked if self.asked != "eager" else "packed" if self.packs else "eager"
+            # chosen unit by unit, a region holds units of one kernel: its last unit's, whose name it has
+            kernel = self.choice.get(nodes[0].name, "eager") if self.asked == "auto" else self.asked
+            return kernel if kernel in COMPILED else "packed" if self.packs else "eager"
         kernel = self.choice.get(nodes[0].name)
         if kernel is None:
             raise OpschedError(f"unit {nodes[0].name!r} has no kernel chosen: the plan was made for another graph")
@@ -320,7 +340,7 @@ def plan_kernels(graph: Any, schedule: Any, device: str = "cpu", inputs: Sequenc
     for kernel in compiled:
         check_kernels(kernel)
     example = all_values(graph, inputs).__getitem__ if compiled and inputs is not None else None
-    return ChosenKernels(choice, example)
+    return ChosenKernels(choice, example, asked=schedule.run.kernels)
 
 
 def kernels_for(graph: Any, asked: str = "eager", device: str = "cpu",

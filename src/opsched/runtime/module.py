@@ -76,10 +76,10 @@ class OptimizedModule(torch.nn.Module):
             _check_same_kernels(operator, check_choice(schedule.unit_kernels, graph))
         if schedule.run.regions:
             # the units it runs back to back fused into regions that a compiler sees whole (see regions.py)
-            from opsched.runtime.regions import compiled_regions
+            from opsched.runtime.regions import compiled_regions, unit_by_unit
 
             validate(schedule, graph)
-            graph, schedule = compiled_regions(graph, schedule)
+            graph, schedule = compiled_regions(graph, schedule, kernels=unit_by_unit(operator))
         self.program: StreamProgram = compile_program(schedule, graph, cores or torch.get_num_threads())
         self.units = torch.nn.ModuleList(n.run for n in graph.nodes if isinstance(n.run, torch.nn.Module))
         # a plan mapped onto devices runs each program stream on its device (program stream k is the k-th device

@@ -121,9 +121,9 @@ class InPlaceRuns:
         """The timelines of ``schedule`` (one stage per unit or run of units) run with its runs of units
         compiled as regions (:func:`~opsched.runtime.regions.compiled_regions`) on ``cores`` threads, and the
         name of each unit or region that ran, by index (a region is named after its last unit)."""
-        from opsched.runtime.regions import compiled_regions
+        from opsched.runtime.regions import compiled_regions, unit_by_unit
 
-        fused, _ = compiled_regions(self.graph, schedule, each_stage=True)
+        fused, _ = compiled_regions(self.graph, schedule, each_stage=True, kernels=unit_by_unit(self.kernels))
         order = [("concurrent", [[k]]) for k in range(len(fused))]
         program = staged_program(fused, order, cores)
         return [n.name for n in fused.nodes], self.programs([program], label)[0]

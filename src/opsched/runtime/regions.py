@@ -27,7 +27,7 @@ units. The result is a new graph and the same schedule on it, run by the usual b
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import fx
@@ -35,19 +35,23 @@ from torch import fx
 from opsched.cost.table import TableCost
 from opsched.graph.ir import Graph, Node, indices
 from opsched.graph.ops import get_attr_value
+from opsched.runtime.kernels import COMPILED
 from opsched.schedule import Schedule, from_stages, from_streams
 
 
-def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False) -> tuple[Graph, Schedule]:
+def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False,
+                     kernels: Mapping[str, str] | None = None) -> tuple[Graph, Schedule]:
     """The graph with each region of ``schedule`` fused into one unit, and the schedule on that graph (see
     the module docstring). A stream schedule's runs are its streams (a mapped plan, whose units are placed on
     devices, is returned unchanged). With ``each_stage``, every one-group stage is a run of its own instead
-    of joining the one-group stages around it (how the measured cost model profiles one region per block)."""
+    of joining the one-group stages around it (how the measured cost model profiles one region per block).
+    ``kernels``: each unit's kernel where they were chosen unit by unit (``--kernels auto``): a region then
+    holds consecutive units of one compiled kernel, and units on the others stay units."""
     if schedule.stages is None:
-        return _stream_regions(graph, schedule)
+        return _stream_regions(graph, schedule, kernels)
     index = graph.index
     stages = [(st.strategy, [[index[u] for u in g] for g in st.groups], st.threads) for st in schedule.stages]
-    regions = _regions(graph, stages, each_stage)
+    regions = _regions(graph, stages, each_stage, kernels)
     fused_of = {u: k for k, region in enumerate(regions) for u in region}
     fused, name_of = _fused_graph(graph, schedule, regions)
     new_stages: list[tuple[str, list[list[int]]]] = []
@@ -73,7 +77,8 @@ def compiled_regions(graph: Graph, schedule: Schedule, each_stage: bool = False)
     return fused, plan
 
 
-def _stream_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
+def _stream_regions(graph: Graph, schedule: Schedule,
+                    kernels: Mapping[str, str] | None = None) -> tuple[Graph, Schedule]:
     """A stream schedule with each stream's units cut into regions as a run's are: a region's value read on
     another stream is its last unit's, so the streams wait for regions as they waited for units (and the
     regions form no cycle: nothing reads into a region from its own last unit). Each region runs where its
@@ -82,7 +87,7 @@ def _stream_regions(graph: Graph, schedule: Schedule) -> tuple[Graph, Schedule]:
         return graph, schedule
     index = graph.index
     streams = [[index[u] for u in units] for units in schedule.streams()]
-    regions = _cut_runs(graph, [units for units in streams if units])
+    regions = _cut_runs(graph, _one_kernel_runs(graph, [units for units in streams if units], kernels))
     first_of = {region[0]: k for k, region in enumerate(regions)}
     fused, name_of = _fused_graph(graph, schedule, regions)
     fused_streams = [[fused.index[name_of[first_of[u]] or graph.nodes[u].name] for u in units if u in first_of]
@@ -118,7 +123,8 @@ class _CarriedCost(TableCost):
         return max(self.op_latency(u) for u in units)
 
 
-def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], each_stage: bool) -> list[list[int]]:
+def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], each_stage: bool,
+             kernels: Mapping[str, str] | None = None) -> list[list[int]]:
     """The regions of the runs of one-group stages, each cut after a unit read outside its region."""
     runs: list[list[int]] = []
     current: list[int] = []
@@ -133,7 +139,30 @@ def _regions(graph: Graph, stages: Sequence[tuple[str, list[list[int]], Any]], e
             current = []
     if current:
         runs.append(current)
-    return _cut_runs(graph, runs)
+    return _cut_runs(graph, _one_kernel_runs(graph, runs, kernels))
+
+
+def unit_by_unit(kernels: Any) -> dict[str, str] | None:
+    """Each unit's kernel where ``kernels`` (an operator) chose them unit by unit (``--kernels auto``); else
+    None, one kernel running every region."""
+    return dict(kernels.choice) if getattr(kernels, "asked", None) == "auto" else None
+
+
+def _one_kernel_runs(graph: Graph, runs: list[list[int]], kernels: Mapping[str, str] | None) -> list[list[int]]:
+    """``runs`` cut where the kernel changes (``kernels``: each unit's, None where one kernel runs them all), a
+    unit on a kernel that is not compiled a run of its own: it stays as it is."""
+    if kernels is None:
+        return runs
+    pieces: list[list[int]] = []
+    for run in runs:
+        first = len(pieces)  # this run's first piece
+        for u in run:
+            kernel = kernels[graph.nodes[u].name]
+            if len(pieces) > first and kernel in COMPILED and kernels[graph.nodes[pieces[-1][-1]].name] == kernel:
+                pieces[-1].append(u)
+            else:
+                pieces.append([u])
+    return pieces
 
 
 def _cut_runs(graph: Graph, runs: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -1,0 +1,263 @@
+"""``--kernels auto``: blocks labelled by an exact minimum cut (checked against every labelling of small random
+graphs), a plan mixing reordered convolutions and ONNX Runtime sessions that answers as the model, regions that
+hold one kernel's units, and the choice recorded in the plan and run again by ``opsched.load``."""
+
+import itertools
+import math
+
+import networkx as nx
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.small_models import unit_costed
+from torch import nn
+
+from opsched.cost.table import TableCost
+from opsched.graph.capture import capture
+from opsched.graph.interpret import all_values
+from opsched.runtime.kernels import ChosenKernels, kernels_for
+from opsched.runtime.module import OptimizedModule
+from opsched.runtime.regions import compiled_regions
+from opsched.schedule import RunSettings
+from opsched.schedulers import make_schedule
+from opsched.schedulers.kernels import cheapest_kernels, labelling_cost
+
+costs = st.one_of(st.floats(0.0, 10.0), st.just(math.inf))
+
+
+@st.composite
+def labelling_problems(draw):
+    n = draw(st.integers(1, 8))
+    graph = nx.DiGraph()
+    graph.add_nodes_from(range(n))
+    for u, v in itertools.combinations(range(n), 2):
+        if draw(st.booleans()):
+            graph.add_edge(u, v, crossing=draw(st.floats(0.0, 5.0)))
+    first, second = {}, {}
+    for u in range(n):
+        a, b = draw(costs), draw(costs)
+        if math.isinf(a) and math.isinf(b):
+            b = draw(st.floats(0.0, 10.0))
+        first[u], second[u] = a, b
+    return graph, first, second
+
+
+@settings(max_examples=300, deadline=None)
+@given(labelling_problems())
+def test_the_minimum_cut_costs_what_the_best_of_every_labelling_costs(problem):
+    graph, first, second = problem
+    labels = cheapest_kernels(graph, first, second)
+    best = min(labelling_cost(graph, dict(enumerate(bits)), first, second)
+               for bits in itertools.product((0, 1), repeat=len(graph)))
+    got = labelling_cost(graph, labels, first, second)
+    assert got <= best + 1e-6 * max(1.0, best)
+    # ties stay on the first kernel: no node on the second could move back without raising the cost
+    for u in graph.nodes:
+        if labels[u] == 1 and not math.isinf(first[u]):
+            moved = labelling_cost(graph, {**labels, u: 0}, first, second)
+            assert moved > got - 1e-9 * max(1.0, got)
+
+
+def test_a_node_no_kernel_can_run_is_refused():
+    graph = nx.DiGraph()
+    graph.add_node("a")
+    with pytest.raises(ValueError, match="no kernel"):
+        cheapest_kernels(graph, {"a": math.inf}, {"a": math.inf})
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.left, self.right = nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Sequential(nn.Conv2d(16, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        y = self.a(x)
+        y = self.b(torch.cat([self.left(y), torch.relu(self.right(y))], 1))
+        return self.head(y.flatten(1))
+
+
+def _mixed(every_other: bool):
+    torch.manual_seed(0)
+    model = Chain().eval()
+    x = torch.randn(2, 3, 8, 8)
+    graph = unit_costed(model, x)
+    default = kernels_for(graph, "eager")
+    choice = {n.name: "onnxruntime" if (k % 2 == 0 if every_other else k <= len(graph) // 2) else default.choice[n.name]
+              for k, n in enumerate(graph.nodes)}
+    return model, x, graph, choice
+
+
+@pytest.mark.parametrize("method", ["sequential", "greedy", "ios", "lios"])
+@pytest.mark.parametrize("regions", [False, True])
+@pytest.mark.parametrize("every_other", [False, True])
+def test_a_plan_mixing_reordered_convolutions_and_sessions_answers_as_the_model(method, regions, every_other):
+    pytest.importorskip("onnxruntime")
+    model, x, graph, choice = _mixed(every_other)
+    assert "packed" in choice.values()  # values cross between channels_last and NCHW both ways
+    kernels = ChosenKernels(choice, all_values(graph, [x]).__getitem__, asked="auto")
+    assert kernels.asked == "auto"
+    plan = make_schedule(method, graph, TableCost(graph), **({"streams": 2} if method == "lios" else {}))
+    plan.run = RunSettings("auto", regions=regions)
+    module = OptimizedModule(graph, plan, 2, kernels)
+    with torch.inference_mode():
+        got, want = module(x), model(x)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    assert kernels.eager_units == []
+    module.close()
+
+
+def test_regions_chosen_unit_by_unit_hold_consecutive_units_of_one_compiled_kernel():
+    _, _, graph, choice = _mixed(every_other=False)
+    plan = make_schedule("sequential", graph, TableCost(graph))
+    fused, _ = compiled_regions(graph, plan, kernels=choice)
+    for node in fused.nodes:
+        if node.kind == "region":
+            assert {choice[m] for m in _region_members(graph, fused, node)} == {"onnxruntime"}
+    sessions = [n for n in fused.nodes if n.kind == "region"]
+    assert len(sessions) == 1  # the branches and their concatenation, one session; the units after it stay units
+    assert sum(1 for n in fused.nodes if n.kind != "region") == sum(v != "onnxruntime" for v in choice.values())
+    # without a choice made unit by unit, the sequential plan is one region
+    assert len(compiled_regions(graph, plan)[0]) == 1
+
+
+def _region_members(graph, fused, region):
+    """The units a region of ``fused`` ran: those of ``graph`` that ``fused`` has no node for, up to the
+    region's last unit, after the units before it."""
+    kept = set(fused.index)
+    names = [n.name for n in graph.nodes]
+    end = names.index(region.name)
+    start = end
+    while start > 0 and names[start - 1] not in kept:
+        start -= 1
+    return names[start:end + 1]
+
+
+def test_optimize_chooses_kernels_by_block_records_them_and_load_runs_them(tmp_path):
+    pytest.importorskip("onnxruntime")
+    import opsched
+    from opsched.graph.blocks import split_blocks
+
+    torch.manual_seed(0)
+    model, x = Chain().eval(), torch.randn(2, 3, 8, 8)
+    outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
+    described = outcome.cost.describe()["kernel_choice"]
+    graph = outcome.graph
+    assert sum(described["units"].values()) == len(graph)
+    choice = outcome.kernels.choice
+    for block in split_blocks(graph):  # a block runs wholly on ONNX Runtime or wholly on the default kernels
+        on_onnx = {choice[graph.nodes[u].name] == "onnxruntime" for u in block.units}
+        assert len(on_onnx) == 1
+    if set(choice.values()) == {"onnxruntime"}:  # the model as one session: a plan, which load makes again
+        assert "sequential+regions" in outcome.measured_ms
+    plan = outcome.plan()
+    assert plan.run.kernels == "auto" and plan.unit_kernels == choice
+    path = tmp_path / "plan.json"
+    outcome.save(path)
+    loaded = opsched.load(path, model)
+    with torch.inference_mode():
+        want = model(x)
+        torch.testing.assert_close(loaded(x), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+
+
+def test_a_unit_onnx_cannot_take_keeps_its_block_on_the_default_kernels_and_says_why():
+    pytest.importorskip("onnxruntime")
+    from opsched.runtime.auto import auto_cost
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.special.i1e(self.conv(x)) + 1  # no ONNX export for the modified Bessel function
+
+    x = torch.randn(1, 3, 8, 8)
+    graph = capture(Odd().eval(), (x,))
+    cost, kernels = auto_cost(graph, [x], all_values(graph, [x]), cache=False)
+    odd = next(n.name for n in graph.nodes if any("i1e" in str(op) for op in n.ops))
+    assert kernels.choice[odd] != "onnxruntime"
+    assert odd in cost.describe()["kernel_choice"]["not_offered"]["onnxruntime"]
+
+
+def test_without_onnxruntime_auto_is_the_default_kernels_said_once(monkeypatch, capsys):
+    import sys
+
+    from opsched.runtime import auto
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
+    monkeypatch.setattr(auto, "_said_missing", False)
+    x = torch.randn(1, 3, 8, 8)
+    graph = capture(Chain().eval(), (x,))
+    for _ in range(2):
+        cost, kernels = auto.auto_cost(graph, [x], all_values(graph, [x]), cache=False)
+        assert kernels.asked == "eager" and set(kernels.choice.values()) <= {"eager", "packed"}
+        assert cost.kernel_choice is None
+    assert capsys.readouterr().err.count("ONNX Runtime is not installed") == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0.1, 10.0), st.floats(0.1, 10.0), st.booleans()), min_size=1, max_size=9),
+       st.floats(0.0, 2.0))
+def test_the_block_chain_prices_one_session_start_per_run_of_onnx_blocks(blocks, start_ms):
+    """Each block measured as its own session (one start each); a run of consecutive blocks on ONNX Runtime is
+    one session, so the chain must cost the blocks less one start for every block that continues a run."""
+    from opsched.graph.ir import Graph, Node
+    from opsched.runtime.auto import _less_starts, block_chain
+
+    n = len(blocks)
+    graph = Graph([Node(f"u{k}", args=(f"u{k - 1}",) if k else ()) for k in range(n)])
+    on_default = {k: d for k, (d, _, _) in enumerate(blocks)}
+    on_onnx = {k: o for k, (_, o, _) in enumerate(blocks)}
+    labels = {k: int(on) for k, (_, _, on) in enumerate(blocks)}
+    chain = block_chain(graph, [[k] for k in range(n)], dict.fromkeys(range(n), 0.0), start_ms)
+    starts = sum(labels[k] and (k == 0 or not labels[k - 1]) for k in range(n))
+    want = sum(on_default[k] if not labels[k] else on_onnx[k] - start_ms for k in range(n)) + start_ms * starts
+    got = labelling_cost(chain, labels, on_default, _less_starts(on_onnx, start_ms))
+    assert got == pytest.approx(want, abs=1e-9)
+
+
+def test_a_mix_is_kept_only_where_it_ran_faster_than_each_kernel_alone():
+    from opsched.runtime.auto import _kept
+
+    mix, other = (0, 1, 1), (1, 1, 0)
+    assert _kept(mix, {mix: (4.0, 5.0, 4.5)}) == mix
+    assert _kept(mix, {mix: (4.8, 5.0, 4.5)}) == (1, 1, 1)  # ONNX Runtime alone ran faster
+    assert _kept(mix, {mix: (5.2, 5.0, 5.5)}) == (0, 0, 0)
+    assert _kept((1, 1, 1), {mix: (4.0, 5.0, 4.5)}) == mix  # relabelled whole, but the mix had run faster
+    assert _kept((0, 0, 0), {mix: (4.8, 5.0, 4.5)}) == (0, 0, 0)  # whole, as labelled again
+    assert _kept(other, {mix: (4.4, 5.0, 4.5), other: (4.2, 5.0, 4.5)}) == other  # the fastest mix that ran
+    assert _kept(mix, {}) == mix  # nothing run: the cut's labels
+
+
+def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monkeypatch):
+    """Whatever the cut labels, a mix is kept only after it ran faster than each kernel alone: here the cut is
+    made to answer a mix, which then runs (in place, with its regions) and is kept or dropped by what it ran."""
+    pytest.importorskip("onnxruntime")
+    from opsched.runtime import auto
+    from opsched.schedulers import kernels as labelling
+
+    torch.manual_seed(0)
+    model, x = Chain().eval(), torch.randn(2, 3, 8, 8)
+    graph = capture(model, (x,))
+    calls = []
+
+    def mixed_first(chain, first, second):
+        calls.append(dict(first))
+        return {k: k % 2 for k in chain.nodes} if len(calls) == 1 else labelling.cheapest_kernels(chain, first, second)
+
+    monkeypatch.setattr(auto, "cheapest_kernels", mixed_first)
+    cost, kernels = auto.auto_cost(graph, [x], all_values(graph, [x]), cache=False)
+    ran = cost.kernel_choice["mixes_run_ms"]
+    assert ran and ran[0]["blocks_on_onnxruntime"] >= 1 and ran[0]["default"] > 0
+    kept = {kernels.choice[n.name] == "onnxruntime" for n in graph.nodes}
+    if ran[0]["mix"] >= min(ran[0]["default"], ran[0]["onnxruntime"] or math.inf) and len(ran) == 1:
+        assert len(kept) == 1  # the mix ran slower than a kernel alone: one kernel for every unit
+    with torch.inference_mode():  # whatever was kept runs and answers as the model
+        module = OptimizedModule(graph, make_schedule("sequential", graph, cost), 2, kernels)
+        want = model(x)
+        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        module.close()
