@@ -14,6 +14,7 @@ from support.small_models import unit_costed
 from torch import nn
 
 from opsched.cost.table import TableCost
+from opsched.graph.blocks import split_blocks
 from opsched.graph.capture import capture
 from opsched.graph.interpret import all_values
 from opsched.runtime.kernels import ChosenKernels, kernels_for
@@ -23,7 +24,8 @@ from opsched.schedule import RunSettings
 from opsched.schedulers import make_schedule
 from opsched.schedulers.kernels import cheapest_kernels, labelling_cost
 
-costs = st.one_of(st.floats(0.0, 10.0), st.just(math.inf))
+# whole numbers: sums of them are exact in floating point, so that ties are ties and the test can be strict
+costs = st.one_of(st.integers(0, 10).map(float), st.just(math.inf))
 
 
 @st.composite
@@ -33,12 +35,12 @@ def labelling_problems(draw):
     graph.add_nodes_from(range(n))
     for u, v in itertools.combinations(range(n), 2):
         if draw(st.booleans()):
-            graph.add_edge(u, v, crossing=draw(st.floats(0.0, 5.0)))
+            graph.add_edge(u, v, crossing=float(draw(st.integers(0, 5))))
     first, second = {}, {}
     for u in range(n):
         a, b = draw(costs), draw(costs)
         if math.isinf(a) and math.isinf(b):
-            b = draw(st.floats(0.0, 10.0))
+            b = float(draw(st.integers(0, 10)))
         first[u], second[u] = a, b
     return graph, first, second
 
@@ -51,12 +53,11 @@ def test_the_minimum_cut_costs_what_the_best_of_every_labelling_costs(problem):
     best = min(labelling_cost(graph, dict(enumerate(bits)), first, second)
                for bits in itertools.product((0, 1), repeat=len(graph)))
     got = labelling_cost(graph, labels, first, second)
-    assert got <= best + 1e-6 * max(1.0, best)
+    assert got == best
     # ties stay on the first kernel: no node on the second could move back without raising the cost
     for u in graph.nodes:
         if labels[u] == 1 and not math.isinf(first[u]):
-            moved = labelling_cost(graph, {**labels, u: 0}, first, second)
-            assert moved > got - 1e-9 * max(1.0, got)
+            assert labelling_cost(graph, {**labels, u: 0}, first, second) > got
 
 
 def test_a_node_no_kernel_can_run_is_refused():
@@ -139,7 +140,6 @@ def _region_members(graph, fused, region):
 def test_optimize_chooses_kernels_by_block_records_them_and_load_runs_them(tmp_path):
     pytest.importorskip("onnxruntime")
     import opsched
-    from opsched.graph.blocks import split_blocks
 
     torch.manual_seed(0)
     model, x = Chain().eval(), torch.randn(2, 3, 8, 8)
@@ -171,16 +171,20 @@ def test_a_unit_onnx_cannot_take_keeps_its_block_on_the_default_kernels_and_says
         def __init__(self):
             super().__init__()
             self.conv = nn.Conv2d(3, 4, 3)
+            self.mid, self.tail = nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 2, 1)
 
-        def forward(self, x):
-            return torch.special.i1e(self.conv(x)) + 1  # no ONNX export for the modified Bessel function
+        def forward(self, x):  # the unit ONNX cannot take early, blocks after it
+            y = torch.special.i1e(self.conv(x)) + 1  # no ONNX export for the modified Bessel function
+            return self.tail(torch.relu(self.mid(y)))
 
     x = torch.randn(1, 3, 8, 8)
     graph = capture(Odd().eval(), (x,))
     cost, kernels = auto_cost(graph, [x], all_values(graph, [x]), cache=False)
     odd = next(n.name for n in graph.nodes if any("i1e" in str(op) for op in n.ops))
     assert kernels.choice[odd] != "onnxruntime"
-    assert odd in cost.describe()["kernel_choice"]["not_offered"]["onnxruntime"]
+    # only that unit is named: the whole graph's region, which fails for it too, is not put on its last unit
+    assert set(cost.describe()["kernel_choice"]["not_offered"]["onnxruntime"]) == {odd}
+    assert len(split_blocks(graph)) > 2 and graph.nodes[-1].name != odd
 
 
 def test_without_onnxruntime_auto_is_the_default_kernels_said_once(monkeypatch, capsys):
@@ -201,10 +205,11 @@ def test_without_onnxruntime_auto_is_the_default_kernels_said_once(monkeypatch, 
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.floats(0.1, 10.0), st.floats(0.1, 10.0), st.booleans()), min_size=1, max_size=9),
-       st.floats(0.0, 2.0))
-def test_the_block_chain_prices_one_session_start_per_run_of_onnx_blocks(blocks, start_ms):
+       st.floats(0.0, 2.0), st.floats(0.0, 1.0))
+def test_the_block_chain_prices_one_session_start_per_run_of_onnx_blocks(blocks, start_ms, switch_ms):
     """Each block measured as its own session (one start each); a run of consecutive blocks on ONNX Runtime is
-    one session, so the chain must cost the blocks less one start for every block that continues a run."""
+    one session, so the chain must cost the blocks less one start for every block that continues a run, and the
+    measured switch cost once for every two neighbours on different kernels."""
     from opsched.graph.ir import Graph, Node
     from opsched.runtime.auto import _less_starts, block_chain
 
@@ -213,9 +218,11 @@ def test_the_block_chain_prices_one_session_start_per_run_of_onnx_blocks(blocks,
     on_default = {k: d for k, (d, _, _) in enumerate(blocks)}
     on_onnx = {k: o for k, (_, o, _) in enumerate(blocks)}
     labels = {k: int(on) for k, (_, _, on) in enumerate(blocks)}
-    chain = block_chain(graph, [[k] for k in range(n)], dict.fromkeys(range(n), 0.0), start_ms)
+    chain = block_chain(graph, [[k] for k in range(n)], dict.fromkeys(range(n), 0.0), start_ms, switch_ms)
     starts = sum(labels[k] and (k == 0 or not labels[k - 1]) for k in range(n))
-    want = sum(on_default[k] if not labels[k] else on_onnx[k] - start_ms for k in range(n)) + start_ms * starts
+    switches = sum(labels[k] != labels[k - 1] for k in range(1, n))
+    want = sum(on_default[k] if not labels[k] else on_onnx[k] - start_ms for k in range(n)) + start_ms * starts \
+        + switch_ms * switches
     got = labelling_cost(chain, labels, on_default, _less_starts(on_onnx, start_ms))
     assert got == pytest.approx(want, abs=1e-9)
 
@@ -228,7 +235,7 @@ def test_a_mix_is_kept_only_where_it_ran_faster_than_each_kernel_alone():
     assert _kept(mix, {mix: (4.8, 5.0, 4.5)}) == (1, 1, 1)  # ONNX Runtime alone ran faster
     assert _kept(mix, {mix: (5.2, 5.0, 5.5)}) == (0, 0, 0)
     assert _kept((1, 1, 1), {mix: (4.0, 5.0, 4.5)}) == mix  # relabelled whole, but the mix had run faster
-    assert _kept((0, 0, 0), {mix: (4.8, 5.0, 4.5)}) == (0, 0, 0)  # whole, as labelled again
+    assert _kept((0, 0, 0), {mix: (4.8, 5.0, 4.5)}) == (1, 1, 1)  # relabelled whole: the faster alone, as run
     assert _kept(other, {mix: (4.4, 5.0, 4.5), other: (4.2, 5.0, 4.5)}) == other  # the fastest mix that ran
     assert _kept(mix, {}) == mix  # nothing run: the cut's labels
 
@@ -254,8 +261,8 @@ def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monk
     ran = cost.kernel_choice["mixes_run_ms"]
     assert ran and ran[0]["blocks_on_onnxruntime"] >= 1 and ran[0]["default"] > 0
     kept = {kernels.choice[n.name] == "onnxruntime" for n in graph.nodes}
-    if ran[0]["mix"] >= min(ran[0]["default"], ran[0]["onnxruntime"] or math.inf) and len(ran) == 1:
-        assert len(kept) == 1  # the mix ran slower than a kernel alone: one kernel for every unit
+    faster = [r for r in ran if r["mix"] < min(r["default"], r["onnxruntime"] or math.inf)]
+    assert len(kept) == (2 if faster else 1)  # a mix only where one ran faster than each kernel alone
     with torch.inference_mode():  # whatever was kept runs and answers as the model
         module = OptimizedModule(graph, make_schedule("sequential", graph, cost), 2, kernels)
         want = model(x)

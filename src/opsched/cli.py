@@ -187,9 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="ios", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written (default ios)")
     p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
-                   help="how units run: auto (default) runs each block of units on eager ATen operators or on an "
-                        "ONNX Runtime session (when installed), whichever measured faster, the model possibly as one "
-                        "session; eager, inductor (compiled by TorchInductor) or onnxruntime (each unit or region "
+                   help="how units run: auto (default) runs each block of units on the default kernels (eager "
+                        "ATen operators, convolutions reordered once) or on an ONNX Runtime session (when "
+                        "installed), whichever measured faster, the model possibly as one session; eager, inductor (compiled by TorchInductor) or onnxruntime (each unit or region "
                         "on a session of its own) run every unit so, and the last two add the peers torch.compile "
                         "and ONNX Runtime to the measurements")
     p.add_argument("--peers", action="store_true",

@@ -100,7 +100,8 @@ class MeasuredCost:
         self.capacity = float(self.cores)
         self.fill: list[float] | None = None  # on a GPU: the fraction of the device each unit fills
         self.runs = runs
-        self.kernels = runs.kernels.asked  # the kernels asked for, a column of the cache
+        self.kernels = runs.kernels.asked  # the kernels asked for
+        self.column = runs.kernels.cache_column  # their column of the cache
         self.repeats = runs.repeats
         self.batch = int(inputs[0].shape[0]) if inputs and inputs[0].dim() else 1
         self.device = cpu_fingerprint(self.cores) if not self.gpu else runs.device_description()
@@ -494,11 +495,11 @@ class MeasuredCost:
         return "stage:" + hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
     def _cached(self, what: str, threads: str) -> float | None:
-        return self.cache.get(self.device, what, self.kernels, self.batch, threads) if self.cache else None
+        return self.cache.get(self.device, what, self.column, self.batch, threads) if self.cache else None
 
     def _store(self, what: str, threads: str, ms: float, samples: int) -> None:
         if self.cache:
-            self.cache.put(self.device, what, self.kernels, self.batch, threads, ms, samples)
+            self.cache.put(self.device, what, self.column, self.batch, threads, ms, samples)
 
 
 def stages_of(schedule: Any, graph: Graph) -> list[StageKey]:

@@ -8,25 +8,31 @@ where every path meets), each costed as one ONNX Runtime session. On the CPU, wi
 
 1. the units are profiled in place on the default kernels (eager ATen operators, convolutions reordered once
    where the graph allows: :mod:`opsched.runtime.choice`), and on ONNX Runtime, each block compiled as one
-   session (a region, :mod:`opsched.runtime.regions`); a block holding a unit ONNX cannot take is not offered
-   it, and ``not_offered`` says why;
+   session (a region, :mod:`opsched.runtime.regions`), and the whole graph as one; a block holding a unit ONNX
+   cannot take, or whose region it cannot take, is not offered it, and ``not_offered`` says why;
 2. a block on the default kernels costs its units' sum; a block on ONNX Runtime costs its session, less the
-   cost of starting one where the block before it is on ONNX Runtime
-   too, since a plan run back to back makes one session of both (that cost, fusions lost across the boundary
-   included, is the blocks' sessions against the whole graph as one, per boundary); a value read across kernels costs a layout
-   copy (reordered convolutions leave values ``channels_last``, a session reads NCHW), priced from this
-   machine's copy speed (a graph that does not reorder crosses for free);
+   cost of starting one where the block before it is on ONNX Runtime too, since a plan run back to back makes
+   one session of both (that cost, fusions lost across the boundary included, is the blocks' sessions against
+   the whole graph as one, per boundary); a value read across kernels costs a layout copy (reordered
+   convolutions leave values ``channels_last``, a session reads NCHW), priced from this machine's copy speed
+   (a graph that does not reorder crosses for free);
 3. the cheapest labelling of the blocks is found exactly (:func:`opsched.schedulers.kernels.cheapest_kernels`,
    one minimum cut: the sessions' start is a cost on the edge between neighbouring blocks and on the ends);
-4. the graph is profiled in place once more on that mix (unless it is every unit on one kernel, profiled
-   so already), which the schedulers search on; plans run with
-   compiled regions make each run of consecutive ONNX Runtime units one session, which the cost model prices
-   and the evaluation measures, and the model whole on ONNX Runtime is timed beside them.
+4. a labelling that mixes the kernels is run, in place and interleaved with each kernel alone, before it is
+   kept: where it ran slower than its costs said, the difference per switch between kernels is added to every
+   switch and the blocks labelled again (at most ``MIX_ROUNDS`` mixes run); a mix is kept only where it ran
+   faster than both kernels alone, else the faster of the two;
+5. the graph is profiled in place once more on a kept mix (every unit on one kernel was profiled so already),
+   which the schedulers search on; plans run with compiled regions make each run of consecutive ONNX Runtime
+   units one session, which the cost model prices and the evaluation measures (every block on ONNX Runtime:
+   the sequential plan with regions is the model as one session).
 
 Where no block is faster on ONNX Runtime, the choice and every figure are the default kernels'. On a GPU,
-with simulated costs, and where ONNX Runtime is not installed (said once), ``auto`` is the default kernels.
-Inductor is not offered: it compiles for seconds per region, which a default search cannot pay. Every profile
-is cached (:mod:`opsched.cost.cache`) under its kernels, so a second search measures nothing again.
+with simulated costs, and where ONNX Runtime is not installed (said once), ``auto`` is the default kernels; where
+choosing fails (a session that compiles and fails to run), too, and ``not_offered`` says why. Inductor is not
+offered: it compiles for seconds per region, which a default search cannot pay. The profiles and regions are
+cached (:mod:`opsched.cost.cache`) under their kernels (a mix under its own choice); the whole graph's thread
+count, the mixes run beside each kernel alone and the copy speed are timed again on every search.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Any
 import networkx as nx
 import torch
 
+from opsched.errors import first_line
 from opsched.graph.blocks import split_blocks
 from opsched.runtime.kernels import ChosenKernels, kernels_for
 from opsched.runtime.profile import measured_cost
@@ -80,15 +87,31 @@ def auto_cost(graph: Any, inputs: Sequence[Any], values: dict[str, Any], device:
     if device != "cpu" or onnxruntime_missing():
         return first, default
     started = time.perf_counter()
+    try:
+        return _with_onnxruntime(graph, inputs, values, device, first, default, options, started)
+    except Exception as e:  # noqa: BLE001 - a session that compiles but fails to run: never a failed optimize
+        first.kernel_choice = {"units": _counts(default.choice), "not_offered": {"onnxruntime": {
+            "(every unit)": f"choosing failed: {first_line(e)}"}}, "seconds": round(time.perf_counter() - started, 3)}
+        return first, default
+
+
+def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any], device: str, first: Any,
+                      default: ChosenKernels, options: dict[str, Any], started: float) -> tuple[Any, ChosenKernels]:
+    """:func:`auto_cost` once the default kernels are profiled (``first``): ONNX Runtime's blocks measured,
+    labelled, a mix run before it is kept, and the cost model of the choice."""
     onnx = kernels_for(graph, "onnxruntime", device, values.__getitem__)
     second = measured_cost(graph, inputs, onnx, device, **options)
     blocks = [list(b.units) for b in split_blocks(graph)]
+    failures = onnx.onnxruntime.region_failures
     sessions = second.region_latencies(blocks)  # each block one session, measured in place
+    failed_blocks = {name for name, _ in failures}  # (a region is named after its last unit)
+    failed = len(failures)
     whole = second.region_latencies([list(range(len(graph)))]) if len(blocks) > 1 else sessions
-    if sessions is None:  # no block compiled as one session: ONNX Runtime is not offered
+    if sessions is None or len(failures) > failed:  # timed as they fell back: no session's cost to learn from
         whole = None
     why_not = dict(onnx.onnxruntime.why_eager)
     refused = {u for u, n in enumerate(graph.nodes) if n.name in why_not}
+    refused |= {units[-1] for units in blocks if len(units) > 1 and graph.nodes[units[-1]].name in failed_blocks}
     # what starting a session costs, fusions across its boundary lost included: the blocks' sessions against
     # the graph as one, per boundary (MNASNet at 96 px: 28 blocks summed 4.19 ms, the graph as one 2.3 ms)
     start_ms = max(0.0, (sum(sessions) - whole[0]) / (len(blocks) - 1)) if sessions and whole and len(blocks) > 1 \
@@ -100,7 +123,7 @@ def auto_cost(graph: Any, inputs: Sequence[Any], values: dict[str, Any], device:
                for k, units in enumerate(blocks)}
 
     def chain_and_costs(switch_ms: float) -> tuple[nx.DiGraph, dict[int, float]]:
-        return block_chain(graph, blocks, crossing, start_ms + switch_ms), _less_starts(on_onnx, start_ms + switch_ms)
+        return block_chain(graph, blocks, crossing, start_ms, switch_ms), _less_starts(on_onnx, start_ms)
 
     def choice_of(labels: dict[int, int]) -> dict[str, str]:
         return {n.name: "onnxruntime" if labels[block_of[u]] else default.choice[n.name]
@@ -137,44 +160,52 @@ def auto_cost(graph: Any, inputs: Sequence[Any], values: dict[str, Any], device:
         cost, kernels = second, onnx
     else:
         cost, kernels = measured_cost(graph, inputs, mixed, device, **options), mixed
-    counts: dict[str, int] = {}
-    for kernel in kernels.choice.values():
-        counts[kernel] = counts.get(kernel, 0) + 1
     cost.kernel_choice = {
-        "units": counts, "blocks_on_onnxruntime": f"{sum(labels.values())} of {len(blocks)}",
+        "units": _counts(kernels.choice), "blocks_on_onnxruntime": f"{sum(labels.values())} of {len(blocks)}",
         "block_after_block_ms": {"default": round(sum(on_default.values()), 4),
                                  "onnxruntime": round(sum(sessions), 4) if sessions is not None else None},
         "whole_graph_onnxruntime_ms": round(whole[0], 4) if whole else None,
         "session_start_ms": round(start_ms, 4), "switch_ms": round(switch_ms, 4),
         "mixes_run_ms": [{"blocks_on_onnxruntime": sum(k), "mix": round(a, 4), "default": round(b, 4),
                           "onnxruntime": round(c, 4) if c < math.inf else None} for k, (a, b, c) in rounds.items()],
-        "not_offered": {"onnxruntime": why_not} if why_not else {},
+        "not_offered": {"onnxruntime": {**why_not, **{f"block ending at {name}": why for name, why in failures
+                                                      if name in failed_blocks}}} if refused else {},
         "seconds": round(time.perf_counter() - started, 3)}  # beyond the default kernels' profile
     if second.region_error:
         cost.kernel_choice["not_offered"]["onnxruntime blocks"] = second.region_error
     return cost, kernels
 
 
+def _counts(choice: dict[str, str]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for kernel in choice.values():
+        counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
+
+
 def _kept(labels: tuple[int, ...], rounds: dict[tuple[int, ...], tuple[float, float, float]]) -> tuple[int, ...]:
-    """The labels to keep: a mix only where it ran faster than each kernel alone in its own round (the fastest
-    such); else ``labels`` where they are one kernel, or that of the two which ran faster."""
+    """The labels to keep: with nothing run (the cut chose one kernel at once), ``labels``; else a mix only
+    where it ran faster than each kernel alone in its own round (the fastest such), and otherwise the kernel
+    that ran faster alone in the last round."""
+    if not rounds:
+        return labels
     good = {key: times[0] for key, times in rounds.items() if times[0] < min(times[1:])}
     if good:
         return min(good, key=good.get)
-    if len(set(labels)) < 2 or not rounds:
-        return labels
     _, default_ms, onnx_ms = list(rounds.values())[-1]
     return tuple([1 if onnx_ms < default_ms else 0] * len(labels))
 
 
 def block_chain(graph: Any, blocks: Sequence[Sequence[int]], crossing: dict[int, float],
-                start_ms: float) -> nx.DiGraph:
+                start_ms: float, switch_ms: float = 0.0) -> nx.DiGraph:
     """The blocks as :func:`~opsched.schedulers.kernels.cheapest_kernels` labels them: an edge where a value
     crosses from one block to another, costing its ``crossing`` (the value's layout copy), and between
     neighbouring blocks half of ``start_ms``, what starting a session costs. Block b starts a session where it
     is on ONNX Runtime and the block before it is not: with s = 1 on ONNX Runtime, ``s(b) - s(a) s(b)``, which
     is ``|s(a) - s(b)| / 2`` (a cost of the two differing, which a cut prices) plus ``(s(b) - s(a)) / 2``; summed
-    over the chain those halves leave half a start on each end block (:func:`_less_starts`)."""
+    over the chain those halves leave half a start on each end block (:func:`_less_starts`). ``switch_ms``:
+    what a switch between kernels costs beyond that, measured (see :func:`auto_cost`), on every neighbours'
+    edge."""
     block_of = {u: k for k, units in enumerate(blocks) for u in units}
     chain = nx.DiGraph()
     chain.add_nodes_from(range(len(blocks)))
@@ -186,7 +217,7 @@ def block_chain(graph: Any, blocks: Sequence[Sequence[int]], crossing: dict[int,
         if block_of[u] != block_of[v] and crossing[u] > 0:
             add(block_of[u], block_of[v], crossing[u])
     for k in range(1, len(blocks)):
-        add(k - 1, k, start_ms / 2)
+        add(k - 1, k, start_ms / 2 + switch_ms)
     return chain
 
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
+import json
 import logging
 import os
 import sys
@@ -142,6 +144,8 @@ class OnnxRuntimeOperator(CompiledOperator):
         self.eager_units: list[str] = []
         self.eager_runs: set[tuple[Any, ...]] = set()  # the operators of the units and regions that stay eager
         self.why_eager: dict[str, str] = {}  # unit name: why ONNX Runtime could not take it (one line)
+        # the compiled regions it could not take, in order: (the region's name, its last unit's, and why)
+        self.region_failures: list[tuple[str, str]] = []
         # each unit's export, made once for every thread count its sessions are made for
         self._exported: dict[tuple[Any, ...], bytes] = {}
 
@@ -188,7 +192,10 @@ class OnnxRuntimeOperator(CompiledOperator):
     def _stays_eager(self, nodes: Sequence[Node], base: Callable[..., Any], why: str) -> Callable[..., Any]:
         self.eager_units.append(nodes[0].name)
         self.eager_runs.add(tuple(n.run for n in nodes))
-        self.why_eager.setdefault(nodes[0].name, why)
+        if nodes[0].kind == "region":  # named after its last unit, whose own failure this is not
+            self.region_failures.append((nodes[0].name, why))
+        else:
+            self.why_eager.setdefault(nodes[0].name, why)
         return base
 
 
@@ -250,6 +257,7 @@ class ChosenKernels:
             raise OpschedError(f"{min(compiled)} kernels are compiled for example values, and none were given")
         self.inductor = InductorOperator(example) if "inductor" in compiled else None
         self.onnxruntime = OnnxRuntimeOperator(example) if "onnxruntime" in compiled else None
+        self._onnx_units = {name for name, kernel in self.choice.items() if kernel == "onnxruntime"}
         # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled; ``auto``
         # where measurement chose unit by unit (compiled regions then hold units of one kernel: regions.py)
         self.asked = "auto" if asked == "auto" and compiled else min(compiled) if compiled else "eager"
@@ -259,6 +267,7 @@ class ChosenKernels:
         run by these kernels' compilers: what was compiled for measuring each kernel is not compiled again."""
         other = copy.copy(self)
         other.choice, other._lock = dict(choice), threading.Lock()
+        other._onnx_units = {name for name, kernel in other.choice.items() if kernel == "onnxruntime"}
         other.asked = "auto" if set(other.choice.values()) & COMPILED else "eager"
         return other
 
@@ -291,11 +300,16 @@ class ChosenKernels:
         if kernel == "inductor":
             return self.inductor(nodes, threads)
         fn = self.onnxruntime(nodes, threads)
-        # a unit ONNX cannot take runs eagerly wherever it runs alone: so the table says (a merge stage or a
-        # region that cannot be exported says nothing of its units, which may run on ONNX Runtime alone)
-        if len(nodes) == 1 and nodes[0].kind != "region" and (nodes[0].run,) in self.onnxruntime.eager_runs:
+        if len(nodes) == 1 and (nodes[0].run,) in self.onnxruntime.eager_runs:
+            # ONNX could not take it: where values may be channels_last (units on reordered convolutions beside
+            # it), it runs rewritten to read them, as the default kernels would run it
+            fallback = "packed" if self.packs and packs(nodes[0].run) else "eager"
+            if nodes[0].kind == "region":  # (says nothing of its units, which may run on ONNX Runtime alone)
+                return packed_unit(nodes[0].run) if fallback == "packed" else fn
+            # a unit ONNX cannot take runs so wherever it runs alone: so the table says
             with self._lock:
-                self.choice[nodes[0].name] = "eager"
+                self.choice[nodes[0].name] = fallback
+            return packed_unit(nodes[0].run) if fallback == "packed" else fn
         return fn
 
     @property
@@ -309,8 +323,20 @@ class ChosenKernels:
 
     @property
     def eager_units(self) -> list[str]:
-        """Units asked to run on ONNX Runtime that it could not take, which run eagerly."""
-        return list(self.onnxruntime.eager_units) if self.onnxruntime is not None else []
+        """Units asked to run on ONNX Runtime that it could not take, which run eagerly (of these kernels' own
+        choice: a copy made by :meth:`chosen_as` shares its compilers, not their failures on other units)."""
+        if self.onnxruntime is None:
+            return []
+        return [name for name in self.onnxruntime.eager_units if name in self._onnx_units]
+
+    @property
+    def cache_column(self) -> str:
+        """The kernels as the cost cache files their timings: what was asked, and for kernels chosen unit by
+        unit the choice itself, since a unit's time depends on its neighbours' kernels (the layouts it reads)."""
+        if self.asked != "auto":
+            return self.asked
+        digest = hashlib.sha256(json.dumps(sorted(self.choice.items())).encode()).hexdigest()[:16]
+        return f"auto:{digest}"
 
     @property
     def key(self) -> tuple[Any, ...]:

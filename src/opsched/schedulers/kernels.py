@@ -58,9 +58,12 @@ def cheapest_kernels(graph: nx.DiGraph, first: Mapping[Hashable, float],
     labels = {u: 0 if u in source_side else 1 for u in graph.nodes}
     # the residual graph's source side is the smallest minimum cut's: a node whose kernels cost the same, with
     # nothing to tip it, lands on the sink's side; moved back, the cost does not rise (checked, not assumed)
-    for u in graph.nodes:
-        if labels[u] == 1 and not math.isinf(first[u]) and _gain_of_first(graph, labels, u, first, second) >= 0:
-            labels[u] = 0
+    moved = True
+    while moved:  # (a move changes its neighbours' gains: until none moves; each node moves at most once)
+        moved = False
+        for u in graph.nodes:
+            if labels[u] == 1 and not math.isinf(first[u]) and _gain_of_first(graph, labels, u, first, second) >= 0:
+                labels[u], moved = 0, True
     return labels
 
 
