@@ -4,6 +4,7 @@ Chrome/Perfetto trace)."""
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from typing import Any
 
 from opsched.commands.common import count, read_plan, refuse_existing, time_unit, timeline_title
@@ -39,8 +40,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         result["signatures"] = signature_rows(plan)
     if plan.unit_kernels:
-        result["kernels"] = {k: sum(1 for v in plan.unit_kernels.values() if v == k)
-                             for k in sorted(set(plan.unit_kernels.values()))}
+        result["kernels"] = dict(sorted(Counter(plan.unit_kernels.values()).items()))
         refused = plan.stats.get("kernel_choice", {}).get("not_offered", {}).get("onnxruntime", {})
         if refused:
             result["not_on_onnxruntime"] = refused

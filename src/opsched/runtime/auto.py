@@ -41,6 +41,7 @@ import math
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -141,8 +142,7 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
         if len(set(key)) < 2 or key in rounds:
             break
         alone = [default] + ([] if refused else [onnx.chosen_as(choice_of(dict.fromkeys(labels, 1)))])
-        times = sequential_ms(graph, [values[n] for n in graph.inputs], [onnx.chosen_as(choice_of(labels)), *alone],
-                              first, first.repeats)
+        times = sequential_ms(graph, [onnx.chosen_as(choice_of(labels)), *alone], first)
         rounds[key] = (times[0], times[1], times[2] if len(times) > 2 else math.inf)
         predicted = labelling_cost(chain, labels, on_default, costs)
         if times[0] <= MIX_TOLERANCE * predicted:
@@ -177,10 +177,7 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
 
 
 def _counts(choice: dict[str, str]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for kernel in choice.values():
-        counts[kernel] = counts.get(kernel, 0) + 1
-    return counts
+    return dict(Counter(choice.values()))
 
 
 def _kept(labels: tuple[int, ...], rounds: dict[tuple[int, ...], tuple[float, float, float]]) -> tuple[int, ...]:
@@ -228,16 +225,14 @@ def _less_starts(on_onnx: dict[int, float], start_ms: float) -> dict[int, float]
     return {k: ms - start_ms + start_ms * (0.5 * (k in (0, last)) + 0.5 * (last == 0)) for k, ms in on_onnx.items()}
 
 
-def sequential_ms(graph: Any, inputs: Sequence[Any], kernel_sets: Sequence[ChosenKernels], cost: Any,
-                  repeats: int) -> list[float]:
+def sequential_ms(graph: Any, kernel_sets: Sequence[ChosenKernels], cost: Any) -> list[float]:
     """Median milliseconds of ``graph`` run unit after unit on each of ``kernel_sets``, consecutive units on one
-    compiled kernel as one region (a session), in place, interleaved, on the cores of ``cost`` (a measured cost
-    model of the graph)."""
+    compiled kernel as one region (a session), in place, interleaved, on the cores and inputs of ``cost`` (a
+    measured cost model of the graph)."""
     from opsched.runtime import make_executor
     from opsched.runtime.program import staged_program
     from opsched.runtime.regions import compiled_regions
     from opsched.schedule import from_stages
-    from opsched.timing import interleaved_medians
 
     plan = from_stages(graph, cost, "sequential", [("concurrent", [list(range(len(graph)))])])
     executors = []
@@ -245,14 +240,7 @@ def sequential_ms(graph: Any, inputs: Sequence[Any], kernel_sets: Sequence[Chose
         fused, _ = compiled_regions(graph, plan, kernels=dict(kernels.choice))
         executors.append(make_executor(staged_program(fused, [("concurrent", [[k]]) for k in range(len(fused))],
                                                       cost.cores), kernels, "cpu"))
-    caller_threads = torch.get_num_threads()
-    try:
-        with torch.inference_mode():
-            return interleaved_medians([lambda e=e: e(*inputs) for e in executors], repeats, warmup=1)
-    finally:
-        for e in executors:
-            e.close()
-        torch.set_num_threads(caller_threads)
+    return cost.runs.medians(executors)
 
 
 def crossing_ms(graph: Any, values: dict[str, Any], packs: bool) -> dict[int, float]:

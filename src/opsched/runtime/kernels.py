@@ -304,11 +304,9 @@ class ChosenKernels:
             # ONNX could not take it: where values may be channels_last (units on reordered convolutions beside
             # it), it runs rewritten to read them, as the default kernels would run it
             fallback = "packed" if self.packs and packs(nodes[0].run) else "eager"
-            if nodes[0].kind == "region":  # (says nothing of its units, which may run on ONNX Runtime alone)
-                return packed_unit(nodes[0].run) if fallback == "packed" else fn
-            # a unit ONNX cannot take runs so wherever it runs alone: so the table says
-            with self._lock:
-                self.choice[nodes[0].name] = fallback
+            if nodes[0].kind != "region":  # (a region says nothing of its units, which may run on ONNX Runtime)
+                with self._lock:  # a unit ONNX cannot take runs so wherever it runs alone: so the table says
+                    self.choice[nodes[0].name] = fallback
             return packed_unit(nodes[0].run) if fallback == "packed" else fn
         return fn
 

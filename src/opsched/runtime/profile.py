@@ -107,8 +107,12 @@ class InPlaceRuns:
         """Median milliseconds of the whole graph run unit after unit at each of ``thread_options``, timed now
         and interleaved."""
         order = [("concurrent", [[u]]) for u in range(len(self.graph))]
-        executors = [make_executor(staged_program(self.graph, order, t), self.kernels, self.device)
-                     for t in thread_options]
+        return self.medians([make_executor(staged_program(self.graph, order, t), self.kernels, self.device)
+                             for t in thread_options])
+
+    def medians(self, executors: Sequence[Any]) -> list[float]:
+        """Median milliseconds of each of ``executors`` (of programs reading the graph's inputs) called on the
+        inputs, a warm-up and ``repeats`` interleaved rounds; the executors are closed after."""
         caller_threads = torch.get_num_threads()
         try:
             return interleaved_medians([lambda e=e: e(*self.inputs) for e in executors], self.repeats, warmup=1)

@@ -118,7 +118,8 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     except BaseException:
         sock.close()
         raise
-    options = dict(optimize_options or {})
+    # eager kernels unless asked: what opsched serve's --kernels defaults to, and what serving was measured with
+    options = {"kernels": "eager", **(optimize_options or {})}
     group = None
     if optimize and fuse and sum(e.batchable for e in endpoints.values()) > 1:
         group = FusedGroup(list(endpoints.values()), options, say, max_rows=fuse_max_batch)
