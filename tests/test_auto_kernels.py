@@ -8,9 +8,9 @@ import math
 import networkx as nx
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.small_models import unit_costed
+from support.small_models import build, recipes, unit_costed
 from torch import nn
 
 from opsched.cost.table import TableCost
@@ -268,3 +268,29 @@ def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monk
         want = model(x)
         torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
         module.close()
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recipe=recipes(), labels=st.lists(st.booleans(), min_size=16, max_size=16),
+       method=st.sampled_from(["sequential", "greedy", "ios"]), regions=st.booleans())
+def test_random_models_on_random_mixes_of_kernels_answer_as_the_model(recipe, labels, method, regions):
+    """Random models (views, in-place writes, pools, gates, several inputs and outputs) with their units put on
+    ONNX Runtime or the default kernels at random, not as measurement would: every crossing between
+    ``channels_last`` and NCHW values, and every region cut where the kernel changes, must still give the
+    model's outputs (compared at each output's own scale)."""
+    pytest.importorskip("onnxruntime")
+    from opsched.compare import compare_outputs
+
+    model, inputs = build({**recipe, "dtype": "float32"})  # (ONNX Runtime's CPU kernels are float32's)
+    graph = unit_costed(model, *inputs)
+    default = kernels_for(graph, "eager")
+    choice = {n.name: "onnxruntime" if labels[k % len(labels)] else default.choice[n.name]
+              for k, n in enumerate(graph.nodes)}
+    kernels = ChosenKernels(choice, all_values(graph, list(inputs)).__getitem__, asked="auto")
+    plan = make_schedule(method, graph, TableCost(graph))
+    plan.run = RunSettings("auto", regions=regions)
+    module = OptimizedModule(graph, plan, 2, kernels)
+    with torch.inference_mode():
+        verdict = compare_outputs(module(*inputs), model(*inputs))
+    module.close()
+    assert verdict.ok, verdict.why
