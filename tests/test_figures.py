@@ -4,7 +4,8 @@ benchmarks/ wrote; several separated by commas), and every decimal number in its
 a quantity such as 12.3 ms included) must be, at the precision the table prints, a number among the record's data
 (its provenance, where and when it was measured, left out), or, for a ratio, the quotient of two such figures of
 its own row. A table figure typed by hand, or left over from an
-earlier run, fails here. The tables of docs/ are held to the same rule, but for a listed, shrinking debt."""
+earlier run, fails here. The tables of docs/ are held to the same rule, and every record a table names says where and when it
+was measured, on every entry."""
 
 import csv
 import io
@@ -22,17 +23,6 @@ PROVENANCE = {"machine", "versions", "date", "commit", "session"}  # where and w
 RECORD_SUFFIXES = (".json", ".jsonl", ".csv")
 SOURCE = re.compile(r"<!--\s*source:\s*(.+?)\s*-->")
 NOT_MEASURED = re.compile(r"<!--\s*not measured:\s*.+?-->")  # a table of definitions (a model's parameters)
-
-# Tables of docs/ whose figures name no record yet: known debt, each measured again or removed in turn. Each is
-# named by its page and the start of its header, with how many tables have that header; a table not listed here
-# must name its records, and an entry whose tables name them now (or are gone) must leave the list.
-UNSOURCED: dict[tuple[str, str], int] = {}
-
-
-# Records written before their scripts said where and when they were measured: known debt, each to be measured
-# again or its tables removed. Any other record a table names says it on every line.
-WITHOUT_PROVENANCE = {"docs/ensembles.jsonl", "docs/ensembles_vm2.jsonl", "docs/ensembles_vm2_inductor.jsonl",
-                      "docs/gpt3_cluster.jsonl", "docs/gpt3_cluster_repeats.jsonl"}
 
 
 def _tables(markdown: str) -> list[tuple[str | None, list[tuple[int, str]]]]:
@@ -149,16 +139,9 @@ def test_every_figure_in_a_docs_table_that_names_its_records_is_in_them():
     assert checked, "no table in docs/ names its records"
 
 
-def test_a_docs_table_of_figures_names_its_records_but_for_the_known_debt():
-    debt: dict[tuple[str, str], int] = {}
-    for page, header, source, _, line, marked in _docs_tables():
-        if source or marked:
-            continue
-        key = next((k for k in UNSOURCED if k[0] == page and header.startswith(k[1])), None)
-        assert key is not None, f"docs/{page}:{line}: a table of figures names no record (<!-- source: ... -->)"
-        debt[key] = debt.get(key, 0) + 1
-    changed = {k: (n, debt.get(k, 0)) for k, n in UNSOURCED.items() if debt.get(k, 0) != n}
-    assert not changed, f"tables of the debt that name their records now, or are gone (listed, found): {changed}"
+def test_every_docs_table_of_figures_names_its_records():
+    for page, _, source, _, line, marked in _docs_tables():
+        assert source or marked, f"docs/{page}:{line}: a table of figures names no record (<!-- source: ... -->)"
 
 
 def _says_where_and_when(path: Path) -> bool:
@@ -180,10 +163,8 @@ def test_every_record_a_table_names_says_where_and_when_it_was_measured():
         for source, figures in _tables(page.read_text()):
             if source and figures:
                 named |= {name.strip() for name in source.split(",")}
-    lacking = sorted(n for n in named - WITHOUT_PROVENANCE if not _says_where_and_when(ROOT / n))
+    lacking = sorted(n for n in named if not _says_where_and_when(ROOT / n))
     assert not lacking, f"records without machine and date on every entry: {lacking}"
-    still = sorted(n for n in WITHOUT_PROVENANCE & named if _says_where_and_when(ROOT / n))
-    assert not still, f"these records say where and when now: take them off WITHOUT_PROVENANCE: {still}"
 
 
 def test_a_table_marked_as_no_measurement_holds_none():
