@@ -6,6 +6,7 @@ Each configuration is a server in a process of its own, on the local machine onl
 - ``batched``: each model's requests batched across time, the models themselves, never fused (``--no-optimize
   --no-fuse``): per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's ``@serve.batch`` do;
 - ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused);
+- ``opsched-ray``: the same in Ray Serve deployments on a local Ray (``--engine ray``, one replica);
 - ``ceiling``: the same server with every model replaced by a copy of its output (a constant): what the protocol
   alone allows, reported beside every row.
 
@@ -46,6 +47,7 @@ CONFIGS = {
     "eager": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
     "batched": {"optimize": False, "fuse": False},
     "opsched": {},
+    "opsched-ray": {"engine": "ray"},
     "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
 }
 

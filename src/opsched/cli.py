@@ -365,6 +365,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2): a batch holding more of one model runs each model apart. Each size is a search "
                         "of all the models' fused graph: with 16 small CNNs on 2 cores, four sizes did not end "
                         "within 10 minutes")
+    p.add_argument("--engine", choices=["local", "ray"], default=None,
+                   help="where the models run: local (default) in this process; ray in Ray Serve deployments, one "
+                        "per group of models batched together, behind the same front end, on a local Ray started "
+                        "for the server or the cluster at --address (see docs/serving.md)")
+    p.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                   help="replicas of each deployment (--engine ray; default 1), each on its share of the CPUs")
+    p.add_argument("--address", metavar="ADDR",
+                   help="the Ray cluster to serve on (HOST:PORT of its head, or auto; implies --engine ray)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
     p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],

@@ -46,6 +46,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # SIGTERM ends with exit status 0: while uvicorn serves it takes the signal, drains, and raises it again once it
     # has stopped, to this handler; before (the models loading, the socket bound) the handler ends the command
+    engine = args.engine or ("ray" if args.address else "local")
+    if engine != "ray" and (args.address or args.replicas):
+        raise OpschedError(f"{'--address' if args.address else '--replicas'} goes with --engine ray")
+    if engine == "ray":  # a missing Ray Serve is said before the models load, not after
+        from opsched.serving.ray_engine import import_serve
+
+        import_serve(args.address)
     previous = signal.signal(signal.SIGTERM, _exit_0)
     try:
         models, plans = served_models(args)
@@ -53,7 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               queue_size=args.queue_size, max_body_mb=args.max_body_mb, optimize=not args.no_optimize,
               fuse=not args.no_fuse, fuse_max_batch=args.fuse_max_batch,
               optimize_options={"repeats": args.repeats, "kernels": args.kernels, "cache": not args.no_cache},
-              plans=plans)
+              plans=plans, engine=engine, replicas=args.replicas or 1, address=args.address)
     finally:
         signal.signal(signal.SIGTERM, previous)
     return {}

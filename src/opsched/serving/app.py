@@ -1,5 +1,6 @@
 """The HTTP side of ``opsched serve``: the Open Inference Protocol's endpoints as a Starlette application (an ASGI
-app that uvicorn runs), over the models' :class:`~opsched.serving.batcher.ModelEndpoint`.
+app that uvicorn runs), over the models' endpoints (a :class:`~opsched.serving.batcher.ModelEndpoint` each, or with the Ray engine
+its stand-in in the front end, :class:`~opsched.serving.ray_engine.RemoteEndpoint`).
 
 Endpoints (KServe v2, as Triton's HTTP endpoint has them): ``GET /v2`` (server metadata), ``/v2/health/live``,
 ``/v2/health/ready``, ``GET /v2/models/{name}[/versions/1]`` (metadata), ``/v2/models/{name}/ready``, ``POST
@@ -127,13 +128,12 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         try:  # parsing a large JSON body takes a while: off the event loop, which answers health probes meanwhile
             message, choice, inputs, batch = await run_in_threadpool(
                 parsed, endpoint, body, request.headers.get(HEADER_LENGTH.lower()))
-            future = endpoint.submit(inputs, batch)
         except ProtocolError as e:
             return _error(400, str(e))
+        try:
+            outputs = await endpoint.infer(inputs, batch)
         except Overloaded as e:
             return _error(503, str(e))
-        try:
-            outputs = await asyncio.wrap_future(future)
         except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
             return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
         try:

@@ -16,6 +16,7 @@ would only slow both.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import threading
 import time
@@ -78,60 +79,21 @@ def named_outputs(outputs: Any) -> dict[str, torch.Tensor]:
                        f"{type(outputs).__name__}")
 
 
-class ModelEndpoint:
-    """``model`` served under ``name``: requests checked against the signature of ``example_inputs``, queued by
-    :meth:`submit` (at most ``queue_size``), batched (when each sample's outputs follow from its own inputs alone)
-    by the :class:`Batcher` serving it, and answered through :meth:`submit`'s futures."""
+@dataclass(eq=False)
+class Signature:
+    """What a served model takes and gives: its inputs and outputs (-1 for the batch dimension where it batches),
+    whether requests may share a call, and the most samples a call holds. Plain data, sent from where the model runs
+    to the front end that checks requests against it."""
 
-    def __init__(self, name: str, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], *,
-                 max_batch: int = 8, queue_size: int = 64, lock: threading.Lock | None = None):
-        if max_batch < 1 or queue_size < 1:
-            raise OpschedError("max_batch and queue_size must be at least 1")
-        if not example_inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example_inputs):
-            raise OpschedError(f"model {name!r}: a served model takes tensors of at least one dimension")
-        self.name, self.model = name, model.eval()
-        self.examples = tuple(example_inputs)
-        self.queue_size = queue_size
-        self.lock = lock or threading.Lock()
-        self.batchable, why = batch_independent(model, self.examples)
-        self.note: str | None = None if self.batchable else f"one request a call: {why}"
-        self.max_batch = max_batch if self.batchable else 1
-        with torch.inference_mode():
-            full = named_outputs(model(*self.examples))
-
-        def shape(t: torch.Tensor) -> tuple[int, ...]:
-            return (-1, *t.shape[1:]) if self.batchable else tuple(t.shape)
-
-        names = input_names(model, len(self.examples))
-        self.inputs = [TensorSpec(n, datatype_of(t.dtype), shape(t)) for n, t in zip(names, self.examples)]
-        self.outputs = [TensorSpec(k, datatype_of(t.dtype), shape(t)) for k, t in full.items()]
-        self.module: Callable[..., Any] = model  # the optimized module, once ready
-        self.sizes: list[int] | None = None  # the batch sizes it has plans for
-        self.ready = threading.Event()
-        self.calls = 0
-        self.pending: deque[Request] = deque()  # guarded by the batcher's condition
-        self.batcher: Batcher | None = None
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    batchable: bool
+    max_batch: int
 
     def metadata(self) -> dict[str, Any]:
         return {"name": self.name, "versions": ["1"], "platform": "pytorch_opsched",
                 "inputs": [s.metadata() for s in self.inputs], "outputs": [s.metadata() for s in self.outputs]}
-
-    def batch_sizes(self) -> list[int]:
-        """The sizes the batcher forms most: powers of two up to ``max_batch``, and ``max_batch``."""
-        sizes, b = [], 1
-        while b < self.max_batch:
-            sizes.append(b)
-            b *= 2
-        return sizes + [self.max_batch]
-
-    def use(self, module: Callable[..., Any] | None, note: str | None = None) -> None:
-        """From now on calls go to ``module`` (None: the model itself, ``note`` saying why), which has a plan for
-        each of :meth:`batch_sizes`: the batches formed from then on hold one of those sizes where they can (see
-        :meth:`take`). The model is ready."""
-        self.module = module if module is not None else self.model
-        self.sizes = self.batch_sizes() if module is not None and self.batchable else None
-        self.note = note or self.note
-        self.ready.set()
 
     def check(self, tensors: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], int]:
         """The positional inputs of a request's tensors, and its batch size; ProtocolError where they do not fit."""
@@ -159,6 +121,66 @@ class ModelEndpoint:
         if batch < 1 or batch > self.max_batch:
             raise ProtocolError(f"a request to {self.name!r} holds 1 to {self.max_batch} samples, this one {batch}")
         return tuple(tensors[n] for n in names), batch
+
+    def signature(self) -> Signature:
+        """This signature alone, as plain data (of an endpoint: without its model and queue)."""
+        return Signature(self.name, list(self.inputs), list(self.outputs), self.batchable, self.max_batch)
+
+
+class ModelEndpoint(Signature):
+    """``model`` served under ``name``: requests checked against the signature of ``example_inputs``, queued by
+    :meth:`submit` (at most ``queue_size``), batched (when each sample's outputs follow from its own inputs alone)
+    by the :class:`Batcher` serving it, and answered through :meth:`submit`'s futures."""
+
+    def __init__(self, name: str, model: torch.nn.Module, example_inputs: Sequence[torch.Tensor], *,
+                 max_batch: int = 8, queue_size: int = 64, lock: threading.Lock | None = None):
+        if max_batch < 1 or queue_size < 1:
+            raise OpschedError("max_batch and queue_size must be at least 1")
+        if not example_inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in example_inputs):
+            raise OpschedError(f"model {name!r}: a served model takes tensors of at least one dimension")
+        self.model = model.eval()
+        self.examples = tuple(example_inputs)
+        self.queue_size = queue_size
+        self.lock = lock or threading.Lock()
+        batchable, why = batch_independent(model, self.examples)
+        self.note: str | None = None if batchable else f"one request a call: {why}"
+        with torch.inference_mode():
+            full = named_outputs(model(*self.examples))
+
+        def shape(t: torch.Tensor) -> tuple[int, ...]:
+            return (-1, *t.shape[1:]) if batchable else tuple(t.shape)
+
+        names = input_names(model, len(self.examples))
+        super().__init__(name, [TensorSpec(n, datatype_of(t.dtype), shape(t)) for n, t in zip(names, self.examples)],
+                         [TensorSpec(k, datatype_of(t.dtype), shape(t)) for k, t in full.items()], batchable,
+                         max_batch if batchable else 1)
+        self.module: Callable[..., Any] = model  # the optimized module, once ready
+        self.sizes: list[int] | None = None  # the batch sizes it has plans for
+        self.ready = threading.Event()
+        self.calls = 0
+        self.pending: deque[Request] = deque()  # guarded by the batcher's condition
+        self.batcher: Batcher | None = None
+
+    def batch_sizes(self) -> list[int]:
+        """The sizes the batcher forms most: powers of two up to ``max_batch``, and ``max_batch``."""
+        sizes, b = [], 1
+        while b < self.max_batch:
+            sizes.append(b)
+            b *= 2
+        return sizes + [self.max_batch]
+
+    def use(self, module: Callable[..., Any] | None, note: str | None = None) -> None:
+        """From now on calls go to ``module`` (None: the model itself, ``note`` saying why), which has a plan for
+        each of :meth:`batch_sizes`: the batches formed from then on hold one of those sizes where they can (see
+        :meth:`take`). The model is ready."""
+        self.module = module if module is not None else self.model
+        self.sizes = self.batch_sizes() if module is not None and self.batchable else None
+        self.note = note or self.note
+        self.ready.set()
+
+    async def infer(self, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
+        """A checked request's outputs by name, once its batch has run (see :meth:`submit`)."""
+        return await asyncio.wrap_future(self.submit(inputs, batch))
 
     def submit(self, inputs: tuple[torch.Tensor, ...], batch: int) -> Future:
         """Queue a checked request; its future gets the outputs by name. Raises Overloaded when the queue is full
