@@ -20,6 +20,7 @@ versions, date and commit.
 
     python benchmarks/serve_load.py --workloads cnn16 --configs eager batched opsched ceiling --out docs/serve_load.jsonl
     python benchmarks/serve_load.py --workloads cnn16 --configs opsched --soak 600 --soak-rate 50   # the soak
+    python benchmarks/serve_load.py --out docs/serve_load.jsonl --plot docs/serve_load.png           # the chart
 
 Workloads: ``cnn16`` (16 small CNNs, 32 px), ``resnet18x16`` (16 ResNet-18, 64 px), ``mixed`` (SqueezeNet 1.1,
 MobileNetV3-small, ShuffleNet V2 x0.5, MNASNet 0.5; 64 px).
@@ -296,6 +297,41 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
+def plot(path: str, png: str) -> None:
+    """Throughput against latency from the rows in ``path``: for each workload and tensor encoding, each run as a
+    point of answered requests/s against p99 milliseconds, coloured by configuration, shaped by load (closed loop,
+    or the open loop's rate), written to ``png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if "failed" not in r and r.get("load") != "soak"]
+    panels = sorted({(r["workload"], r["tensors"]) for r in rows})
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    loads = list(dict.fromkeys(f"{r['clients']} clients" if r["load"] == "closed" else f"Poisson {r['rate_per_s']:g}/s"
+                               for r in rows))
+    figure, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, (name, tensors) in zip(axes[0], panels):
+        for r in rows:
+            if (r["workload"], r["tensors"]) != (name, tensors):
+                continue
+            load_ = f"{r['clients']} clients" if r["load"] == "closed" else f"Poisson {r['rate_per_s']:g}/s"
+            ax.scatter(r["answered_per_s"], r["p99_ms"], color=f"C{configs.index(r['config'])}",
+                       marker="os^vD"[loads.index(load_) % 5], s=40)
+        ax.set(title=f"{name}, {tensors} tensors", xlabel="answered requests/s", ylabel="p99 latency (ms)",
+               yscale="log")
+        ax.grid(alpha=0.3)
+    handles = [plt.Line2D([], [], color=f"C{k}", marker="o", linestyle="", label=c) for k, c in enumerate(configs)]
+    handles += [plt.Line2D([], [], color="grey", marker="os^vD"[k % 5], linestyle="", label=w)
+                for k, w in enumerate(loads)]
+    axes[0][-1].legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure.suptitle(f"{rows[0]['machine']}, {rows[0]['date']} (measured)", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(png, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["cnn16"], choices=["cnn16", "resnet18x16", "mixed"])
@@ -314,6 +350,7 @@ def main() -> None:
     parser.add_argument("--soak-rate", type=float, default=50.0)
     parser.add_argument("--out", default="docs/serve_load.jsonl")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out's rows and stop")
+    parser.add_argument("--plot", metavar="PNG", help="draw throughput against latency from --out's rows and stop")
     parser.add_argument("--serve", nargs=2, metavar=("WORKLOAD", "CONFIG"), help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -322,6 +359,9 @@ def main() -> None:
         return
     if args.table:
         print(table(args.out))
+        return
+    if args.plot:
+        plot(args.out, args.plot)
         return
     append = appender(args.out)
     for name in args.workloads:
