@@ -247,6 +247,17 @@ class Centred(torch.nn.Module):
         return x - x.mean(dim=0, keepdim=True)
 
 
+def test_a_request_larger_than_a_batch_is_refused_not_queued_for_ever():
+    endpoint = ModelEndpoint("rows", Rows(), (torch.randn(2, 3),), max_batch=2)
+    batcher = Batcher([endpoint])
+    try:
+        with pytest.raises(ProtocolError, match="holds 1 to 2 samples, this one 3"):
+            endpoint.submit((torch.randn(3, 3),), 3)  # the batcher would never take it, and the queue would stop
+        assert endpoint.submit((torch.randn(2, 3),), 2).result(30)["output_0"].shape == (2, 3)
+    finally:
+        batcher.close()
+
+
 def test_a_model_whose_samples_do_not_stand_alone_serves_one_request_a_call():
     endpoint = ModelEndpoint("total", Total(), (torch.ones(3, 2),), max_batch=8)
     assert not endpoint.batchable and endpoint.max_batch == 1 and "does not follow the batch" in endpoint.note

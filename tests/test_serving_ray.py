@@ -68,6 +68,7 @@ def test_ray_serve_deployments_answer_behind_the_same_front_end():
             time.sleep(0.5)
         assert serving.endpoints["cnn"].ready.is_set()
         assert all(isinstance(e, RemoteEndpoint) for e in serving.endpoints.values())
+        assert serving.endpoints["cnn"].batchable and serving.endpoints["cnn"].max_batch == 4  # the replica's
         assert sum(name.startswith("opsched-serve-") for name in ray_serve.status().applications) == 2  # one a model
 
         client = http.InferenceServerClient(serving.url.removeprefix("http://"))
@@ -117,6 +118,7 @@ def test_ray_serve_deployments_answer_behind_the_same_front_end():
         assert broken.status_code == 500 and broken.json()["error"].endswith(
             "its Ray Serve deployment failed to start: RuntimeError: not in the process that made me")
         assert infer("cnn", good).status_code == 200  # still serving
+        serving.stop(timeout=180)
     assert not ray.is_initialized()  # the local Ray started for the server is gone with it
 
 

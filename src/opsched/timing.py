@@ -110,8 +110,8 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
 def medians_until_apart(runners: Sequence[Callable[[], Any]], repeats: int, first: int = 5) -> list[float]:
     """Median milliseconds per call of each runner, as :func:`interleaved_medians`, but the rounds stop once,
     after at least ``first`` of them, every sample of the runner with the lowest median is below every sample of
-    each other runner (by ranks, a difference that chance alone gives 5 rounds in 126 times), and at ``repeats``
-    rounds otherwise. For a choice that is usually clear, such as a whole graph's thread count.
+    each other runner (for two runners of the same speed, chance orders five rounds so about once in 126, a little
+    more often with the checks after later rounds), and at ``repeats`` rounds otherwise. For a choice that is usually clear, such as a whole graph's thread count.
 
     >>> fast, slow = medians_until_apart([lambda: None, lambda: time.sleep(0.002)], repeats=15)
     >>> fast < slow

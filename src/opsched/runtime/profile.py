@@ -105,8 +105,8 @@ class InPlaceRuns:
 
     def whole(self, thread_options: Sequence[int]) -> list[float]:
         """Median milliseconds of the whole graph run unit after unit at each of ``thread_options``, timed now
-        and interleaved, the rounds stopping once the fastest is clear (:func:`~opsched.timing.medians_until_apart`:
-        Inception V3 ran about 1.6x faster on 2 threads than on 1, clear in 5 rounds of the 15 it took before)."""
+        and interleaved, the rounds stopping once the fastest is clear (:func:`~opsched.timing.medians_until_apart`;
+        the choice is timed on every search, so its rounds count)."""
         order = [("concurrent", [[u]]) for u in range(len(self.graph))]
         return self.medians([make_executor(staged_program(self.graph, order, t), self.kernels, self.device)
                              for t in thread_options], until_apart=True)

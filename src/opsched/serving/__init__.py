@@ -97,12 +97,14 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
         raise OpschedError(f"engine is local or ray, not {engine!r}")
     if replicas < 1:
         raise OpschedError("replicas must be at least 1")
+    if engine == "local" and (replicas != 1 or address is not None):
+        raise OpschedError("replicas and address go with engine='ray'")
     unknown = set(plans or {}) - set(models)
     if unknown:
         raise OpschedError(f"plans for models not served: {', '.join(sorted(unknown))}")
     options = {"max_delay_ms": max_delay_ms, "max_batch": max_batch, "queue_size": queue_size, "optimize": optimize,
                "fuse": fuse, "fuse_max_batch": fuse_max_batch, "optimize_options": dict(optimize_options or {}),
-               "plans": {name: str(path) for name, path in (plans or {}).items()}}
+               "plans": {name: str(Path(path).resolve()) for name, path in (plans or {}).items()}}
     sock = _bind(host, port)
     try:
         if engine == "ray":

@@ -134,6 +134,8 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
             outputs = await endpoint.infer(inputs, batch)
         except Overloaded as e:
             return _error(503, str(e))
+        except ProtocolError as e:  # what the model's runner checks again (with Ray, against the replica's signature)
+            return _error(400, str(e))
         except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
             return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
         try:

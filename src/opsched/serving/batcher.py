@@ -188,6 +188,8 @@ class ModelEndpoint(Signature):
         batcher = self.batcher
         if batcher is None:
             raise OpschedError(f"model {self.name!r} has no batcher")
+        if not 1 <= batch <= self.max_batch:  # a request its batcher would never take would block the model's queue
+            raise ProtocolError(f"a request to {self.name!r} holds 1 to {self.max_batch} samples, this one {batch}")
         request = Request(inputs, batch)
         with batcher.arrived:
             if batcher.stopping:

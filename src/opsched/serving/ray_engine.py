@@ -12,7 +12,7 @@ A replica is constructed, and so takes requests, once its plans are prepared: a 
 preparing answers 503 at once ("loading"), and the server is ready when every deployment runs. A replica's
 queue that is full answers 503, as the local engine does, and so does Ray Serve's own queue before the replicas
 (``max_queued_requests``). The front end checks every request against the model's signature, which a replica sends
-it, before anything crosses to Ray.
+it once its deployment runs, before anything crosses to Ray.
 
 Ray runs on a local Ray started for the server (and shut down with it), or on the cluster at ``address``, where
 the server's applications are deleted when it stops and nothing else of the cluster is touched. Needs Ray Serve
@@ -22,6 +22,7 @@ the server's applications are deleted when it stops and nothing else of the clus
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import re
@@ -113,7 +114,6 @@ class RemoteEndpoint(Signature):
         self.handle: Any = None  # the deployment's handle to ``infer``, once it runs
         self.failed: str | None = None  # why its deployment did not start
         self.ready = threading.Event()
-        self.note: str | None = None
 
     async def infer(self, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
         """The request's outputs by name, from a replica; Overloaded while the deployment is preparing, when its
@@ -142,19 +142,26 @@ class RayModels:
 
     def __init__(self, models: Mapping[str, tuple[Any, Sequence[Any]]], options: dict[str, Any], *,
                  replicas: int = 1, address: str | None = None, say: Callable[[str], Any] = lambda text: None):
+        import opsched
         from opsched.runtime.ray.cluster import ClusterError, ray_cluster
         from opsched.serving.batcher import ModelEndpoint
 
         ray, serve = import_serve(address)
         self.serve, self.say, self.group = serve, say, None
-        # the signatures are checked here, before Ray starts: a model that cannot be served fails in one line
+        # the signatures and plan files are checked here, before Ray starts: a model that cannot be served, or a plan
+        # that does not fit its model, fails in one line, as with the local engine (the replicas load them again)
         local = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=options["max_batch"],
                                      queue_size=options["queue_size"]) for name, (model, inputs) in models.items()}
+        for name, path in options["plans"].items():
+            say(f"{name}: checking {path} ...")
+            opsched.load(path, copy.deepcopy(local[name].model), max_plans=local[name].max_batch + 1).close()
         fused = options["optimize"] and options["fuse"] and sum(e.batchable for e in local.values()) > 1
         groups = [list(models)] if fused else [[name] for name in models]
         self.endpoints = {name: RemoteEndpoint(endpoint.signature()) for name, endpoint in local.items()}
         self.ready = threading.Event()
         self._stack = contextlib.ExitStack()
+        self._closing = threading.Event()
+        self._apps_lock = threading.Lock()
         self.apps: list[str] = []
         where = "Ray"
         try:
@@ -181,27 +188,39 @@ class RayModels:
         fails to start (Serve gives up after three tries), answer 500 saying why. Ready once every one runs."""
         started = 0
         for k, names in enumerate(groups):
+            if self._closing.is_set():
+                return
             app = f"{APP_PREFIX}{k}-{os.getpid()}"
             waiting = options["queue_size"] * len(names)  # a replica's queues, summed
             deployment = self.serve.deployment(ModelGroup, name=app, num_replicas=replicas,
                                                ray_actor_options={"num_cpus": share}, max_ongoing_requests=waiting,
                                                max_queued_requests=waiting, graceful_shutdown_timeout_s=60)
             self.say(f"{', '.join(names)}: starting {replicas} replica(s), each preparing its plans ...")
-            self.apps.append(app)  # deleted on close, even while it starts
+            with self._apps_lock:
+                self.apps.append(app)  # deleted on close, even while it starts
             try:
                 _user_code_by_value([models[n][0] for n in names])
                 group = [ray.put({n: models[n] for n in names})]
-                handle = self.serve.run(deployment.bind(group, options, max(1, int(share))), name=app,
-                                        route_prefix=None).options(method_name="infer")
+                running = self.serve.run(deployment.bind(group, options, max(1, int(share))), name=app,
+                                         route_prefix=None)
+                # what the replicas run is what the front end checks requests against (their own batching check,
+                # on their threads, may differ from this process's)
+                signatures = running.options(method_name="signatures").remote().result()
+                handle = running.options(method_name="infer")
             except Exception as e:  # noqa: BLE001 - the group's models answer 500 with the reason; the others go on
+                if self._closing.is_set():
+                    return
                 why = self._why_failed(app) or first_line(e)
                 for name in names:
                     self.endpoints[name].failed = f"its Ray Serve deployment failed to start: {why}"
                 self.say(f"{', '.join(names)}: the deployment failed to start: {why}")
                 continue
             for name in names:
-                self.endpoints[name].handle = handle
-                self.endpoints[name].ready.set()
+                endpoint = self.endpoints[name]
+                for f in fields(Signature):
+                    setattr(endpoint, f.name, getattr(signatures[name], f.name))
+                endpoint.handle = handle
+                endpoint.ready.set()
             self.say(f"{', '.join(names)}: ready")
             started += 1
         if started == len(groups):
@@ -220,9 +239,13 @@ class RayModels:
         return lines[-1] if lines else None
 
     def close(self) -> None:
-        """Delete the server's applications (their replicas answer what they accepted), and a local Ray with them."""
+        """Delete the server's applications (their replicas answer what they accepted; one still starting too), and
+        a local Ray with them; no deployment starts after."""
+        self._closing.set()
         self._starting.join(60)
-        for app in self.apps:
+        with self._apps_lock:
+            apps = list(self.apps)
+        for app in apps:
             with contextlib.suppress(Exception):
                 self.serve.delete(app)
         self._stack.close()
