@@ -71,8 +71,10 @@ class ModelGroup:
         self.served = ServedModels(ray.get(models[0]), **options)
         self.served.ready.wait()
 
-    def signatures(self) -> dict[str, Signature]:
-        return {name: endpoint.signature() for name, endpoint in self.served.endpoints.items()}
+    def signatures(self) -> dict[str, tuple[Signature, str | None]]:
+        """Each model's signature, and why it answers itself rather than through its plans (None: it has them)."""
+        return {name: (e.signature(), None if e.module is not e.model else e.note or "no plans were prepared")
+                for name, e in self.served.endpoints.items()}
 
     async def infer(self, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
         return await self.served.endpoints[name].infer(inputs, batch)
@@ -217,10 +219,13 @@ class RayModels:
                 continue
             for name in names:
                 endpoint = self.endpoints[name]
+                signature, itself = signatures[name]
                 for f in fields(Signature):
-                    setattr(endpoint, f.name, getattr(signatures[name], f.name))
+                    setattr(endpoint, f.name, getattr(signature, f.name))
                 endpoint.handle = handle
                 endpoint.ready.set()
+                if itself and options["optimize"]:  # what the local engine says of it, which the replica cannot
+                    self.say(f"{name}: the model answers itself: {itself}")
             self.say(f"{', '.join(names)}: ready")
             started += 1
         if started == len(groups):
