@@ -257,7 +257,7 @@ class ChosenKernels:
             raise OpschedError(f"{min(compiled)} kernels are compiled for example values, and none were given")
         self.inductor = InductorOperator(example) if "inductor" in compiled else None
         self.onnxruntime = OnnxRuntimeOperator(example) if "onnxruntime" in compiled else None
-        self._onnx_units = {name for name, kernel in self.choice.items() if kernel == "onnxruntime"}
+        self._onnx_units = _on_onnxruntime(self.choice)
         # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled; ``auto``
         # where measurement chose unit by unit (compiled regions then hold units of one kernel: regions.py)
         self.asked = "auto" if asked == "auto" and compiled else min(compiled) if compiled else "eager"
@@ -267,7 +267,7 @@ class ChosenKernels:
         run by these kernels' compilers: what was compiled for measuring each kernel is not compiled again."""
         other = copy.copy(self)
         other.choice, other._lock = dict(choice), threading.Lock()
-        other._onnx_units = {name for name, kernel in other.choice.items() if kernel == "onnxruntime"}
+        other._onnx_units = _on_onnxruntime(other.choice)
         other.asked = "auto" if set(other.choice.values()) & COMPILED else "eager"
         return other
 
@@ -340,6 +340,11 @@ class ChosenKernels:
     def key(self) -> tuple[Any, ...]:
         """What runs, for telling programs apart: the choice, and the compiled kernels' own objects."""
         return tuple(sorted(self.choice.items())), id(self.inductor), id(self.onnxruntime)
+
+
+def _on_onnxruntime(choice: Mapping[str, str]) -> set[str]:
+    """The units ``choice`` puts on ONNX Runtime (kept as chosen: a unit it could not take is chosen again)."""
+    return {name for name, kernel in choice.items() if kernel == "onnxruntime"}
 
 
 def plan_kernels(graph: Any, schedule: Any, device: str = "cpu", inputs: Sequence[Any] | None = None,

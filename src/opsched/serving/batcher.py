@@ -23,7 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -118,13 +118,22 @@ class Signature:
                     raise ProtocolError(f"the inputs of {self.name!r} differ in their batch sizes")
                 batch = shape[0]
         batch = batch if self.batchable else 1
-        if batch < 1 or batch > self.max_batch:
-            raise ProtocolError(f"a request to {self.name!r} holds 1 to {self.max_batch} samples, this one {batch}")
+        self.check_batch(batch)
         return tuple(tensors[n] for n in names), batch
+
+    def check_batch(self, batch: int) -> None:
+        """ProtocolError unless a call may hold ``batch`` samples."""
+        if not 1 <= batch <= self.max_batch:
+            raise ProtocolError(f"a request to {self.name!r} holds 1 to {self.max_batch} samples, this one {batch}")
 
     def signature(self) -> Signature:
         """This signature alone, as plain data (of an endpoint: without its model and queue)."""
-        return Signature(self.name, list(self.inputs), list(self.outputs), self.batchable, self.max_batch)
+        return Signature(**{f.name: getattr(self, f.name) for f in fields(Signature)})
+
+    def take(self, signature: Signature) -> None:
+        """From now on, ``signature``'s fields are this one's."""
+        for f in fields(Signature):
+            setattr(self, f.name, getattr(signature, f.name))
 
 
 class ModelEndpoint(Signature):
@@ -188,8 +197,7 @@ class ModelEndpoint(Signature):
         batcher = self.batcher
         if batcher is None:
             raise OpschedError(f"model {self.name!r} has no batcher")
-        if not 1 <= batch <= self.max_batch:  # a request its batcher would never take would block the model's queue
-            raise ProtocolError(f"a request to {self.name!r} holds 1 to {self.max_batch} samples, this one {batch}")
+        self.check_batch(batch)  # a request its batcher would never take would block the model's queue
         request = Request(inputs, batch)
         with batcher.arrived:
             if batcher.stopping:

@@ -29,7 +29,6 @@ import re
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +111,7 @@ class RemoteEndpoint(Signature):
     deployment runs, and :meth:`infer` through the deployment's handle."""
 
     def __init__(self, signature: Signature):
-        super().__init__(**{f.name: getattr(signature, f.name) for f in fields(Signature)})
+        self.take(signature)
         self.handle: Any = None  # the deployment's handle to ``infer``, once it runs
         self.failed: str | None = None  # why its deployment did not start
         self.ready = threading.Event()
@@ -130,11 +129,9 @@ class RemoteEndpoint(Signature):
             return await self.handle.remote(self.name, inputs, batch)
         except BackPressureError:
             raise Overloaded(f"model {self.name!r} has too many requests waiting; try again") from None
-        except Exception as error:  # noqa: BLE001 - Ray wraps what the replica raised: its cause, in one line
-            cause = getattr(error, "cause", None) or error
-            if isinstance(cause, Overloaded):
-                raise Overloaded(str(cause)) from None
-            raise cause.with_traceback(None) from None  # the model's own error, as the local engine gives it
+        except Exception as error:  # noqa: BLE001 - Ray wraps what the replica raised (a full queue, the model's
+            # own error): the cause itself, as the local engine raises it
+            raise (getattr(error, "cause", None) or error).with_traceback(None) from None
 
 
 class RayModels:
@@ -220,8 +217,7 @@ class RayModels:
             for name in names:
                 endpoint = self.endpoints[name]
                 signature, itself = signatures[name]
-                for f in fields(Signature):
-                    setattr(endpoint, f.name, getattr(signature, f.name))
+                endpoint.take(signature)
                 endpoint.handle = handle
                 endpoint.ready.set()
                 if itself and options["optimize"]:  # what the local engine says of it, which the replica cannot
