@@ -37,13 +37,16 @@ class CtrlC:
             # PyTorch's C++ initialisation calls back into Python where no exception can pass (pybind11 then
             # terminates the process), and importlib drops exceptions raised in its callbacks: hold the
             # interrupt until the import is over, by asking again shortly.
-            self._resent = False
-            self._held = threading.Timer(0.05, self._send_again)
-            self._held.daemon = True
-            self._held.start()
+            self._ask_again_shortly()
             return
         self._held = None
         raise KeyboardInterrupt
+
+    def _ask_again_shortly(self) -> None:
+        self._resent = False
+        self._held = threading.Timer(0.05, self._send_again)
+        self._held.daemon = True
+        self._held.start()
 
     def __enter__(self) -> Self:
         # Handlers can only be set from the main thread; elsewhere (main() called from a worker) Python's stays.
@@ -74,8 +77,12 @@ class CtrlC:
             raise KeyboardInterrupt
 
     def _unraisable(self, unraisable: Any) -> None:
-        if unraisable.exc_type is not KeyboardInterrupt:  # ours: pressed is set, and the run ends at 130
+        if unraisable.exc_type is not KeyboardInterrupt:
             self._previous_unraisable_hook(unraisable)
+        elif self._held is None:
+            # Ours, dropped (a destructor, a weakref callback) and the run went on: an interrupted MILP solve
+            # ran to its 60 s time limit before the command ended as interrupted. Ask again, where it can pass.
+            self._ask_again_shortly()
 
 
 def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
