@@ -245,9 +245,9 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
             print(json.dumps({k: row[k] for k in ("answered_per_s", "p99_ms", "errors", "wrong", "lost", "checked")}),
                   flush=True)
             return
-        for binary in (False, True):
+        for binary in [t == "binary" for t in args.tensors]:
             requests = bodies(models, binary, inputs)
-            runs = [("closed", args.clients)] + [("open", rate) for rate in args.rates]
+            runs = [("closed", args.clients)] * (args.clients > 0) + [("open", rate) for rate in args.rates]
             for mode, level in runs:
                 row = asyncio.run(load(url, requests, binary, mode, level, args.seconds, args.warmup, check))
                 row = append({"workload": name, "models": len(models), "config": config,
@@ -336,9 +336,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=["cnn16"], choices=["cnn16", "resnet18x16", "mixed"])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--clients", type=int, default=32, help="closed loop: clients (default 32)")
+    parser.add_argument("--clients", type=int, default=32, help="closed loop: clients (default 32; 0: no closed loop)")
     parser.add_argument("--rates", type=float, nargs="*", default=[50.0, 200.0],
                         help="open loop: Poisson arrival rates, requests/s (default 50 200)")
+    parser.add_argument("--tensors", nargs="+", default=["json", "binary"], choices=["json", "binary"])
     parser.add_argument("--seconds", type=float, default=15.0, help="measured seconds a run (default 15)")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-batch", type=int, default=8)
