@@ -265,9 +265,9 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
             server.kill()
 
 
-def table(path: str) -> str:
-    """The markdown table of the rows in ``path`` (the last run of each workload, configuration, tensors and load),
-    the ceiling's answered requests/s beside every row."""
+def last_runs(path: str) -> dict[tuple, dict]:
+    """The rows in ``path`` by workload, configuration, tensors, load and its level: the last run of each (a
+    record keeps earlier runs after it; failed starts and soaks left out)."""
     rows: dict[tuple, dict] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
@@ -275,6 +275,13 @@ def table(path: str) -> str:
             continue
         level = row.get("clients") or row.get("rate_per_s")
         rows[(row["workload"], row["config"], row["tensors"], row["load"], level)] = row
+    return rows
+
+
+def table(path: str) -> str:
+    """The markdown table of the rows in ``path`` (the last run of each workload, configuration, tensors and load),
+    the ceiling's answered requests/s beside every row."""
+    rows = last_runs(path)
     header = ("| workload | tensors | load | configuration | sent/s | answered/s | p50 ms | p99 ms | errors | wrong "
               "(checked) | ceiling answered/s | against eager | against batched |")
     lines = [header, "|" + "---|" * 13]
@@ -298,7 +305,7 @@ def table(path: str) -> str:
 
 
 def plot(path: str, png: str) -> None:
-    """Throughput against latency from the rows in ``path``: for each workload and tensor encoding, each run as a
+    """Throughput against latency from the last run's rows in ``path``: for each workload and tensor encoding, each run as a
     point of answered requests/s against p99 milliseconds, coloured by configuration, shaped by load (closed loop,
     or the open loop's rate), written to ``png``."""
     import matplotlib
@@ -306,8 +313,7 @@ def plot(path: str, png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    rows = [r for r in rows if "failed" not in r and r.get("load") != "soak"]
+    rows = list(last_runs(path).values())
     panels = sorted({(r["workload"], r["tensors"]) for r in rows})
     configs = list(dict.fromkeys(r["config"] for r in rows))
     loads = list(dict.fromkeys(f"{r['clients']} clients" if r["load"] == "closed" else f"Poisson {r['rate_per_s']:g}/s"
