@@ -44,9 +44,9 @@ from opsched.graph.ir import Graph, can_merge, components, indices, mask_of
 from opsched.schedule import RunSettings, Schedule, from_stages, joined_runs
 
 # A block's search stops past this many transitions and its halves are searched instead (see ios). The
-# zoo's largest block, NASNet-A's, takes 2.5 million (6.2 s here), which this leaves whole; 16 ResNet-18 fused
-# for a server made a 17-unit block of 40.8 million, and a server's fused graph of them was still searching
-# after 15 minutes.
+# zoo's largest block, NASNet-A's, takes 2.5 million (6.2 s on a 2-core Xeon), which this leaves whole;
+# 16 ResNet-18 fused for a server made a 17-unit block of 40.8 million, and a server's fused graph of them
+# was still searching after 15 minutes.
 DEFAULT_MAX_TRANSITIONS = 5_000_000
 
 
