@@ -215,6 +215,8 @@ def test_bad_options():
     with pytest.raises(ValueError):
         ios(g, TableCost(g), max_group_size=-1)
     with pytest.raises(ValueError):
+        ios(g, TableCost(g), max_transitions=-1)
+    with pytest.raises(ValueError):
         lios_streams(g, TableCost(g), streams=0)
     from opsched.errors import OpschedError
     with pytest.raises(OpschedError, match="unknown method"):

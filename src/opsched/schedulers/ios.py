@@ -65,6 +65,8 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     """
     if max_group_size < 0 or max_groups < 0:
         raise ValueError("max_group_size and max_groups must be 0 (no limit) or positive")
+    if max_transitions < 0:  # (a block of one unit takes one transition: any positive budget halves down to it)
+        raise ValueError("max_transitions must be 0 (no limit) or positive")
     if not (merge or concurrent):
         raise ValueError("at least one of merge and concurrent must be allowed")
     n = len(graph)
