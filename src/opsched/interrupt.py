@@ -27,8 +27,11 @@ class CtrlC:
         self.pressed = False
         self._previous: Any = None
         self._held: threading.Timer | None = None
-        self._held_lock = threading.Lock()
+        # reentrant: the handler runs on the main thread between any two bytecodes, inside a locked block too
+        self._held_lock = threading.RLock()
         self._resent = False  # the held interrupt was sent again (to whichever handler is in place then)
+        self._held_in_import = False  # held during an import, rather than dropped by a destructor
+        self._closed = False  # the block is over: nothing is sent again from now on
         self._previous_unraisable_hook = sys.unraisablehook
 
     def __call__(self, signum: int, frame: Any) -> None:
@@ -37,16 +40,19 @@ class CtrlC:
             # PyTorch's C++ initialisation calls back into Python where no exception can pass (pybind11 then
             # terminates the process), and importlib drops exceptions raised in its callbacks: hold the
             # interrupt until the import is over, by asking again shortly.
-            self._ask_again_shortly()
+            self._ask_again_shortly(in_import=True)
             return
         self._held = None
         raise KeyboardInterrupt
 
-    def _ask_again_shortly(self) -> None:
-        self._resent = False
-        self._held = threading.Timer(0.05, self._send_again)
-        self._held.daemon = True
-        self._held.start()
+    def _ask_again_shortly(self, in_import: bool) -> None:
+        with self._held_lock:
+            if self._closed or (self._held is not None and not self._resent):  # over, or asked already
+                return
+            self._resent, self._held_in_import = False, in_import
+            self._held = threading.Timer(0.05, self._send_again)
+            self._held.daemon = True
+            self._held.start()
 
     def __enter__(self) -> Self:
         # Handlers can only be set from the main thread; elsewhere (main() called from a worker) Python's stays.
@@ -56,20 +62,24 @@ class CtrlC:
         return self
 
     def _send_again(self) -> None:
+        # Sent under the lock, and only by the timer still asked for: once the block has ended (it delivers
+        # the interrupt itself) nothing reaches the handler in place after it.
         with self._held_lock:
-            if self._held is None:  # the block ended first, and delivers the interrupt itself
+            if self._closed or self._held is not threading.current_thread():
                 return
             self._resent = True
-        os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         with self._held_lock:
+            self._closed = True
             held, self._held = self._held, None
             if held is not None:
                 held.cancel()
                 # Sent again already: a handler installed inside the block (the command's own) got it and
-                # reported it; raising it here as well printed a traceback after "opsched: interrupted".
-                held = None if self._resent else held
+                # reported it; raising it here as well printed a traceback after "opsched: interrupted". One
+                # a destructor dropped is not raised either: the run saw it pressed, or had already answered.
+                held = None if self._resent or not self._held_in_import else held
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)
             sys.unraisablehook = self._previous_unraisable_hook
@@ -79,10 +89,10 @@ class CtrlC:
     def _unraisable(self, unraisable: Any) -> None:
         if unraisable.exc_type is not KeyboardInterrupt:
             self._previous_unraisable_hook(unraisable)
-        elif self._held is None:
+        else:
             # Ours, dropped (a destructor, a weakref callback) and the run went on: an interrupted MILP solve
             # ran to its 60 s time limit before the command ended as interrupted. Ask again, where it can pass.
-            self._ask_again_shortly()
+            self._ask_again_shortly(in_import=False)
 
 
 def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
