@@ -305,9 +305,9 @@ def table(path: str) -> str:
 
 
 def plot(path: str, png: str) -> None:
-    """Throughput against latency from the last run's rows in ``path``: for each workload and tensor encoding, each run as a
-    point of answered requests/s against p99 milliseconds, coloured by configuration, shaped by load (closed loop,
-    or the open loop's rate), written to ``png``."""
+    """Throughput against latency from the last run's rows in ``path``: for each workload and tensor encoding,
+    each run as a point of answered requests/s against p99 milliseconds, coloured by configuration, shaped by load
+    (closed loop, or the open loop's rate), written to ``png``."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -111,7 +111,8 @@ def medians_until_apart(runners: Sequence[Callable[[], Any]], repeats: int, firs
     """Median milliseconds per call of each runner, as :func:`interleaved_medians`, but the rounds stop once,
     after at least ``first`` of them, every sample of the runner with the lowest median is below every sample of
     each other runner (for two runners of the same speed, chance orders five rounds so about once in 126, a little
-    more often with the checks after later rounds), and at ``repeats`` rounds otherwise. For a choice that is usually clear, such as a whole graph's thread count.
+    more often with the checks after later rounds), and at ``repeats`` rounds otherwise. For a choice that is
+    usually clear, such as a whole graph's thread count.
 
     >>> fast, slow = medians_until_apart([lambda: None, lambda: time.sleep(0.002)], repeats=15)
     >>> fast < slow

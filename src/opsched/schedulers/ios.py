@@ -61,7 +61,8 @@ def ios(graph: Graph, cost: CostModel, max_group_size: int = 3, max_groups: int 
     evaluate more than ``max_transitions`` transitions (0: no limit) is searched as the two halves of its
     topological order instead, and so on down (``stats["halved"]`` counts them; ``stats["transitions"]``
     includes those of the searches given up): the number of states grows with a block's width, not its
-    size, and a 17-unit block of 16 ResNet-18 fused side by side took 40.8 million transitions. ``progress(done, total)`` is called after each block.
+    size, and a 17-unit block of 16 ResNet-18 fused side by side took 40.8 million transitions.
+    ``progress(done, total)`` is called after each block.
     """
     if max_group_size < 0 or max_groups < 0:
         raise ValueError("max_group_size and max_groups must be 0 (no limit) or positive")
