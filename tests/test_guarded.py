@@ -543,7 +543,7 @@ def test_a_copy_taken_before_a_weight_change_is_never_built_from(monkeypatch):
     # (of the old weights) was kept for the next builds, which then answered with the old weights
     import threading
 
-    from opsched.runtime import guarded
+    from opsched.models import sharing
 
     torch.manual_seed(0)
     model, x = Flatten().eval(), torch.randn(2, 3, 8, 8)
@@ -557,7 +557,7 @@ def test_a_copy_taken_before_a_weight_change_is_never_built_from(monkeypatch):
             changed.wait(30)  # the weights change while this copy is on its way
         return made
 
-    monkeypatch.setattr(guarded.copy, "deepcopy", slow_copy)
+    monkeypatch.setattr(sharing.copy, "deepcopy", slow_copy)
     fast = GuardedModule(model, call_fuzz.QuickBuilder(0), say=lambda text: None)
     with torch.no_grad():
         fast(x)  # no plan: one is built in the background, from a copy
@@ -566,7 +566,7 @@ def test_a_copy_taken_before_a_weight_change_is_never_built_from(monkeypatch):
         assert close(fast(x), model(x))  # the change is seen: the model answers
         changed.set()
         fast.wait_for_builds()
-        monkeypatch.setattr(guarded.copy, "deepcopy", deepcopy)
+        monkeypatch.setattr(sharing.copy, "deepcopy", deepcopy)
         fast(x)  # the plan built from the old copy is stale: rebuilt
         fast.wait_for_builds()
         assert close(fast(x), model(x))
@@ -887,3 +887,98 @@ def test_a_peer_onnx_runtime_cannot_run_is_left_out_with_its_reason(monkeypatch)
     found, notes = peer_candidates(model, (x,), 1, ("eager", "onnxruntime"))
     assert [c.name for c in found] == ["eager"] and notes == [
         "onnxruntime left out: RuntimeError: Could not find an implementation for Conv(11) node with name ''"]
+
+
+class Wide(torch.nn.Module):
+    """Two convolutions with batch norms (folded by capture) and a linear layer (read as it is), with weights
+    large enough (147 KB) to be told by their memory, not their values."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU(),
+            torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.BatchNorm2d(64), torch.nn.ReLU())
+        self.fc = torch.nn.Linear(64 * 4 * 4, 600)
+
+    def forward(self, x):
+        return self.fc(self.body(x).flatten(1))
+
+
+def _held_storages(root, smallest=100_000):
+    """The addresses of the storages of at least ``smallest`` bytes of the tensors ``root`` reaches (not through
+    Python modules, classes or a function's globals); oneDNN's reordered weights, and the fake tensors of the
+    graphs' shapes, have none and are left out."""
+    import gc
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    seen, stack, found = set(), [root], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (types.ModuleType, type)):
+            continue
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if not isinstance(value, FakeTensor) and not value.is_mkldnn and value.device.type == "cpu" \
+                    and value.untyped_storage().nbytes() >= smallest:
+                found.add(value.untyped_storage().data_ptr())
+            continue
+        if isinstance(value, types.FunctionType):
+            stack.extend([*(value.__closure__ or ()), *(value.__defaults__ or ())])
+            continue
+        stack.extend(gc.get_referents(value))
+    return found
+
+
+@pytest.fixture
+def plans_chosen(monkeypatch):
+    """Every optimize keeps a plan, whatever eager's time (which a small model on a busy machine may win)."""
+    from opsched import noise
+
+    choose = noise.choose
+    monkeypatch.setattr(noise, "choose", lambda samples, names, floor=0.0: choose(
+        samples, [n for n in names if n != "eager"] or names, floor))
+
+
+def test_plans_for_several_batch_sizes_hold_the_models_weights_once_and_follow_their_changes(plans_chosen):
+    # each plan used to hold weights of its own: the build's deep copy of the model, and a batch norm folded once
+    # per plan (a served ResNet-18 with plans at four batch sizes held its weights five times)
+    torch.manual_seed(0)
+    model = Wide().eval()
+    x = torch.randn(1, 64, 4, 4)
+    fast = opsched.optimize(model, (x,), kernels="eager", batch_sizes=[2, 4], repeats=3, cache=False,
+                            wait=True).module
+    assert len(fast.plans) == 3 and all(p.module is not None for p in fast.plans.values()), \
+        [p.summary() for p in fast.plans.values()]
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel() * 4 >= 100_000}
+    held = set().union(*[_held_storages(plan.module) for plan in fast.plans.values()])
+    folded = held - weights
+    assert len(weights) == 3 and len(folded) == 2, (len(weights), len(folded))  # two folded convolutions, once
+    assert model.fc.weight.untyped_storage().data_ptr() in held  # read from the model's own memory
+    with torch.no_grad():
+        model.body[0].weight.mul_(-1)  # folded in every plan: seen, and every plan made again
+        model.fc.weight.add_(0.5)  # read from the model's memory by the plans: seen all the same
+        for b in (1, 2, 4):
+            xb = torch.randn(b, 64, 4, 4)
+            assert close(fast(xb), model(xb)), b
+    assert all(not p.stale and p.module is not None for p in fast.plans.values())
+    fast.close()
+
+
+def test_weights_not_followed_are_answered_with_the_old_ones_all_of_them(plans_chosen):
+    # follow_weights=False builds from weights of its own: the first plan used to read the model's own memory,
+    # and so answered an unannounced change with the new linear weights and the old folded convolution
+    torch.manual_seed(0)
+    model = Wide().eval()
+    x = torch.randn(2, 64, 4, 4)
+    fast = opsched.optimize(model, (x,), kernels="eager", repeats=3, cache=False, follow_weights=False,
+                            wait=True).module
+    with torch.no_grad():
+        before = fast(x)
+        model.body[0].weight.mul_(-1)
+        model.fc.weight.add_(0.5)
+        assert next(iter(fast.plans.values())).module is not None and torch.equal(fast(x), before)
+        fast.refresh()
+        assert close(fast(x), model(x)) and not close(before, model(x))
+    fast.close()

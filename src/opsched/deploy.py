@@ -22,6 +22,7 @@ it was made.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
@@ -117,7 +118,8 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
         schedule = schedule_from_dict(sig["plan"], f"{path} (signature {k})") if sig.get("plan") else None
         entries.append(((sig["inputs"], sig.get("input_structure")), str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
                         str(sig.get("note", "")), schedule))
-    plans = [_loaded_plan(path, model, builder, *entry, options) for entry in entries]
+    built_from = model if follow_weights else copy.deepcopy(model)  # weights not watched: opsched.models.sharing
+    plans = [_loaded_plan(path, built_from, builder, *entry, options) for entry in entries]
     dynamic = dims_from_record(head.build["dynamic"], str(path)) if "dynamic" in (head.build or {}) else ()
     return GuardedModule(model, builder, plans, strict=strict, wait=wait, max_plans=max(max_plans, len(plans)),
                          follow_weights=follow_weights, dynamic=dynamic, say=say or say_on_stderr)

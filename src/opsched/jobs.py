@@ -19,6 +19,7 @@ With simulated costs nothing runs: ``plan()`` is the requested method's schedule
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,10 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
                "threads": threads, "streams": streams, "max_group_size": max_group_size, "max_groups": max_groups,
                "max_block_size": max_block_size, "tolerance": tolerance, "repeats": repeats, "cache": cache,
                "cuda_graph": cuda_graph}
-    outcome = optimize_once(model, example_inputs, name=name, graph=graph, say=say, progress=progress, **options)
+    # weights not watched: the first plan too is built from weights of its own (opsched.models.sharing)
+    built_from = model if follow_weights or graph is not None else copy.deepcopy(model)
+    outcome = optimize_once(built_from, example_inputs, name=name, graph=graph, say=say, progress=progress,
+                            **options)
     if outcome.evaluation is None:
         return outcome
     from opsched.models.spec import rebatch

@@ -76,19 +76,26 @@ def _batch_norm_args(node: fx.Node) -> dict[str, Any]:
     return values
 
 
-# Folds made, by the tensors they were made from (ids and versions): weak references to those, the folded pair
+# Folds made, by what the tensors they were made from hold (see _held): weak references to the tensors first
+# folded, the folded pair
 _FOLDS: dict[tuple, tuple[list, tuple[torch.Tensor, torch.Tensor]]] = {}
+# a tensor this small is told by its values (a batch norm's statistics, a bias): a copy of a model has buffers of
+# its own, equal to the model's
+_BY_VALUE_BYTES = 1 << 16
 
 
 def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`folded_conv` of ``sources``, the very same tensors each time it is asked for the same unchanged
-    tensors: two models that share a module still share its folded weights, which is how a model batch finds
-    their shared work (by storage, :mod:`opsched.multi.shared`). A source changed in place since (its version)
-    makes a new fold; a fold is forgotten when one of its sources is collected."""
+    """:func:`folded_conv` of ``sources``, the very same tensors each time it is asked for unchanged tensors over
+    the same memory: two models that share a module still share its folded weights, which is how a model batch
+    finds their shared work (by storage, :mod:`opsched.multi.shared`), and the plans built from copies of one model
+    (:func:`~opsched.models.sharing.sharing_copy`) hold one folded weight, not one each. A source changed in place
+    since makes a new fold; a fold is forgotten when one of the tensors it was first made from is collected (its
+    memory could then be another tensor's)."""
     present = [t for t in sources if t is not None]
-    key = (tuple((id(t), t._version) if t is not None else None for t in sources), eps)
+    key = (tuple(_held(t) if t is not None else None for t in sources), eps)
     made = _FOLDS.get(key)
-    if made is not None and all(ref() is t for ref, t in zip(made[0], present, strict=True)):
+    if made is not None and all(ref() is not None and _held(ref()) == _held(t)
+                                for ref, t in zip(made[0], present, strict=True)):
         return made[1]
     with torch.no_grad():
         pair = folded_conv(*[t.detach() if t is not None else None for t in sources], eps)
@@ -96,6 +103,20 @@ def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.
     for t in present:
         weakref.finalize(t, _FOLDS.pop, key, None)
     return pair
+
+
+def _held(t: torch.Tensor) -> tuple:
+    """What makes two tensors the same values: their values where they are small, else the same memory read the
+    same way and unchanged (a tensor written in place since has another version; an inference tensor has none,
+    and cannot be written outside inference mode). A ``meta`` tensor has neither values nor memory (every one's
+    address is 0): itself."""
+    if t.device.type == "meta":
+        return id(t), t.shape
+    if t.numel() * t.element_size() <= _BY_VALUE_BYTES:
+        values = t.detach().cpu().reshape(-1).view(torch.uint8)  # (a 0-d tensor has no view as bytes)
+        return "values", t.shape, t.dtype, t.device, values.numpy().tobytes()
+    version = None if t.is_inference() else t._version
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version
 
 
 def folded_conv(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,

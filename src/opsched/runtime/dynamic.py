@@ -23,7 +23,6 @@ sizes a plan's schedule serves.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import math
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from opsched.errors import CaptureError, OpschedError, first_line
+from opsched.models.sharing import sharing_copy
 
 Dims = tuple  # one entry per flat input (pytree leaf): {dim: (lowest, highest)} (empty: sizes fixed)
 
@@ -142,7 +142,7 @@ def check_with_export(model: torch.nn.Module, inputs: tuple, spec: Any, dims: Di
 
     try:
         with pytorch_quiet():  # torch.export logs pages of symbolic-shape reasoning
-            exported = torch.export.export(copy.deepcopy(model).eval(), _grown(tuple(inputs), dims),
+            exported = torch.export.export(sharing_copy(model).eval(), _grown(tuple(inputs), dims),
                                            dynamic_shapes=spec, strict=False)
     except UserError as e:
         if e.error_type == UserErrorType.CONSTRAINT_VIOLATION:

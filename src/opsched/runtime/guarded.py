@@ -17,16 +17,16 @@ autocast, and runs in it on every stream's thread (autocast is thread-local; the
 Calls on a model in training mode are answered by the model itself (plans are made for eval mode), as are calls
 that need gradients through an input (a plan runs in inference mode and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
 
-Builds run on a private copy of the model (``copy.deepcopy``, shared by builds while the weights stay the
-same, and made again after a build whose units torch.fx traced, which hold the copy's own modules), so that
-capturing it never disturbs calls answered by the model meanwhile; for a model that cannot be copied no new plan
-is made (the model answers those calls).
+Builds run on a private copy of the model (:func:`~opsched.models.sharing.build_copy`: modules and buffers of
+its own, its parameters over the model's memory unless ``follow_weights=False``; shared by builds while the weights stay the same, and made again
+after a build whose units torch.fx traced, which hold the copy's own modules), so that capturing it never disturbs
+calls answered by the model meanwhile; for a model that cannot be copied no new plan is made (the model answers
+those calls).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import queue
 import sys
 import threading
@@ -41,6 +41,7 @@ import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
 from opsched.graph.tracing import TRACING
+from opsched.models.sharing import build_copy
 from opsched.runtime.dynamic import served_by
 from opsched.runtime.guards import (
     WeightWatch,
@@ -104,8 +105,9 @@ class GuardedModule(torch.nn.Module):
 
     ``follow_weights=False`` stops looking at the weights on every call (their identity, version counter and
     storage: about 0.3 µs a tensor, see docs/calls.md): for weights that never change, or whose owner calls
-    :meth:`refresh` after changing them. A change not announced is then answered with the old weights.
-    Replaced modules and modules out of eval mode are still seen.
+    :meth:`refresh` after changing them. A change not announced is then answered by each plan with the weights it
+    was built from, all of them (plans are then built from copies of their own, never from the model's memory;
+    see :mod:`opsched.models.sharing`). Replaced modules and modules out of eval mode are still seen.
 
     ``dynamic`` (:func:`opsched.runtime.dynamic.dynamic_dims`) names dimensions whose sizes vary: a call
     that differs from a plan's only in their sizes, within their ranges, gets its plan from that plan's
@@ -226,7 +228,7 @@ class GuardedModule(torch.nn.Module):
         with self._lock:
             if self._private is not None and self._private[0] == generation:
                 return self._private[1]
-        private = copy.deepcopy(self.model).eval()
+        private = build_copy(self.model, self.watch.watches_tensors).eval()
         with self._lock:
             if generation == self._generation:
                 self._private = (generation, private)

@@ -16,13 +16,13 @@ model's requests run again on their own model, so that a request that fails, fai
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from opsched.errors import first_line
+from opsched.models.sharing import sharing_copy
 from opsched.serving.batcher import ModelEndpoint, Request
 
 
@@ -53,7 +53,7 @@ class FusedGroup:
         self.say(f"fusing {names} ...")
         try:
             inputs = [tuple(t[:1] for t in e.examples) for e in self.endpoints]
-            result = opsched.optimize_batch([copy.deepcopy(e.model) for e in self.endpoints], inputs,
+            result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
                                             separate_inputs=True, **self.options)
             module = result.module
             for size in self.sizes[1:]:  # every size a call is padded to: made and verified now, not in a call

@@ -22,7 +22,6 @@ the server's applications are deleted when it stops and nothing else of the clus
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import os
 import re
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 
 from opsched.errors import OpschedError, first_line
+from opsched.models.sharing import sharing_copy
 from opsched.serving.batcher import Overloaded, Signature
 
 APP_PREFIX = "opsched-serve-"
@@ -153,7 +153,7 @@ class RayModels:
                                      queue_size=options["queue_size"]) for name, (model, inputs) in models.items()}
         for name, path in options["plans"].items():
             say(f"{name}: checking {path} ...")
-            opsched.load(path, copy.deepcopy(local[name].model), max_plans=local[name].max_batch + 1).close()
+            opsched.load(path, sharing_copy(local[name].model), max_plans=local[name].max_batch + 1).close()
         fused = options["optimize"] and options["fuse"] and sum(e.batchable for e in local.values()) > 1
         groups = [list(models)] if fused else [[name] for name in models]
         self.endpoints = {name: RemoteEndpoint(endpoint.signature()) for name, endpoint in local.items()}

@@ -11,13 +11,13 @@ with ``opsched.load``); ``ready`` is set once they all are, and until then each 
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from opsched.errors import first_line
+from opsched.models.sharing import sharing_copy
 
 
 class ServedModels:
@@ -43,7 +43,7 @@ class ServedModels:
         loaded = {}
         for name, path in (plans or {}).items():
             say(f"{name}: loading {path} ...")
-            loaded[name] = opsched.load(path, copy.deepcopy(self.endpoints[name].model),
+            loaded[name] = opsched.load(path, sharing_copy(self.endpoints[name].model),
                                         max_plans=self.endpoints[name].max_batch + 1)
         # eager kernels unless asked: what opsched serve's --kernels defaults to, and what serving was measured with
         options = {"kernels": "eager", **(optimize_options or {})}
@@ -127,8 +127,8 @@ def _optimized(endpoint: Any, sizes: list[int], options: dict, say: Callable[[st
 
         batch = Dim("batch", min=1, max=endpoint.max_batch)
         try:
-            return opsched.optimize(copy.deepcopy(endpoint.model), inputs,
+            return opsched.optimize(sharing_copy(endpoint.model), inputs,
                                     dynamic_shapes=tuple({0: batch} for _ in inputs), **options).module
         except CaptureError as e:
             say(f"{endpoint.name}: a search for each batch size ({first_line(e)})")
-    return opsched.optimize(copy.deepcopy(endpoint.model), inputs, **options).module
+    return opsched.optimize(sharing_copy(endpoint.model), inputs, **options).module
