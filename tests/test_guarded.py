@@ -982,3 +982,37 @@ def test_weights_not_followed_are_answered_with_the_old_ones_all_of_them(plans_c
         fast.refresh()
         assert close(fast(x), model(x)) and not close(before, model(x))
     fast.close()
+
+
+def test_refresh_after_a_write_through_data_folds_the_new_weights(plans_chosen):
+    # a write through .data moves neither the memory nor the version a fold is looked up by: refresh() used to
+    # rebuild every plan with the old folded convolution, which then failed verification (the model answered)
+    torch.manual_seed(0)
+    model = Wide().eval()
+    x = torch.randn(2, 64, 4, 4)
+    fast = opsched.optimize(model, (x,), kernels="eager", batch_sizes=[4], repeats=3, cache=False, wait=True).module
+    with torch.no_grad():
+        model.body[0].weight.data.mul_(-1)
+        fast.refresh()
+        for b in (2, 4):
+            xb = torch.randn(b, 64, 4, 4)
+            assert close(fast(xb), model(xb)), b
+    assert all(p.module is not None and "no plan" not in p.note for p in fast.plans.values()), \
+        [p.summary() for p in fast.plans.values()]
+    fast.close()
+
+
+def test_a_model_made_in_inference_mode_gets_every_plan(plans_chosen):
+    # its parameters are inference tensors, over which no Parameter can be made outside inference mode: the copy
+    # builds capture takes those as copy.deepcopy does (every plan but the first used to be "no plan")
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = Wide().eval()
+    x = torch.randn(2, 64, 4, 4)
+    fast = opsched.optimize(model, (x,), kernels="eager", batch_sizes=[4], repeats=3, cache=False, wait=True).module
+    assert len(fast.plans) == 2 and all(p.module is not None for p in fast.plans.values()), \
+        [p.summary() for p in fast.plans.values()]
+    with torch.no_grad():
+        x4 = torch.randn(4, 64, 4, 4)
+        assert close(fast(x4), model(x4))
+    fast.close()

@@ -79,8 +79,8 @@ def _batch_norm_args(node: fx.Node) -> dict[str, Any]:
 # Folds made, by what the tensors they were made from hold (see _held): weak references to the tensors first
 # folded, the folded pair
 _FOLDS: dict[tuple, tuple[list, tuple[torch.Tensor, torch.Tensor]]] = {}
-# a tensor this small is told by its values (a batch norm's statistics, a bias): a copy of a model has buffers of
-# its own, equal to the model's
+# a batch norm's statistics and a bias this small are told by their values: a copy of a model has buffers of its
+# own, equal to the model's (a weight is told by its memory: a model batch finds shared work by it)
 _BY_VALUE_BYTES = 1 << 16
 
 
@@ -90,29 +90,39 @@ def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.
     finds their shared work (by storage, :mod:`opsched.multi.shared`), and the plans built from copies of one model
     (:func:`~opsched.models.sharing.sharing_copy`) hold one folded weight, not one each. A source changed in place
     since makes a new fold; a fold is forgotten when one of the tensors it was first made from is collected (its
-    memory could then be another tensor's)."""
-    present = [t for t in sources if t is not None]
-    key = (tuple(_held(t) if t is not None else None for t in sources), eps)
+    memory could then be another tensor's), and by :func:`forget_folds`."""
+    present = [(k, t) for k, t in enumerate(sources) if t is not None]
+    key = (tuple(_held(t, k > 0) if t is not None else None for k, t in enumerate(sources)), eps)
     made = _FOLDS.get(key)
-    if made is not None and all(ref() is not None and _held(ref()) == _held(t)
-                                for ref, t in zip(made[0], present, strict=True)):
+    if made is not None and all(ref() is not None and _held(ref(), k > 0) == _held(t, k > 0)
+                                for ref, (k, t) in zip(made[0], present, strict=True)):
         return made[1]
     with torch.no_grad():
         pair = folded_conv(*[t.detach() if t is not None else None for t in sources], eps)
-    _FOLDS[key] = ([weakref.ref(t) for t in present], pair)
-    for t in present:
+    _FOLDS[key] = ([weakref.ref(t) for _, t in present], pair)
+    for _, t in present:
         weakref.finalize(t, _FOLDS.pop, key, None)
     return pair
 
 
-def _held(t: torch.Tensor) -> tuple:
-    """What makes two tensors the same values: their values where they are small, else the same memory read the
-    same way and unchanged (a tensor written in place since has another version; an inference tensor has none,
-    and cannot be written outside inference mode). A ``meta`` tensor has neither values nor memory (every one's
-    address is 0): itself."""
+def forget_folds(tensors: list[torch.Tensor]) -> None:
+    """Forget every fold made from the memory of one of ``tensors``: they were written where no version counter
+    sees it (through ``.data``, or an inference tensor in inference mode), and a fold looked up by their memory
+    would be the old one."""
+    addresses = {t.data_ptr() for t in tensors if t.device.type != "meta"}
+    for key in list(_FOLDS):
+        if any(part is not None and part[0] in addresses for part in key[0]):
+            _FOLDS.pop(key, None)
+
+
+def _held(t: torch.Tensor, by_value: bool = True) -> tuple:
+    """What makes two tensors the same values: with ``by_value``, their values where they are small; else the
+    same memory read the same way and unchanged (a tensor written in place since has another version; an inference
+    tensor has none, and cannot be written outside inference mode; a write through ``.data`` moves none:
+    :func:`forget_folds`). A ``meta`` tensor has neither values nor memory (every one's address is 0): itself."""
     if t.device.type == "meta":
         return id(t), t.shape
-    if t.numel() * t.element_size() <= _BY_VALUE_BYTES:
+    if by_value and t.numel() * t.element_size() <= _BY_VALUE_BYTES:
         values = t.detach().cpu().reshape(-1).view(torch.uint8)  # (a 0-d tensor has no view as bytes)
         return "values", t.shape, t.dtype, t.device, values.numpy().tobytes()
     version = None if t.is_inference() else t._version

@@ -38,11 +38,12 @@ import torch
 def sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
     """``copy.deepcopy(model)``, except that each parameter of the copy is a new ``Parameter`` over the same
     memory as the model's (a parameter shared by two modules stays shared in the copy); a parameter of a subclass
-    of its own is copied as ``copy.deepcopy`` copies it. Raises what ``copy.deepcopy`` raises for a model that
+    of its own, and one over an inference tensor (made in inference mode: a ``Parameter`` over it cannot be made
+    outside), is copied as ``copy.deepcopy`` copies it. Raises what ``copy.deepcopy`` raises for a model that
     cannot be copied."""
     memo: dict[int, object] = {}
     for parameter in model.parameters():
-        if type(parameter) is torch.nn.Parameter:
+        if type(parameter) is torch.nn.Parameter and not parameter.is_inference():
             memo[id(parameter)] = torch.nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
     return copy.deepcopy(model, memo)
 
