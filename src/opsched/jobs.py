@@ -276,17 +276,21 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     the background, the models answering one after another meanwhile; before answering with ``wait``; refused
     with ``strict``), made again when a model's weights change (unless ``follow_weights=False``, as
     :func:`optimize`); at most ``max_plans`` kept."""
+    from opsched.multi.optimize import model_batch
     from opsched.multi.optimize import optimize as optimize_batch
     from opsched.runtime.guarded import GuardedModule
     from opsched.runtime.guards import copied
 
-    result = optimize_batch(models, inputs, **options)
+    # weights not watched: the first plan too is built from weights of its own (opsched.models.sharing); one
+    # deepcopy of them all, so that modules the models share stay shared
+    result = optimize_batch(models if follow_weights else copy.deepcopy(list(models)), inputs, **options)
     require_a_plan(result.outcome)
     if result.outcome.evaluation is None:  # simulated costs: nothing runs
         return result
     # (the batch's own preprocessing goes with each build: see BatchBuilder.build)
     builder = BatchBuilder({k: v for k, v in options.items() if k not in ("say", "progress", "preprocess")})
-    batch = result.fusion.batch
+    batch = result.fusion.batch if follow_weights else \
+        model_batch(models, inputs, options.get("preprocess"), options.get("separate_inputs", False)).eval()
     first = copied(tuple(batch.inputs))
     result.outcome.guarded = GuardedModule(batch, builder, [builder.plan_of(result, first)], strict=strict,
                                            wait=wait, max_plans=max_plans, follow_weights=follow_weights)

@@ -108,9 +108,9 @@ class GuardedModule(torch.nn.Module):
     storage: about 0.3 µs a tensor, see docs/calls.md): for weights that never change, or whose owner calls
     :meth:`refresh` after changing them. A change not announced is then answered by each plan with the weights it
     was built from, all of them (plans are then built from copies of their own, never from the model's memory;
-    see :mod:`opsched.models.sharing`), except the first plan of ``opsched.optimize_batch`` and a plan of
-    ``opsched.optimize(graph=...)``, which read the models' memory (where a unit is not stacked across models; the
-    graph given): after a change they have not been told of, they may answer with a mix of old and new weights. Replaced modules and modules out of eval mode are still seen.
+    see :mod:`opsched.models.sharing`), except a plan of ``opsched.optimize(graph=...)``, which reads the memory
+    the graph given was captured from: after a change it has not been told of, it may answer with a mix of old and
+    new weights. Replaced modules and modules out of eval mode are still seen.
 
     ``dynamic`` (:func:`opsched.runtime.dynamic.dynamic_dims`) names dimensions whose sizes vary: a call
     that differs from a plan's only in their sizes, within their ranges, gets its plan from that plan's
