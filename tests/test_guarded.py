@@ -1036,3 +1036,28 @@ def test_a_model_batch_whose_weights_are_not_followed_answers_with_the_old_ones_
         fast.refresh()
         assert all(close(g, m(x)) for g, m in zip(fast(x), models))
     fast.close()
+
+
+def test_a_model_batch_with_a_dynamic_batch_makes_other_sizes_from_its_schedule(plans_chosen):
+    # a server pads its fused calls to a few sizes: each used to be searched again whole (the fused group of 16
+    # ResNet-18 searched twice); the fused graph is now made again at the size with the batched units the plan
+    # records, the schedule compiled for it, verified against every model and timed beside them
+    torch.manual_seed(0)
+    models = [Wide().eval() for _ in range(3)]
+    first = [(torch.randn(1, 64, 4, 4),) for _ in models]
+    fast = opsched.optimize_batch(models, first, separate_inputs=True, repeats=3, cache=False, wait=True).module
+    fast.dynamic = tuple({0: (1, 4)} for _ in models)
+    lines = []
+    fast.say = lines.append
+    for rows in (2, 4):
+        xs = [torch.randn(rows, 64, 4, 4) for _ in models]
+        fast.prepare(*xs)
+        plan = fast.plans[call_signature(tuple(xs))]
+        assert plan.module is not None and "the schedule made for input 0 (1, 64, 4, 4)" in plan.note, plan.summary()
+        assert plan.schedule.models is not None  # what rebuilds its fused graph, as the first plan's
+        with torch.no_grad():
+            assert all(close(g, m(x)) for g, m, x in zip(fast(*xs), models, xs))
+    with torch.no_grad():  # out of the declared range: answered by the models, a plan built whole
+        xs = [torch.randn(5, 64, 4, 4) for _ in models]
+        assert all(close(g, m(x)) for g, m, x in zip(fast(*xs), models, xs))
+    fast.close()

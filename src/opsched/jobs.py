@@ -221,25 +221,33 @@ class OptimizeBuilder:
         graph, verified against the model and timed beside it through the runner (:func:`evaluate_plans`), the
         schedule chosen only where it beats the model above the run's noise. No costs measured, no search: a
         plan made whole where the graph has other units at this size, or where a peer was chosen."""
+        from opsched.graph.capture import capture
+
+        schedule = plan.schedule
+        if schedule is None or schedule.measured is None or plan.chosen not in ("eager", schedule.measured.measured_as):
+            return self.build(model, inputs)
+        made = self.sized(model, capture(model, inputs, name=self.options.get("name")), schedule, inputs,
+                          plan.signature)
+        return self.build(model, inputs) if made is None else made
+
+    def sized(self, model: Any, graph: Any, schedule: Any, inputs: tuple, signature: tuple) -> Any:
+        """The plan of ``schedule`` (made for the call ``signature``) compiled for ``graph``, ``model``'s graph
+        at ``inputs``, verified against ``model`` and timed beside it (see :meth:`resize`); None where ``graph``
+        has other units than the schedule's."""
         import torch
         import torch.utils._pytree as pytree
 
-        from opsched.graph.capture import capture
         from opsched.pipeline import evaluate_plans
         from opsched.runtime.dynamic import schedule_at
         from opsched.runtime.guards import describe
         from opsched.runtime.kernels import plan_kernels
 
-        schedule = plan.schedule
-        if schedule is None or schedule.measured is None or plan.chosen not in ("eager", schedule.measured.measured_as):
-            return self.build(model, inputs)
-        graph = capture(model, inputs, name=self.options.get("name"))
         sized = schedule_at(schedule, graph)
         if sized is None:
-            return self.build(model, inputs)
+            return None
         flat = pytree.tree_leaves(inputs)
         device = self.options.get("device", "cpu")
-        origin = schedule.stats.get("scheduled_for") or describe(plan.signature)  # the size it was searched at
+        origin = schedule.stats.get("scheduled_for") or describe(signature)  # the size it was searched at
         sized.stats["scheduled_for"] = origin
         sized.batch = int(flat[0].shape[0]) if flat and getattr(flat[0], "dim", lambda: 0)() else None
         name = schedule.measured.measured_as
@@ -322,6 +330,39 @@ class BatchBuilder:
 
     def rebuild(self, batch: Any, plan: Any) -> Any:
         return self.build(batch, plan.inputs)
+
+    def resize(self, batch: Any, plan: Any, inputs: tuple) -> Any:
+        """The plan for ``inputs``, which differ from ``plan``'s only in the sizes of dimensions declared dynamic:
+        the batch's fused graph made again at them with the batched units ``plan`` records (no cost model
+        asked), ``plan``'s schedule compiled for it, verified against every model and timed beside them one after
+        another, as :meth:`OptimizeBuilder.resize` does for one model. A plan made whole where the fused graph
+        has other units at this size, or where a peer was chosen."""
+        import dataclasses
+
+        from opsched.multi.combine import MultiError
+        from opsched.multi.fuse import fuse_graph
+        from opsched.multi.optimize import MultiOutcome, model_batch
+
+        schedule = plan.schedule
+        if schedule is None or schedule.models is None or schedule.measured is None \
+                or plan.chosen != schedule.measured.measured_as:
+            return self.build(batch, inputs)
+        shared = batch.preprocess is not None or batch.shared_input
+        sized = model_batch(list(batch.models), tuple(inputs) if shared else batch.split(inputs), batch.preprocess,
+                            bool(self.options.get("separate_inputs")))
+        try:
+            fusion = fuse_graph(sized, schedule.models.rewrites, made=schedule.models.batched)
+        except MultiError:  # the batched units the plan records cannot be made at this size
+            return self.build(batch, inputs)
+        options = {k: v for k, v in self.options.items() if k in ("device", "threads", "tolerance", "repeats",
+                                                                   "cuda_graph", "kernels")}
+        made = OptimizeBuilder(options).sized(sized, fusion.graph, schedule, inputs, plan.signature)
+        if made is None:
+            return self.build(batch, inputs)
+        if made.schedule is None or made.module is None:
+            return made
+        models = MultiOutcome(fusion, None).models_section()
+        return dataclasses.replace(made, schedule=dataclasses.replace(made.schedule, models=models))
 
     @staticmethod
     def plan_of(result: Any, inputs: tuple) -> Any:

@@ -52,13 +52,17 @@ class MultiOutcome:
         """The runner's plan (see :meth:`opsched.pipeline.Outcome.plan`) with its ``models`` section: the
         number of models, what the rewrites made, and what rebuilds the fused graph (the rewrites asked for
         and the batched units made, see :func:`opsched.multi.fuse.fuse_graph`)."""
-        from opsched.schedule import ModelsSection
-
         plan = self.outcome.plan()
         if plan is not None:
-            plan.models = ModelsSection(len(self.fusion.batch.models), dict(self.fusion.fused),
-                                        list(self.fusion.rewrites), self.fusion.batched)
+            plan.models = self.models_section()
         return plan
+
+    def models_section(self) -> Any:
+        """The plan's ``models`` section for this fusion (see :meth:`plan`)."""
+        from opsched.schedule import ModelsSection
+
+        return ModelsSection(len(self.fusion.batch.models), dict(self.fusion.fused), list(self.fusion.rewrites),
+                             self.fusion.batched)
 
     @property
     def measured_ms(self) -> dict[str, float]:

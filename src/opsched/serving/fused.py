@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from opsched.errors import first_line
 from opsched.models.sharing import sharing_copy
@@ -56,6 +57,9 @@ class FusedGroup:
             result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
                                             separate_inputs=True, **self.options)
             module = result.module
+            # every input's first dimension is the rows a call is padded to: the plans for more rows are made from
+            # the first plan's schedule (no search; each verified and timed: BatchBuilder.resize)
+            module.dynamic = tuple({0: (1, max(self.sizes))} for _ in pytree.tree_leaves(inputs))
             for size in self.sizes[1:]:  # every size a call is padded to: made and verified now, not in a call
                 module.prepare(*self._padded({}, size))
         except Exception as e:  # noqa: BLE001 - the models run apart
