@@ -2,9 +2,9 @@
 fusion and schedule) of the served models, each model reading its own requests' inputs.
 
 The fused module of all the models is made at startup, with a plan for each batch size a call is padded to (the
-models' batch sizes up to ``max_rows``, 2 by default: each is a search of the whole fused graph, and four sizes of 16
-small CNNs did not end within 10 minutes on 2 cores): every plan verified model by model against the models' own
-forwards, and timed against running the models one after another. No fused module is made while serving (a build
+models' batch sizes up to ``max_rows``, 2 by default; the first searched, the others that schedule made again at
+their size, see :meth:`opsched.jobs.BatchBuilder.resize`): every plan verified model by model against the models'
+own forwards, and timed against running the models one after another. No fused module is made while serving (a build
 would take the cores from the calls). A batch runs as one fused call when the models it holds would take longer
 one by one than the fused call of all of them, by those timings (``len(present) * sequential / models >
 fused``) and no model's batch is larger than the largest prepared size; a model with no request in the batch
