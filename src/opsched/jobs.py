@@ -305,6 +305,16 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     return result
 
 
+def _shared(batch: Any) -> bool:
+    """Whether the batch's models read one set of inputs (or the preprocessing's), not each its own."""
+    return batch.preprocess is not None or batch.shared_input
+
+
+def _as_given(batch: Any, inputs: tuple) -> Any:
+    """A call's inputs as the job takes them: the shared ones, or each model's (see :func:`_shared`)."""
+    return tuple(inputs) if _shared(batch) else batch.split(inputs)
+
+
 class BatchBuilder:
     """How the module :func:`optimize_batch` hands back makes its plans (a
     :class:`~opsched.runtime.guarded.PlanBuilder`): a new call signature goes through the same job with the first
@@ -318,10 +328,8 @@ class BatchBuilder:
         from opsched.multi.combine import MultiError, input_layout
         from opsched.multi.optimize import optimize as optimize_batch
 
-        # the call's inputs as the job takes them: shared by the models (or the preprocessing's), or each model's
-        shared = batch.preprocess is not None or batch.shared_input
-        given = tuple(inputs) if shared else batch.split(inputs)
-        if not shared and not self.options.get("separate_inputs") and len({input_layout(a) for a in given}) == 1:
+        given = _as_given(batch, inputs)
+        if not _shared(batch) and not self.options.get("separate_inputs") and len({input_layout(a) for a in given}) == 1:
             raise MultiError("every model's inputs have one layout in this call, and a batch first called with "
                              "each model's own inputs reads them all: no fused plan is made for it")
         result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)
@@ -347,22 +355,21 @@ class BatchBuilder:
         if schedule is None or schedule.models is None or schedule.measured is None \
                 or plan.chosen != schedule.measured.measured_as:
             return self.build(batch, inputs)
-        shared = batch.preprocess is not None or batch.shared_input
-        sized = model_batch(list(batch.models), tuple(inputs) if shared else batch.split(inputs), batch.preprocess,
+        sized = model_batch(list(batch.models), _as_given(batch, inputs), batch.preprocess,
                             bool(self.options.get("separate_inputs")))
         try:
             fusion = fuse_graph(sized, schedule.models.rewrites, made=schedule.models.batched)
         except MultiError:  # the batched units the plan records cannot be made at this size
             return self.build(batch, inputs)
-        options = {k: v for k, v in self.options.items() if k in ("device", "threads", "tolerance", "repeats",
-                                                                   "cuda_graph", "kernels")}
-        made = OptimizeBuilder(options).sized(sized, fusion.graph, schedule, inputs, plan.signature)
+        options = {k: v for k, v in self.options.items() if k in ("device", "tolerance", "repeats", "cuda_graph",
+                                                                   "kernels")}
+        made = OptimizeBuilder({**options, "threads": self.options.get("cores")}).sized(
+            sized, fusion.graph, schedule, inputs, plan.signature)
         if made is None:
             return self.build(batch, inputs)
-        if made.schedule is None or made.module is None:
-            return made
-        models = MultiOutcome(fusion, None).models_section()
-        return dataclasses.replace(made, schedule=dataclasses.replace(made.schedule, models=models))
+        if made.schedule is not None:  # what rebuilds its fused graph, as the first plan's
+            made.schedule = dataclasses.replace(made.schedule, models=MultiOutcome(fusion, None).models_section())
+        return made
 
     @staticmethod
     def plan_of(result: Any, inputs: tuple) -> Any:
