@@ -325,16 +325,24 @@ class BatchBuilder:
         self.options = options
 
     def build(self, batch: Any, inputs: tuple) -> Any:
-        from opsched.multi.combine import MultiError, input_layout
         from opsched.multi.optimize import optimize as optimize_batch
+
+        given = self._given(batch, inputs)
+        result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)
+        require_a_plan(result.outcome)
+        return self.plan_of(result, inputs)
+
+    def _given(self, batch: Any, inputs: tuple) -> Any:
+        """The call's inputs as the job takes them (:func:`_as_given`); raises :class:`MultiError` where a batch
+        first called with each model's own inputs is called with inputs of one layout (the job would read them
+        as shared)."""
+        from opsched.multi.combine import MultiError, input_layout
 
         given = _as_given(batch, inputs)
         if not _shared(batch) and not self.options.get("separate_inputs") and len({input_layout(a) for a in given}) == 1:
             raise MultiError("every model's inputs have one layout in this call, and a batch first called with "
                              "each model's own inputs reads them all: no fused plan is made for it")
-        result = optimize_batch(list(batch.models), given, preprocess=batch.preprocess, **self.options)
-        require_a_plan(result.outcome)
-        return self.plan_of(result, inputs)
+        return given
 
     def rebuild(self, batch: Any, plan: Any) -> Any:
         return self.build(batch, plan.inputs)
@@ -352,10 +360,11 @@ class BatchBuilder:
         from opsched.multi.optimize import MultiOutcome, model_batch
 
         schedule = plan.schedule
+        # (the models one after another chosen at the plan's size, its schedule may still pay at this one)
         if schedule is None or schedule.models is None or schedule.measured is None \
-                or plan.chosen != schedule.measured.measured_as:
+                or plan.chosen not in ("eager", "sequential_models", schedule.measured.measured_as):
             return self.build(batch, inputs)
-        sized = model_batch(list(batch.models), _as_given(batch, inputs), batch.preprocess,
+        sized = model_batch(list(batch.models), self._given(batch, inputs), batch.preprocess,
                             bool(self.options.get("separate_inputs")))
         try:
             fusion = fuse_graph(sized, schedule.models.rewrites, made=schedule.models.batched)
@@ -363,7 +372,9 @@ class BatchBuilder:
             return self.build(batch, inputs)
         options = {k: v for k, v in self.options.items() if k in ("device", "tolerance", "repeats", "cuda_graph",
                                                                    "kernels")}
-        made = OptimizeBuilder({**options, "threads": self.options.get("cores")}).sized(
+        # on the batch's device where none was asked for, as its first plan (opsched.multi.optimize)
+        made = OptimizeBuilder({**options, "device": options.get("device") or sized.device,
+                                "threads": self.options.get("cores")}).sized(
             sized, fusion.graph, schedule, inputs, plan.signature)
         if made is None:
             return self.build(batch, inputs)
