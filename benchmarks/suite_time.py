@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(__file__).resolve().parent.parent
     command = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider", "--durations=15",
-               *args.pytest_args]
+               "-rfE", *args.pytest_args]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=root, capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - started
@@ -31,12 +31,14 @@ def main() -> None:
     summary = next((line for line in reversed(tail) if re.search(r"\d+ (passed|failed)", line)), "")
     counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)", summary)}
     slowest = [line.strip() for line in tail if re.match(r"\s*\d+\.\d+s (call|setup|teardown)", line)][:15]
+    # which tests failed, with pytest's one line on each: a failure seen once must be nameable afterwards
+    failed = [line.strip() for line in tail if line.startswith(("FAILED ", "ERROR "))]
     row = {"command": "python -m pytest", "seconds": round(seconds, 1), "exit_status": done.returncode,
-           "counts": counts, "summary": summary, "slowest": slowest, **machine()}
+           "counts": counts, "summary": summary, "failed": failed, "slowest": slowest, **machine()}
     with (root / args.out).open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"{seconds / 60:.1f} min, exit {done.returncode}: {summary}")
-    print("\n".join(slowest))
+    print("\n".join(failed + slowest))
     sys.exit(done.returncode)
 
 
