@@ -1055,9 +1055,9 @@ def test_a_model_batch_with_a_dynamic_batch_makes_other_sizes_from_its_schedule(
     torch.manual_seed(0)
     models = [Wide().eval() for _ in range(3)]
     first = [(torch.randn(1, 64, 4, 4),) for _ in models]
-    fast = opsched.optimize_batch(models, first, separate_inputs=True, repeats=3, cache=False, wait=True).module
+    fast = opsched.optimize_batch(models, first, separate_inputs=True, repeats=3, cache=False, wait=True,
+                                  dynamic_dims=[{0: (1, 4)} for _ in models]).module
     assert (next(iter(fast.plans.values())).chosen == "sequential_models") == (winner != "a fused plan")
-    fast.dynamic = tuple({0: (1, 4)} for _ in models)
     lines = []
     fast.say = lines.append
     for rows in (2, 4):

@@ -273,7 +273,8 @@ def require_a_plan(outcome: Outcome) -> None:
 
 
 def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, wait: bool = False,
-                   max_plans: int = 8, follow_weights: bool = True, **options: Any) -> Any:
+                   max_plans: int = 8, follow_weights: bool = True, dynamic_dims: Sequence[dict] = (),
+                   **options: Any) -> Any:
     """Several models as one fused, scheduled, verified program (HiveMind): see
     :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
     (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises
@@ -283,7 +284,10 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
     inputs, or every model's in order): a fused plan per call signature, made the same way for each new one (in
     the background, the models answering one after another meanwhile; before answering with ``wait``; refused
     with ``strict``), made again when a model's weights change (unless ``follow_weights=False``, as
-    :func:`optimize`); at most ``max_plans`` kept."""
+    :func:`optimize`); at most ``max_plans`` kept. ``dynamic_dims`` (one ``{dim: (lowest, highest)}`` per flat input
+    of a call, as :func:`opsched.runtime.dynamic.dynamic_dims` gives them) names dimensions whose sizes vary: a
+    call that differs from a plan's only in them gets its plan from that plan's schedule
+    (:meth:`BatchBuilder.resize`: no search; verified and timed beside the models)."""
     from opsched.multi.optimize import model_batch
     from opsched.multi.optimize import optimize as optimize_batch
     from opsched.runtime.guarded import GuardedModule
@@ -301,7 +305,8 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
         model_batch(models, inputs, options.get("preprocess"), options.get("separate_inputs", False)).eval()
     first = copied(tuple(batch.inputs))
     result.outcome.guarded = GuardedModule(batch, builder, [builder.plan_of(result, first)], strict=strict,
-                                           wait=wait, max_plans=max_plans, follow_weights=follow_weights)
+                                           wait=wait, max_plans=max_plans, follow_weights=follow_weights,
+                                           dynamic=tuple(dynamic_dims))
     return result
 
 
@@ -339,7 +344,8 @@ class BatchBuilder:
         from opsched.multi.combine import MultiError, input_layout
 
         given = _as_given(batch, inputs)
-        if not _shared(batch) and not self.options.get("separate_inputs") and len({input_layout(a) for a in given}) == 1:
+        if not _shared(batch) and not self.options.get("separate_inputs") \
+                and len({input_layout(a) for a in given}) == 1:
             raise MultiError("every model's inputs have one layout in this call, and a batch first called with "
                              "each model's own inputs reads them all: no fused plan is made for it")
         return given

@@ -18,10 +18,10 @@ Calls on a model in training mode are answered by the model itself (plans are ma
 that need gradients through an input (a plan runs in inference mode and gives none). Plans are kept for at most ``max_plans`` signatures, the least recently used dropped first.
 
 Builds run on a private copy of the model (:func:`~opsched.models.sharing.build_copy`: modules and buffers of
-its own, its parameters over the model's memory unless ``follow_weights=False``; shared by builds while the weights stay the same, and made again
-after a build whose units torch.fx traced, which hold the copy's own modules), so that capturing it never disturbs
-calls answered by the model meanwhile; for a model that cannot be copied no new plan is made (the model answers
-those calls).
+its own, its parameters over the model's memory unless ``follow_weights=False``; shared by builds while the
+weights stay the same, and made again after a build whose units torch.fx traced, which hold the copy's own
+modules), so that capturing it never disturbs calls answered by the model meanwhile; for a model that cannot be
+copied no new plan is made (the model answers those calls).
 """
 
 from __future__ import annotations

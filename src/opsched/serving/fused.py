@@ -54,12 +54,12 @@ class FusedGroup:
         self.say(f"fusing {names} ...")
         try:
             inputs = [tuple(t[:1] for t in e.examples) for e in self.endpoints]
-            result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
-                                            separate_inputs=True, **self.options)
-            module = result.module
             # every input's first dimension is the rows a call is padded to: the plans for more rows are made from
             # the first plan's schedule (no search; each verified and timed: BatchBuilder.resize)
-            module.dynamic = tuple({0: (1, max(self.sizes))} for _ in pytree.tree_leaves(inputs))
+            rows = tuple({0: (1, max(self.sizes))} for _ in pytree.tree_leaves(inputs))
+            result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
+                                            separate_inputs=True, dynamic_dims=rows, **self.options)
+            module = result.module
             for size in self.sizes[1:]:  # every size a call is padded to: made and verified now, not in a call
                 module.prepare(*self._padded({}, size))
         except Exception as e:  # noqa: BLE001 - the models run apart
