@@ -58,14 +58,15 @@ class Step:
     goal: str = ""
 
 
-# The GPU step models: (opsched model spec, label, image size on the GPU, IOS's max block size). NASNet's
-# blocks are searched with a smaller block bound: its IOS search takes about a minute at 20 on one core.
+# The GPU step models: (opsched model spec, label, image size on the GPU, IOS's max block size). NASNet's IOS
+# search at 20 took 45.5 s on one core of a 2-core Xeon (0.9 s at 10, the bound of the first GPU runs, whose
+# plan fell 8% short of its goal); its step has the time for two such searches.
 MODELS = {
     "googlenet": ("torchvision:googlenet", "GoogLeNet", None, 20),
     "inception_v3": ("inception_v3", "Inception V3", None, 20),
     "randwire": ("randwire", "RandWire", None, 20),
     "squeezenet": ("squeezenet", "SqueezeNet", None, 20),
-    "nasnet": ("nasnet", "NASNet-A large", None, 10),
+    "nasnet": ("nasnet", "NASNet-A large", None, 20),
 }
 DRY_IMAGE = {"googlenet": 64, "inception_v3": 75, "randwire": 64, "squeezenet": 64, "nasnet": 64}
 # From the first H100 run (docs/gpu_runs/): capture, profile and search took 5-19 s a model, reduce-overhead
@@ -80,7 +81,7 @@ STEPS = [
     Step("end-to-end", 50),
     Step("model:inception_v3", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
     Step("model:randwire", 75, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
-    Step("model:nasnet", 100, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
+    Step("model:nasnet", 200, "IOS >= 1.3x one sequential CUDA graph; never behind torch.compile"),
     Step("autotune:googlenet", 240, "never behind torch.compile's best mode"),
     Step("model:squeezenet", 50),  # measured whole in the first GPU session's second run: last
 ]
