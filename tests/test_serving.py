@@ -5,6 +5,7 @@ rows, a bad request failing alone, a full queue refused at once), and the server
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -447,7 +448,63 @@ def test_the_fused_graph_is_prepared_for_small_batches_and_larger_ones_run_apart
     group = FusedGroup(endpoints)  # each size a search of the whole fused graph: by default 1 and 2 samples
     assert group.sizes == [1, 2] and FusedGroup(endpoints, max_rows=8).sizes == [1, 2, 4, 8]
     group.module, group.fused_ms, group.apart_ms = object(), 1.0, 1.0  # as if prepared, and fusion paid
-    assert group.worth_it(2, rows=2) and not group.worth_it(2, rows=3)  # no plan for 3: each model apart
+    assert group.worth_it(2) and not group.worth_it(1)  # one model's batch: no fused call
+
+
+def test_a_busy_model_runs_apart_and_the_others_still_fuse():
+    """A model with more samples in a batch than the fused graph has plans for runs apart, and the other models of
+    the batch still run as one fused call, each request answered with its own rows."""
+    from opsched.serving.batcher import ModelEndpoint, Request
+    from opsched.serving.fused import FusedGroup
+
+    endpoints = [ModelEndpoint(f"m{k}", _small_cnn(seed=k), (torch.randn(1, 3, 8, 8),), max_batch=8) for k in range(3)]
+    group = FusedGroup(endpoints)
+    group.fused_ms, group.apart_ms = 1.0, 1.0
+    busy, other, third = endpoints
+    calls = []
+
+    class Fused(torch.nn.Module):
+        def forward(self, *inputs):
+            calls.append([x.shape[0] for x in inputs])
+            return tuple(m.model(x) for m, x in zip(group.endpoints, inputs))
+
+    group.module = Fused()  # (each endpoint's module is its model until a plan is used)
+    batches = {other: [Request((torch.randn(1, 3, 8, 8),), 1)], third: [Request((torch.randn(2, 3, 8, 8),), 2)],
+               busy: [Request((torch.randn(3, 3, 8, 8),), 3)]}
+    group.run(batches)
+    assert calls == [[2, 2, 2]]  # other and third fused (padded to 2 rows); busy, with 3 samples, apart
+    assert busy.calls == 1 and other.calls == third.calls == 0
+    for endpoint, (request,) in batches.items():
+        got = request.future.result()["output_0"]
+        assert compare_outputs(got, endpoint.model(request.inputs[0]).detach()).ok, endpoint.name
+
+
+def test_small_bodies_are_read_on_the_event_loop_and_large_ones_on_worker_threads(server, monkeypatch):
+    """Both ways give the same answer: a body over INLINE_BYTES (here a long request id, which the answer echoes) is
+    read and answered on a worker thread."""
+    from opsched.serving import app
+
+    httpx = pytest.importorskip("httpx")
+    url = f"{server.url}/v2/models/sqrt/infer"
+    inputs = [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 4, 9]}]
+    on_the_loop = []
+    read = app.split_body
+
+    def split_body(*args):
+        try:
+            asyncio.get_running_loop()
+            on_the_loop.append(True)
+        except RuntimeError:  # no event loop runs in a worker thread
+            on_the_loop.append(False)
+        return read(*args)
+
+    monkeypatch.setattr(app, "split_body", split_body)
+    long_id = "x" * (app.INLINE_BYTES + 1)
+    for request_id in ("short", long_id):
+        answer = httpx.post(url, json={"id": request_id, "inputs": inputs}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["id"] == request_id and answer.json()["outputs"][0]["data"] == [1, 2, 3]
+    assert on_the_loop == [True, False]
 
 
 def test_compressed_bodies_unknown_endpoints_and_odd_requests_get_json_answers(server):

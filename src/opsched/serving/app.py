@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import os
 import threading
 import zlib
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -42,6 +44,12 @@ from opsched.serving.protocol import (
 )
 
 VERSION = "1"  # each model is served in one version
+# A body or an answer of at most this many bytes (an answer counted as its elements, 8 bytes each) is read or written
+# on the event loop: a hand-off to a worker thread and back costs more than reading it (a 12 KB binary request of a
+# small CNN, or a 60 KB JSON one). Larger ones go to worker threads, as many at a time as the machine has cores:
+# reading holds the interpreter lock, and more threads at it only take it from the thread running the models (under
+# an overload of JSON requests, 40 threads parsing left the models' thread a fraction of its turns).
+INLINE_BYTES = 64 << 10
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -52,6 +60,13 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
                 on_shutdown: Callable[[], Any] = lambda: None) -> Starlette:
     """The ASGI application serving ``endpoints`` by name, ready (``/v2/health/ready``) once ``ready`` is set;
     ``on_shutdown`` runs once uvicorn has stopped accepting and every request it accepted was answered."""
+    readers = anyio.CapacityLimiter(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+    async def off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)``, on a worker thread when ``size`` (bytes) is over INLINE_BYTES."""
+        if size <= INLINE_BYTES:
+            return function(*args)
+        return await anyio.to_thread.run_sync(functools.partial(function, *args), limiter=readers)
 
     def endpoint_of(request: Request) -> ModelEndpoint | JSONResponse:
         name = request.path_params["name"]
@@ -125,9 +140,9 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         body = await body_of(request)
         if isinstance(body, Response):
             return body
-        try:  # parsing a large JSON body takes a while: off the event loop, which answers health probes meanwhile
-            message, choice, inputs, batch = await run_in_threadpool(
-                parsed, endpoint, body, request.headers.get(HEADER_LENGTH.lower()))
+        try:  # a large body takes a while to read: off the event loop, which answers health probes meanwhile
+            message, choice, inputs, batch = await off_the_loop(
+                len(body), parsed, endpoint, body, request.headers.get(HEADER_LENGTH.lower()))
         except ProtocolError as e:
             return _error(400, str(e))
         try:
@@ -139,8 +154,8 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
             return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
         try:
-            content, header_length = await run_in_threadpool(write_response, endpoint.name, VERSION,
-                                                             message.get("id"), outputs, choice)
+            content, header_length = await off_the_loop(8 * sum(t.numel() for t in outputs.values()), write_response,
+                                                        endpoint.name, VERSION, message.get("id"), outputs, choice)
         except OpschedError as e:
             return _error(500, str(e))
         if header_length is None:

@@ -5,13 +5,14 @@ The fused module of all the models is made at startup, with a plan for each batc
 models' batch sizes up to ``max_rows``, 2 by default; the first searched, the others that schedule made again at
 their size, see :meth:`opsched.jobs.BatchBuilder.resize`): every plan verified model by model against the models'
 own forwards, and timed against running the models one after another. No fused module is made while serving (a build
-would take the cores from the calls). A batch runs as one fused call when the models it holds would take longer
-one by one than the fused call of all of them, by those timings (``len(present) * sequential / models >
-fused``) and no model's batch is larger than the largest prepared size; a model with no request in the batch
-then reads a copy of its example, whose outputs are dropped, and every model's batch is padded to the smallest
-prepared size that holds the largest present (the models were
-checked to answer each sample on its own). Otherwise each model runs apart. When a fused call raises, each
-model's requests run again on their own model, so that a request that fails, fails alone.
+would take the cores from the calls). The models of a batch whose samples fit the largest prepared size run as one
+fused call when they would take longer one by one than the fused call of all of them, by those timings
+(``len(present) * sequential / models > fused``); a model with no request in the batch then reads a copy of its
+example, whose outputs are dropped, and every model's batch is padded to the smallest prepared size that holds the
+largest present (the models were checked to answer each sample on its own). A model with more samples runs apart, on
+its own plans for its batch (before, one such model sent all the others apart too), and so does every model when
+the fused call would not pay. When a fused call raises, each model's
+requests run again on their own model, so that a request that fails, fails alone.
 """
 
 from __future__ import annotations
@@ -75,20 +76,19 @@ class FusedGroup:
         self.say(f"fused {names}: {result.chosen} chosen, {self.fused_ms:.2f} ms for all against "
                  f"{self.apart_ms:.2f} ms a model apart")
 
-    def worth_it(self, present: int, rows: int = 1) -> bool:
-        """Whether ``present`` models' requests, at most ``rows`` samples of each, are better served by one fused
-        call of all the models (which has plans for at most the largest prepared size)."""
-        return (self.module is not None and present > 1 and rows <= self.sizes[-1]
-                and present * self.apart_ms > self.fused_ms)
+    def worth_it(self, present: int) -> bool:
+        """Whether ``present`` models' requests, each model's fitting the largest prepared size, are better served
+        by one fused call of all the models."""
+        return self.module is not None and present > 1 and present * self.apart_ms > self.fused_ms
 
     def run(self, batches: dict[ModelEndpoint, list[Request]]) -> None:
-        """Every model's requests of one batch: one fused call where :meth:`worth_it` (each request answered with
-        its own rows), each model apart otherwise."""
-        fusable = {e: r for e, r in batches.items() if e in self.endpoints}
-        if not self.worth_it(len(fusable), max((sum(r.batch for r in g) for g in fusable.values()), default=0)):
-            for endpoint, requests in batches.items():
-                endpoint.run(requests)
-            return
+        """Every model's requests of one batch: one fused call of the models whose samples fit the largest prepared
+        size where :meth:`worth_it` (each request answered with its own rows); the other models, or all where
+        fusing does not pay, each apart."""
+        fusable = {e: r for e, r in batches.items()
+                   if e in self.endpoints and sum(q.batch for q in r) <= self.sizes[-1]}
+        if not self.worth_it(len(fusable)):
+            fusable = {}
         for endpoint, requests in batches.items():
             if endpoint not in fusable:
                 endpoint.run(requests)
@@ -97,7 +97,7 @@ class FusedGroup:
         if not running:
             return
         needed = max(sum(r.batch for r in g) for g in running.values())
-        rows = next(b for b in self.sizes if b >= needed)  # a size prepared ahead (worth_it saw to it)
+        rows = next(b for b in self.sizes if b >= needed)  # a size prepared ahead (fusable saw to it)
         try:
             with self.endpoints[0].lock, torch.inference_mode():
                 outputs = self.module(*self._padded(running, rows))
