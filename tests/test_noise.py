@@ -116,3 +116,28 @@ def test_candidates_that_compile_to_one_program_are_timed_once_and_reported_toge
     assert ios_calls == [1]  # verified, never timed
     assert ev.measured_ms["ios"] == ev.measured_ms["sequential"] and ev.same_program == {"ios": "sequential"}
     assert len(sequential_calls) > 10  # timed, and timed twice as the run's control
+
+
+def test_a_configuration_left_out_of_a_race_is_compared_over_the_rounds_it_ran():
+    fast = [10.0, 10.2, 9.9, 10.1, 10.0, 10.1, 9.8]
+    slow = [14.0, 14.2, 13.9]  # left out after three rounds
+    assert ratio_interval(fast, slow) == ratio_interval(fast[:3], slow)
+    assert beats(fast, slow) and choose({"slow": slow, "fast": fast}, ["slow", "fast"]) == ("fast", ["fast"])
+    with pytest.raises(ValueError):
+        ratio_interval([], slow)
+
+
+def test_evaluate_times_a_plainly_slower_configuration_for_fewer_rounds():
+    import torch
+
+    x = torch.ones(3)
+
+    def slow():
+        time.sleep(0.005)
+        return x * 2
+
+    ev = evaluate([Candidate("slow", slow, "peer"), Candidate("fast", lambda: x * 2)], reference=x * 2, repeats=12)
+    assert ev.chosen == "fast" and len(ev.samples["fast"]) == 12
+    assert len(ev.samples["slow"]) == 12  # the first configuration is timed twice (the control): never left out
+    ev = evaluate([Candidate("fast", lambda: x * 2), Candidate("slow", slow, "peer")], reference=x * 2, repeats=12)
+    assert ev.chosen == "fast" and len(ev.samples["slow"]) < 12 and ev.ratio("fast", "slow")["high"] < 1

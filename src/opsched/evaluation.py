@@ -106,6 +106,7 @@ class Evaluation:
 UNSTEADY_SPREAD = 2.0     # a median more than this times the fastest sample is re-measured
 UNEXPECTED_FACTOR = 3.0   # a median more than this times the prediction is re-measured
 MAX_RETIMINGS = 2
+RACE_AFTER = 5  # rounds before a configuration plainly slower than the fastest stops being timed (timing.RACE_MARGIN)
 
 
 def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float | None = None, repeats: int = 15,
@@ -118,7 +119,9 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     Candidates with the same ``program`` are timed once. One candidate (the first verified) is timed twice,
     the second time as a control: how far its two medians land apart is the run's noise floor, and no
     configuration is chosen over a simpler one for a gain below it or below the bootstrap interval of the
-    ratio.
+    ratio. A configuration whose every sample after RACE_AFTER rounds is slower by RACE_MARGIN (10%) than every
+    sample of the fastest is timed no more: it can be neither chosen nor tied, and its median is of the rounds it
+    ran (:func:`opsched.timing.interleaved_samples`).
 
     Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
     so that no configuration pays page faults for what another allocated before it.
@@ -169,11 +172,13 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     # the control: the first configuration again, as one more in every round (see opsched.noise)
     runners = [c.run for c in timed] + [timed[0].run]
     around = [(c.prepare, c.settle) for c in timed] + [(timed[0].prepare, timed[0].settle)]
-    samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around)
+    # the control and the configuration it repeats run every round (the noise floor compares them)
+    race = {"race_after": RACE_AFTER, "keep": (0, len(runners) - 1)}
+    samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around, **race)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(timed, samples):
             break
-        samples = interleaved_samples(runners, repeats, warmup=1, after_each=progress, around=around)
+        samples = interleaved_samples(runners, repeats, warmup=1, after_each=progress, around=around, **race)
     *samples, again = samples
     for c, s in zip(timed, samples):
         if unsteady(s, UNSTEADY_SPREAD):

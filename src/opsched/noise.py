@@ -41,7 +41,9 @@ def same_program_spread(first: Sequence[float], again: Sequence[float]) -> float
 def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = CONFIDENCE,
                    resamples: int = RESAMPLES, seed: int = 0) -> tuple[float, float, float]:
     """``median(a) / median(b)`` and its bootstrap ``confidence`` interval, resampling the paired rounds
-    (``a[i]`` and ``b[i]`` were timed in the same round). Seeded: the same samples give the same interval.
+    (``a[i]`` and ``b[i]`` were timed in the same round). Where one list is shorter (a configuration left out of
+    the later rounds of a race, :func:`opsched.timing.interleaved_samples`), both are taken over the rounds they
+    were both timed in. Seeded: the same samples give the same interval.
 
     >>> ratio, low, high = ratio_interval([10.0, 10.5, 9.8, 10.2], [20.0, 20.4, 19.9, 20.1])
     >>> round(ratio, 3), low < ratio < high < 0.52
@@ -49,9 +51,10 @@ def ratio_interval(a: Sequence[float], b: Sequence[float], confidence: float = C
     """
     import numpy as np
 
-    if len(a) != len(b) or not a:
-        raise ValueError("ratio_interval needs two equally long, non-empty lists of paired samples")
-    first, second = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    rounds = min(len(a), len(b))
+    if not rounds:
+        raise ValueError("ratio_interval needs two non-empty lists of paired samples")
+    first, second = np.asarray(a[:rounds], dtype=np.float64), np.asarray(b[:rounds], dtype=np.float64)
     ratio = float(np.median(first) / np.median(second))
     picks = np.random.default_rng(seed).integers(0, len(first), size=(resamples, len(first)))
     ratios = np.sort(np.median(first[picks], axis=1) / np.median(second[picks], axis=1))

@@ -21,10 +21,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 MAX_INNER = 50
+# how much slower than the fastest runner's slowest sample a runner's fastest sample must be for a race to leave it
+# out (interleaved_samples): well above the same-program spread of a run here (1-3%), so that a runner as fast as
+# the fastest is not left out by chance
+RACE_MARGIN = 1.10
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
 TRIM_THRESHOLD = 64 << 20  # and twice that for trimming, as glibc's moving thresholds keep it
 
@@ -64,13 +68,23 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
 
 def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1,
                         min_sample_seconds: float = 0.0, after_each: Callable[[], Any] | None = None,
-                        around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None
-                        ) -> list[list[float]]:
+                        around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None,
+                        race_after: int | None = None, keep: Collection[int] = ()) -> list[list[float]]:
     """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
     calls each, each sample after an untimed lead-in call. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
     that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
-    advance a progress bar); ``around[i]``, when given, is (prepare, settle), called before and after each
-    call of runner i, untimed (either may be None)."""
+    advance a progress bar; a runner left out calls it for the samples it skips); ``around[i]``, when given, is
+    (prepare, settle), called before and after each call of runner i, untimed (either may be None).
+
+    With ``race_after``, from that round on a runner is left out of the rounds left once every sample of it is
+    slower by RACE_MARGIN than every sample of the runner with the lowest median (never one in ``keep``): its
+    samples stop at that round. Such a runner cannot be the fastest, nor tie with it; the time goes to those that
+    can.
+
+    >>> fast, slow = interleaved_samples([lambda: None, lambda: time.sleep(0.002)], repeats=9, race_after=3)
+    >>> len(fast), len(slow)
+    (9, 3)
+    """
     around = list(around) if around is not None else [(None, None)] * len(runners)
 
     def calls(i: int, times: int) -> float:
@@ -98,11 +112,18 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
             once = calls(i, 1)
         inner.append(max(1, min(MAX_INNER, int(min_sample_seconds / max(once, 1e-7)))))
     samples: list[list[float]] = [[] for _ in runners]
-    for _ in range(repeats):
-        for i in range(len(runners)):
+    running = list(range(len(runners)))
+    for round_ in range(1, repeats + 1):
+        for i in running:
             calls(i, 1)  # the lead-in (see the module docstring), untimed
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:
+                after_each()
+        if race_after is not None and round_ >= race_after:
+            fastest = max(samples[min(running, key=lambda i: statistics.median(samples[i]))])
+            out = [i for i in running if i not in keep and min(samples[i]) > RACE_MARGIN * fastest]
+            running = [i for i in running if i not in out]
+            for _ in range(len(out) * (repeats - round_) if after_each else 0):
                 after_each()
     return samples
 
