@@ -1071,4 +1071,12 @@ def test_a_model_batch_with_a_dynamic_batch_makes_other_sizes_from_its_schedule(
     with torch.no_grad():  # out of the declared range: answered by the models, a plan built whole
         xs = [torch.randn(5, 64, 4, 4) for _ in models]
         assert all(close(g, m(x)) for g, m, x in zip(fast(*xs), models, xs))
+        models[1].body[0].weight.mul_(-1)  # a weight change: the plan made again from its schedule, not searched
+        xs = [x for (x,) in first]
+        assert all(close(g, m(x)) for g, m, x in zip(fast(*xs), models, xs))  # (wait=True: rebuilt, then answered)
+    plan = fast.plans[call_signature(tuple(xs))]
+    if winner == "a fused plan":
+        assert not plan.stale and "the schedule made for input 0 (1, 64, 4, 4)" in plan.note, plan.summary()
+    else:  # the models themselves answer: nothing of their weights in the plan, nothing to make again
+        assert plan.chosen == "sequential_models" and plan.made == 1, plan.summary()
     fast.close()
