@@ -1,10 +1,16 @@
 """Interleaved timing that stops once the fastest is clear (opsched.timing.medians_until_apart): it stops after
-its first rounds where one runner is apart from the others, and runs every round where none is."""
+its first rounds where one runner is apart from the others, and runs every round where none is; and the race of
+an evaluation's configurations (opsched.timing.race_leavers), against timing every one every round."""
 
 import itertools
+import random
 import time
 
-from opsched.timing import interleaved_samples, medians_until_apart
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opsched.noise import choose, same_program_spread
+from opsched.timing import interleaved_samples, medians_until_apart, race_leavers
 
 
 def _counted(seconds: float, calls: list[int], k: int):
@@ -41,21 +47,72 @@ def test_it_never_runs_more_rounds_than_asked():
     assert calls == [7, 7]  # one warm-up, three rounds of two calls
 
 
-def test_a_race_stops_timing_a_plainly_slower_runner_but_never_one_it_keeps():
-    calls, ticks = [0, 0, 0], []
-    runners = [_counted(0.0, calls, 0), _counted(0.004, calls, 1), _counted(0.004, calls, 2)]
-    fast, slow, kept = interleaved_samples(runners, repeats=8, race_after=3, keep=(2,),
-                                           after_each=lambda: ticks.append(1))
-    assert (len(fast), len(slow), len(kept)) == (8, 3, 8)
-    assert calls[1] == 1 + 3 * 2  # a warm-up call, then three rounds of a lead-in and a timed call
-    assert len(ticks) == 3 * 8  # the progress of every sample asked, those skipped included
+class FakeClock:
+    """A clock only the runners move, each by its cost: timings without the machine's noise."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def runner(self, seconds: float, calls: list[int], k: int):
+        def run():
+            calls[k] += 1
+            self.now += seconds
+        return run
+
+
+def test_a_race_stops_timing_a_plainly_slower_runner_but_never_the_control_pair(monkeypatch):
+    import opsched.timing
+
+    clock, calls, ticks = FakeClock(), [0, 0, 0, 0], []
+    monkeypatch.setattr(opsched.timing, "time", clock)
+    runners = [clock.runner(s, calls, k) for k, s in enumerate([0.002, 0.0021, 0.004, 0.002])]
+    fast, close, slow, again = interleaved_samples(runners, repeats=8, race_after=3, control=(0, 3),
+                                                   after_each=lambda: ticks.append(1))
+    assert (len(fast), len(close), len(slow), len(again)) == (8, 8, 3, 8)  # close: 5% slower, never left out
+    assert calls[2] == 1 + 3 * 2  # a warm-up call, then three rounds of a lead-in and a timed call
+    assert len(ticks) == 4 * 8  # the progress of every sample asked, those skipped included
     # without race_after every runner runs every round
-    assert [len(s) for s in interleaved_samples(runners[:2], repeats=4)] == [4, 4]
+    assert [len(s) for s in interleaved_samples(runners[:3], repeats=4)] == [4, 4, 4]
 
 
-def test_a_race_never_leaves_out_a_runner_as_fast_as_the_fastest():
-    """Two runners of one program: every sample of one would have to be 10% slower than every sample of the other,
-    which alternating steady calls never are."""
-    calls = [0, 0]
-    a, b = interleaved_samples([_counted(0.002, calls, 0), _counted(0.002, calls, 1)], repeats=10, race_after=3)
-    assert len(a) == len(b) == 10
+def test_no_race_while_the_control_pair_lies_apart():
+    samples = [[10.0, 10.0, 10.0], [13.0, 13.0, 13.0], [10.5, 10.4, 10.6]]  # the control 5% from what it repeats
+    assert race_leavers(samples, [0, 1, 2], (0, 2)) == []
+    samples[2] = [10.1, 10.0, 10.1]
+    assert race_leavers(samples, [0, 1, 2], (0, 2)) == [1]
+
+
+def _raced(samples: list[list[float]], race_after: int, control: tuple[int, int]) -> list[list[float]]:
+    """``samples`` as a race would have left them: each runner's cut at the round it was left out."""
+    running, stop = list(range(len(samples))), {}
+    for round_ in range(race_after, len(samples[0]) + 1):
+        so_far = [s[:round_] for s in samples]
+        for i in race_leavers(so_far, running, control):
+            stop[i] = round_
+        running = [i for i in running if i not in stop]
+    return [s[:stop.get(i, len(s))] for i, s in enumerate(samples)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.floats(0.6, 2.0), st.sampled_from([1.0, 1.05, 1.1, 1.12])), min_size=2, max_size=7),
+       st.sampled_from([0.005, 0.02, 0.05, 0.15, 0.3]),
+       st.booleans(), st.integers(0, 2**32 - 1))
+def test_a_race_keeps_the_choice_of_timing_every_round(speeds, spread, slowed_rounds, seed):
+    """Against the independent reference of timing every configuration every round (15 rounds, the control
+    timed twice, opsched.noise.choose on the run's same-program spread), on runs from quiet to 30% noise, some with
+    a round in seven slowed by half: the race chooses the same configuration."""
+    rng = random.Random(seed)
+
+    def sample(speed: float, round_: int) -> float:
+        return 10 * speed * (1 + abs(rng.gauss(0, spread))) * (1.5 if slowed_rounds and round_ % 7 == 3 else 1)
+
+    samples = [[sample(speed, r) for r in range(15)] for speed in [*speeds, speeds[0]]]
+    control = (0, len(speeds))
+    floor = same_program_spread(samples[0], samples[-1])
+    names = [f"c{i}" for i in range(len(speeds))]
+    everything = choose(dict(zip(names, samples)), names, floor)
+    raced = choose(dict(zip(names, _raced(samples, 5, control))), names, floor)
+    assert raced[0] == everything[0], (everything, raced)

@@ -120,8 +120,8 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     the second time as a control: how far its two medians land apart is the run's noise floor, and no
     configuration is chosen over a simpler one for a gain below it or below the bootstrap interval of the
     ratio. A configuration whose every sample after RACE_AFTER rounds is slower by RACE_MARGIN (10%) than every
-    sample of the fastest is timed no more: it can be neither chosen nor tied, and its median is of the rounds it
-    ran (:func:`opsched.timing.interleaved_samples`).
+    sample of the fastest is timed no more, while the control lies within 3% of what it repeats
+    (:func:`opsched.timing.race_leavers`): its median is of the rounds it ran.
 
     Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
     so that no configuration pays page faults for what another allocated before it.
@@ -173,7 +173,7 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     runners = [c.run for c in timed] + [timed[0].run]
     around = [(c.prepare, c.settle) for c in timed] + [(timed[0].prepare, timed[0].settle)]
     # the control and the configuration it repeats run every round (the noise floor compares them)
-    race = {"race_after": RACE_AFTER, "keep": (0, len(runners) - 1)}
+    race = {"race_after": RACE_AFTER, "control": (0, len(runners) - 1)}
     samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around, **race)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(timed, samples):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MAX_INNER = 50
@@ -29,6 +29,7 @@ MAX_INNER = 50
 # out (interleaved_samples): well above the same-program spread of a run here (1-3%), so that a runner as fast as
 # the fastest is not left out by chance
 RACE_MARGIN = 1.10
+RACE_QUIET = 0.03  # and no race while one program timed twice lands further apart than this (its medians)
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
 TRIM_THRESHOLD = 64 << 20  # and twice that for trimming, as glibc's moving thresholds keep it
 
@@ -69,21 +70,17 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
 def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1,
                         min_sample_seconds: float = 0.0, after_each: Callable[[], Any] | None = None,
                         around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None,
-                        race_after: int | None = None, keep: Collection[int] = ()) -> list[list[float]]:
+                        race_after: int | None = None, control: tuple[int, int] | None = None
+                        ) -> list[list[float]]:
     """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
     calls each, each sample after an untimed lead-in call. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
     that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
     advance a progress bar; a runner left out calls it for the samples it skips); ``around[i]``, when given, is
     (prepare, settle), called before and after each call of runner i, untimed (either may be None).
 
-    With ``race_after``, from that round on a runner is left out of the rounds left once every sample of it is
-    slower by RACE_MARGIN than every sample of the runner with the lowest median (never one in ``keep``): its
-    samples stop at that round. Such a runner cannot be the fastest, nor tie with it; the time goes to those that
-    can.
-
-    >>> fast, slow = interleaved_samples([lambda: None, lambda: time.sleep(0.002)], repeats=9, race_after=3)
-    >>> len(fast), len(slow)
-    (9, 3)
+    With ``race_after`` and ``control`` (two runners of one program), from that round on the rounds left are
+    raced: a runner :func:`race_leavers` names is left out of them, its samples stopping at that round; the time
+    goes to those that can still be the fastest or tie with it.
     """
     around = list(around) if around is not None else [(None, None)] * len(runners)
 
@@ -119,13 +116,30 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:
                 after_each()
-        if race_after is not None and round_ >= race_after:
-            fastest = max(samples[min(running, key=lambda i: statistics.median(samples[i]))])
-            out = [i for i in running if i not in keep and min(samples[i]) > RACE_MARGIN * fastest]
+        if race_after is not None and control is not None and round_ >= race_after:
+            out = race_leavers(samples, running, control)
             running = [i for i in running if i not in out]
             for _ in range(len(out) * (repeats - round_) if after_each else 0):
                 after_each()
     return samples
+
+
+def race_leavers(samples: Sequence[Sequence[float]], running: Sequence[int], control: tuple[int, int]) -> list[int]:
+    """The runners of ``running`` a race leaves out after the rounds of ``samples``: those whose every sample is
+    slower by RACE_MARGIN than every sample of the runner with the lowest median. None while the ``control`` pair,
+    one program timed twice, lies further apart than RACE_QUIET: a run that noisy could call a runner 10% slower
+    on some rounds tied with the fastest over all of them (opsched.noise.choose), and leaving it out would
+    change the choice. Never one of the pair.
+
+    >>> race_leavers([[10, 11], [10, 11], [12.5, 13], [11.5, 12]], [0, 1, 2, 3], (0, 1))
+    [2]
+    """
+    from opsched.noise import same_program_spread
+
+    if same_program_spread(samples[control[0]], samples[control[1]]) > RACE_QUIET:
+        return []
+    fastest = max(samples[min(running, key=lambda i: statistics.median(samples[i]))])
+    return [i for i in running if i not in control and min(samples[i]) > RACE_MARGIN * fastest]
 
 
 def medians_until_apart(runners: Sequence[Callable[[], Any]], repeats: int, first: int = 5) -> list[float]:
