@@ -152,3 +152,39 @@ def test_evaluate_times_a_plainly_slower_configuration_for_fewer_rounds(monkeypa
     assert ev.chosen == "fast" and len(ev.samples["fast"]) == len(ev.samples["slow"]) == 12  # slow: the control
     ev = evaluate([fast, slow], reference=x * 2, repeats=12)
     assert ev.chosen == "fast" and len(ev.samples["slow"]) == 5 and ev.ratio("fast", "slow")["high"] < 1
+
+
+def test_a_configuration_the_race_left_out_is_not_chosen_when_the_machine_slows_after(monkeypatch):
+    """Eager, 13% slower than IOS's plan, left out after 5 rounds; then every call runs 20% slower. Over full
+    medians eager's five quick rounds would pass for the fastest (a review found this): it is neither chosen nor
+    tied, and IOS's plan, faster in every round, is kept, as timing every round chooses."""
+    import torch
+
+    import opsched.timing
+
+    class Clock:
+        now, factor = 0.0, 1.0
+
+        def perf_counter(self):
+            return self.now
+
+    clock, x, calls = Clock(), torch.ones(3), {"ios": 0}
+    monkeypatch.setattr(opsched.timing, "time", clock)
+
+    def taking(seconds, name=None):
+        def run():
+            clock.now += seconds * clock.factor
+            if name:
+                calls[name] += 1
+                if calls[name] == 2 + 5 * 2 + 1:  # (the verification call, two warm-ups, five rounds of two)
+                    clock.factor = 1.2
+            return x * 2
+        return run
+
+    candidates = [Candidate("sequential", taking(0.0100)), Candidate("ios", taking(0.0098, "ios")),
+                  Candidate("eager", taking(0.0113), "peer")]
+    ev = evaluate(candidates, reference=x * 2, repeats=15)
+    assert ev.left_out == {"eager"} and len(ev.samples["eager"]) == 5
+    assert ev.measured_ms["eager"] < ev.measured_ms["ios"]  # its median is of the quick rounds only
+    assert ev.chosen == "ios" and "eager" not in ev.tie
+    assert ev.fastest("peer") == "eager"  # the only peer: still the one to report beside the plan

@@ -75,6 +75,7 @@ class Evaluation:
     noise_control: str | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
+    left_out: set[str] = field(default_factory=set)  # timed for fewer rounds: the race left them out
 
     def fastest(self, kind: str) -> str | None:
         """The configuration of ``kind`` (``schedule`` or ``peer``) to use: the simplest of that kind that the
@@ -82,7 +83,12 @@ class Evaluation:
         from opsched.noise import choose
 
         names = [n for n in self.order if self.kinds[n] == kind]
-        return choose(self.samples, names, self.noise_floor or 0.0)[0] if names else None
+        timed_through = [n for n in names if n not in self.left_out]
+        if timed_through:
+            return choose(self.samples, timed_through, self.noise_floor or 0.0)[0]
+        # every one of the kind left out by the race: the fastest over the rounds they all ran
+        rounds = min((len(self.samples[n]) for n in names), default=0)
+        return min(names, key=lambda n: statistics.median(self.samples[n][:rounds])) if names else None
 
     def ratio(self, name: str, than: str) -> dict[str, float]:
         """``name``'s median over ``than``'s, with its bootstrap interval over this run's rounds."""
@@ -190,10 +196,14 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     result.noise_floor = same_program_spread(samples[0], again)
     result.noise_control = timed[0].label
     by_label = {c.label: s for c, s in zip(timed, samples)}
+    rounds = len(samples[0])  # the control's first configuration ran every round
     for c in verified:
         s = by_label[alias[c.label].label if c.label in alias else c.label]
         ms = statistics.median(s)
-        if c.name not in result.measured_ms or ms < result.measured_ms[c.name]:
+        # a name's thread counts: one timed every round over one the race left out, then the lower median (the
+        # medians of a left-out one and a full one are of different rounds: the machine may have slowed between)
+        rank = (len(s) < rounds, ms)
+        if c.name not in result.measured_ms or rank < (c.name in result.left_out, result.measured_ms[c.name]):
             result.measured_ms[c.name] = ms
             result.threads[c.name] = c.threads
             result.kinds[c.name] = c.kind
@@ -204,8 +214,15 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
                 result.same_program[c.name] = alias[c.label].name
             else:
                 result.same_program.pop(c.name, None)
+            if len(s) < rounds:
+                result.left_out.add(c.name)
+            else:
+                result.left_out.discard(c.name)
     result.order = [n for kind in ("peer", "schedule") for n in result.measured_ms if result.kinds[n] == kind]
-    result.chosen, result.tie = choose(result.samples, result.order, result.noise_floor)
+    # the race's left-out configurations are neither chosen nor tied: compared on full medians, one left out
+    # before the machine slowed could pass for faster than what beat it in every round they shared
+    result.chosen, result.tie = choose(result.samples, [n for n in result.order if n not in result.left_out],
+                                       result.noise_floor)
     return result
 
 

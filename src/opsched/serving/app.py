@@ -44,12 +44,19 @@ from opsched.serving.protocol import (
 )
 
 VERSION = "1"  # each model is served in one version
-# A body or an answer of at most this many bytes (an answer counted as its elements, 8 bytes each) is read or written
+# A body or an answer of at most this many bytes (an answer as answer_size counts it) is read or written
 # on the event loop: a hand-off to a worker thread and back costs more than reading it (a 12 KB binary request of a
 # small CNN, or a 60 KB JSON one). Larger ones go to worker threads, as many at a time as the machine has cores:
 # reading holds the interpreter lock, and more threads at it only take it from the thread running the models (under
 # an overload of JSON requests, 40 threads parsing left the models' thread a fraction of its turns).
 INLINE_BYTES = 64 << 10
+
+
+def answer_size(outputs: dict[str, Any], binary: dict[str, bool], request_id: Any) -> int:
+    """About how many bytes an answer takes to write: each output's elements as binary data or as JSON text (some
+    20 characters a number), and the request's id, which the answer echoes (any JSON value a client sent)."""
+    elements = sum(t.numel() * (t.element_size() if binary.get(name) else 20) for name, t in outputs.items())
+    return elements + (0 if request_id is None else len(repr(request_id)))
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -154,7 +161,7 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
         except Exception as e:  # noqa: BLE001 - the model raised: its message, and every other request goes on
             return _error(500, f"model {endpoint.name!r} failed: {first_line(e)}")
         try:
-            content, header_length = await off_the_loop(8 * sum(t.numel() for t in outputs.values()), write_response,
+            content, header_length = await off_the_loop(answer_size(outputs, choice, message.get("id")), write_response,
                                                         endpoint.name, VERSION, message.get("id"), outputs, choice)
         except OpschedError as e:
             return _error(500, str(e))
