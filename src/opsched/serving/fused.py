@@ -17,6 +17,7 @@ requests run again on their own model, so that a request that fails, fails alone
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,9 +67,12 @@ class FusedGroup:
         except Exception as e:  # noqa: BLE001 - the models run apart
             self.say(f"{names} run apart: {first_line(e)}")
             return
-        measured = result.measured_ms
-        self.fused_ms = measured[result.chosen]
-        self.apart_ms = measured["sequential_models"] / len(self.endpoints)
+        # over the rounds both were timed in: the evaluation's race may have stopped timing one of them early
+        samples = result.outcome.evaluation.samples
+        fused, apart = samples[result.chosen], samples["sequential_models"]
+        rounds = min(len(fused), len(apart))
+        self.fused_ms = statistics.median(fused[:rounds])
+        self.apart_ms = statistics.median(apart[:rounds]) / len(self.endpoints)
         if self.stopping:  # made as the server stopped: never used
             module.close()
             return
