@@ -184,7 +184,7 @@ def test_a_configuration_the_race_left_out_is_not_chosen_when_the_machine_slows_
     candidates = [Candidate("sequential", taking(0.0100)), Candidate("ios", taking(0.0098, "ios")),
                   Candidate("eager", taking(0.0113), "peer")]
     ev = evaluate(candidates, reference=x * 2, repeats=15)
-    assert ev.left_out == {"eager"} and len(ev.samples["eager"]) == 5
+    assert ev.left_out == {"eager"} and len(ev.samples["eager"]) == 5 and ev.noise()["left_out"] == {"eager": 5}
     assert ev.measured_ms["eager"] < ev.measured_ms["ios"]  # its median is of the quick rounds only
     assert ev.chosen == "ios" and "eager" not in ev.tie
     assert ev.fastest("peer") == "eager"  # the only peer: still the one to report beside the plan

@@ -100,10 +100,12 @@ class Evaluation:
     def noise(self) -> dict[str, Any]:
         """The run's noise as reported beside its figures: the same-program spread and what was timed twice,
         the names tied at the top, the chosen configuration's ratio to every other verified name, and
-        opsched's plan (the one :meth:`fastest` keeps) over the peer it keeps, each with its interval."""
+        opsched's plan (the one :meth:`fastest` keeps) over the peer it keeps, each with its interval, and the
+        rounds each configuration the race left out was timed for."""
         plan, peer = self.fastest("schedule"), self.fastest("peer")
         return {"same_program_spread": None if self.noise_floor is None else round(self.noise_floor, 4),
                 "timed_twice": self.noise_control, "tie": list(self.tie), "same_program": dict(self.same_program),
+                "left_out": {n: len(self.samples[n]) for n in sorted(self.left_out)},
                 "chosen_over": {n: self.ratio(self.chosen, n) for n in self.order if n != self.chosen}
                 if self.chosen else {},
                 "plan_over_peer": {"plan": plan, "peer": peer, **self.ratio(plan, peer)} if plan and peer else None}

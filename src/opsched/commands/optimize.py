@@ -137,7 +137,9 @@ def _print(result: dict[str, Any], schedules) -> None:
         if name in measured:
             ms = measured[name]
             threads = result.get("threads", {}).get(name)
-            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({count(threads, 'thread')})" if threads else "")
+            rounds = result.get("noise", {}).get("left_out", {}).get(name)
+            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({count(threads, 'thread')})" if threads else "") \
+                + (f"  (timed {rounds} rounds: plainly slower, left out)" if rounds else "")
         elif name in dropped:
             line += f"  dropped: {dropped[name]}"
         elif predicted and not measured:
@@ -147,7 +149,9 @@ def _print(result: dict[str, Any], schedules) -> None:
     if measured:
         chosen = result["chosen"]
         peer_names = [p for p in peers if p in measured]
-        best_peer = min(peer_names, key=measured.__getitem__)
+        left_out = result.get("noise", {}).get("left_out", {})
+        # (a left-out peer's median is of the first rounds only: not compared with the others' medians)
+        best_peer = min([p for p in peer_names if p not in left_out] or peer_names, key=measured.__getitem__)
         print(f"chosen     {chosen} (*): {measured[best_peer] / measured[chosen]:.2f}x the fastest peer "
               f"({best_peer}); {choice_text(result)}; the plan written is {result['plan_method']}'s schedule and "
               "records the choice")
