@@ -75,7 +75,12 @@ class Evaluation:
     noise_control: str | None = None
     samples: dict[str, list[float]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
-    left_out: set[str] = field(default_factory=set)  # timed for fewer rounds: the race left them out
+
+    @property
+    def left_out(self) -> set[str]:
+        """The configurations timed for fewer rounds than the others: the race left them out."""
+        rounds = max((len(s) for s in self.samples.values()), default=0)
+        return {n for n, s in self.samples.items() if len(s) < rounds}
 
     def fastest(self, kind: str) -> str | None:
         """The configuration of ``kind`` (``schedule`` or ``peer``) to use: the simplest of that kind that the
@@ -83,7 +88,8 @@ class Evaluation:
         from opsched.noise import choose
 
         names = [n for n in self.order if self.kinds[n] == kind]
-        timed_through = [n for n in names if n not in self.left_out]
+        left_out = self.left_out
+        timed_through = [n for n in names if n not in left_out]
         if timed_through:
             return choose(self.samples, timed_through, self.noise_floor or 0.0)[0]
         # every one of the kind left out by the race: the fastest over the rounds they all ran
@@ -204,8 +210,8 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
         ms = statistics.median(s)
         # a name's thread counts: one timed every round over one the race left out, then the lower median (the
         # medians of a left-out one and a full one are of different rounds: the machine may have slowed between)
-        rank = (len(s) < rounds, ms)
-        if c.name not in result.measured_ms or rank < (c.name in result.left_out, result.measured_ms[c.name]):
+        if c.name not in result.measured_ms or (len(s) < rounds, ms) < (
+                len(result.samples[c.name]) < rounds, result.measured_ms[c.name]):
             result.measured_ms[c.name] = ms
             result.threads[c.name] = c.threads
             result.kinds[c.name] = c.kind
@@ -216,14 +222,11 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
                 result.same_program[c.name] = alias[c.label].name
             else:
                 result.same_program.pop(c.name, None)
-            if len(s) < rounds:
-                result.left_out.add(c.name)
-            else:
-                result.left_out.discard(c.name)
     result.order = [n for kind in ("peer", "schedule") for n in result.measured_ms if result.kinds[n] == kind]
     # the race's left-out configurations are neither chosen nor tied: compared on full medians, one left out
     # before the machine slowed could pass for faster than what beat it in every round they shared
-    result.chosen, result.tie = choose(result.samples, [n for n in result.order if n not in result.left_out],
+    left_out = result.left_out
+    result.chosen, result.tie = choose(result.samples, [n for n in result.order if n not in left_out],
                                        result.noise_floor)
     return result
 

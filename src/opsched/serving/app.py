@@ -67,7 +67,7 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
                 on_shutdown: Callable[[], Any] = lambda: None) -> Starlette:
     """The ASGI application serving ``endpoints`` by name, ready (``/v2/health/ready``) once ``ready`` is set;
     ``on_shutdown`` runs once uvicorn has stopped accepting and every request it accepted was answered."""
-    readers = anyio.CapacityLimiter(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    readers = anyio.CapacityLimiter(os.cpu_count() or 1)
 
     async def off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
         """``function(*args)``, on a worker thread when ``size`` (bytes) is over INLINE_BYTES."""
