@@ -152,6 +152,11 @@ def test_evaluate_times_a_plainly_slower_configuration_for_fewer_rounds(monkeypa
     assert ev.chosen == "fast" and len(ev.samples["fast"]) == len(ev.samples["slow"]) == 12  # slow: the control
     ev = evaluate([fast, slow], reference=x * 2, repeats=12)
     assert ev.chosen == "fast" and len(ev.samples["slow"]) == 5 and ev.ratio("fast", "slow")["high"] < 1
+    # with predictions, the one predicted fastest is the control: the slow plan first is left out all the same
+    slow_plan, fast_plan = Candidate("slow", taking(0.005), expected_ms=4.0), Candidate("fast", taking(0.002),
+                                                                                      expected_ms=2.0)
+    ev = evaluate([slow_plan, fast_plan], reference=x * 2, repeats=12)
+    assert ev.noise_control == "fast" and ev.left_out == {"slow"} and len(ev.samples["slow"]) == 5
 
 
 def test_a_configuration_the_race_left_out_is_not_chosen_when_the_machine_slows_after(monkeypatch):

@@ -130,12 +130,12 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     default: each output dtype's), drop those that raise or differ (saying why), time the rest interleaved
     (medians of ``repeats`` rounds) and choose (see :class:`Evaluation`).
 
-    Candidates with the same ``program`` are timed once. One candidate (the first verified) is timed twice,
-    the second time as a control: how far its two medians land apart is the run's noise floor, and no
-    configuration is chosen over a simpler one for a gain below it or below the bootstrap interval of the
-    ratio. A configuration whose every sample after RACE_AFTER rounds is slower by RACE_MARGIN (10%) than every
-    sample of the fastest is timed no more, while the control lies within 3% of what it repeats
-    (:func:`opsched.timing.race_leavers`): its median is of the rounds it ran.
+    Candidates with the same ``program`` are timed once. One candidate (the one with the lowest ``expected_ms``,
+    else the first verified) is timed twice, the second time as a control: how far its two medians land apart is
+    the run's noise floor, and no configuration is chosen over a simpler one for a gain below it or below the
+    bootstrap interval of the ratio. A configuration whose every sample after RACE_AFTER rounds is slower by
+    RACE_MARGIN (10%) than every sample of the fastest is timed no more, a margin that widens to three times the
+    control's spread in a noisier run (:func:`opsched.timing.race_leavers`): its median is of the rounds it ran.
 
     Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
     so that no configuration pays page faults for what another allocated before it.
@@ -183,11 +183,15 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     if not verified:
         return result
     timed, alias = _distinct_programs(verified)
-    # the control: the first configuration again, as one more in every round (see opsched.noise)
-    runners = [c.run for c in timed] + [timed[0].run]
-    around = [(c.prepare, c.settle) for c in timed] + [(timed[0].prepare, timed[0].settle)]
+    # the control, one configuration again as one more in every round (see opsched.noise): the one predicted
+    # fastest, since the race never leaves the pair out (a slow one timed twice every round cost Inception V3's
+    # evaluation a third of its time), else the first
+    predicted = [k for k, c in enumerate(timed) if c.expected_ms]
+    twice = min(predicted, key=lambda k: timed[k].expected_ms) if predicted else 0
+    runners = [c.run for c in timed] + [timed[twice].run]
+    around = [(c.prepare, c.settle) for c in timed] + [(timed[twice].prepare, timed[twice].settle)]
     # the control and the configuration it repeats run every round (the noise floor compares them)
-    race = {"race_after": RACE_AFTER, "control": (0, len(runners) - 1)}
+    race = {"race_after": RACE_AFTER, "control": (twice, len(runners) - 1)}
     samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around, **race)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(timed, samples):
@@ -201,10 +205,10 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
         elif c.expected_ms and statistics.median(s) > UNEXPECTED_FACTOR * c.expected_ms:
             result.warnings.append(f"{c.label}: measured {statistics.median(s) / c.expected_ms:.1f}x its "
                                    "prediction in every measurement")
-    result.noise_floor = same_program_spread(samples[0], again)
-    result.noise_control = timed[0].label
+    result.noise_floor = same_program_spread(samples[twice], again)
+    result.noise_control = timed[twice].label
     by_label = {c.label: s for c, s in zip(timed, samples)}
-    rounds = len(samples[0])  # the control's first configuration ran every round
+    rounds = len(again)  # the control ran every round
     for c in verified:
         s = by_label[alias[c.label].label if c.label in alias else c.label]
         ms = statistics.median(s)

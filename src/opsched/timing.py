@@ -26,10 +26,10 @@ from typing import Any
 
 MAX_INNER = 50
 # how much slower than the fastest runner's slowest sample a runner's fastest sample must be for a race to leave it
-# out (interleaved_samples): well above the same-program spread of a run here (1-3%), so that a runner as fast as
-# the fastest is not left out by chance
+# out (interleaved_samples): well above the same-program spread of a quiet run here (1-3%), so that a runner as
+# fast as the fastest is not left out by chance
 RACE_MARGIN = 1.10
-RACE_QUIET = 0.03  # and no race while one program timed twice lands further apart than this (its medians)
+RACE_SPREADS = 3.0  # in a noisier run, the margin is this many times one program timed twice lands apart (medians)
 MMAP_THRESHOLD = 32 << 20  # glibc's own ceiling for its moving threshold (64-bit)
 TRIM_THRESHOLD = 64 << 20  # and twice that for trimming, as glibc's moving thresholds keep it
 
@@ -126,20 +126,22 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
 
 def race_leavers(samples: Sequence[Sequence[float]], running: Sequence[int], control: tuple[int, int]) -> list[int]:
     """The runners of ``running`` a race leaves out after the rounds of ``samples``: those whose every sample is
-    slower by RACE_MARGIN than every sample of the runner with the lowest median. None while the ``control`` pair,
-    one program timed twice, lies further apart than RACE_QUIET: a run that noisy could call a runner 10% slower
-    on some rounds tied with the fastest over all of them (opsched.noise.choose), and leaving it out would
-    change the choice. Never one of the pair.
+    slower than every sample of the runner with the lowest median by RACE_MARGIN, or in a noisier run by
+    RACE_SPREADS times the spread of the ``control`` pair (one program timed twice) where that is more. A run that
+    noisy calls a runner some 10% slower on a few rounds tied with the fastest over all of them
+    (:func:`opsched.noise.choose` counts a gain below that spread as none), and leaving it out would change the
+    choice; a runner three spreads slower on every round is beaten. Never one of the pair.
 
     >>> race_leavers([[10, 11], [10, 11], [12.5, 13], [11.5, 12]], [0, 1, 2, 3], (0, 1))
     [2]
+    >>> race_leavers([[10, 11], [10.5, 11.5], [12.2, 13], [15, 16]], [0, 1, 2, 3], (0, 1))  # 4.5% apart: 14% margin
+    [3]
     """
     from opsched.noise import same_program_spread
 
-    if same_program_spread(samples[control[0]], samples[control[1]]) > RACE_QUIET:
-        return []
+    margin = 1.0 + max(RACE_MARGIN - 1.0, RACE_SPREADS * same_program_spread(samples[control[0]], samples[control[1]]))
     fastest = max(samples[min(running, key=lambda i: statistics.median(samples[i]))])
-    return [i for i in running if i not in control and min(samples[i]) > RACE_MARGIN * fastest]
+    return [i for i in running if i not in control and min(samples[i]) > margin * fastest]
 
 
 def medians_until_apart(runners: Sequence[Callable[[], Any]], repeats: int, first: int = 5) -> list[float]:
