@@ -1,11 +1,11 @@
 """Ensembles nobody tuned for, drawn from the single-model sweep's models (benchmarks/sweep.py): copies at batch 1
 and 8, pairs and quartets of different architectures, at two image sizes. Each row is ``opsched multi`` run as a
-user would (``--peers``, and by default ``--kernels onnxruntime``), in a process of its own: every model verified
+user would (``--peers``, and ``--kernels auto``, opsched multi's default, unless told), in a process of its own: every model verified
 against its own forward, opsched's plans and every peer (the models one after another, threads, vmap where the
 models allow it, torch.compile of the loop, ONNX Runtime sessions one after another and at the same time) timed
 interleaved. Every figure is measured on this machine.
 
-    python benchmarks/ensemble_sweep.py [--kernels onnxruntime] [--only TEXT] [--timeout 1800] [--out docs/ensembles]
+    python benchmarks/ensemble_sweep.py [--kernels auto] [--only TEXT] [--timeout 1800] [--out docs/ensembles]
 
 Rows are appended to OUT.jsonl as they finish (an interrupted sweep resumes); OUT.md is the table.
 """
@@ -102,7 +102,7 @@ def _noise(row: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kernels", default="onnxruntime", choices=["eager", "onnxruntime", "inductor"])
+    parser.add_argument("--kernels", default="auto", choices=["auto", "eager", "onnxruntime", "inductor"])
     parser.add_argument("--only", default=None, help="only the ensembles whose label holds this text")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds a row may take")
     parser.add_argument("--out", default="ensembles", help="OUT.jsonl and OUT.md are written")
@@ -111,6 +111,10 @@ def main() -> None:
     done = {}
     if jsonl.exists():
         done = {r["ensemble"]: r for r in map(json.loads, jsonl.read_text().splitlines()) if "ensemble" in r}
+        other = {r.get("kernels") for r in done.values()} - {args.kernels}
+        if other:  # a resumed sweep keeps one kernels setting: its table is labelled with one
+            raise SystemExit(f"{jsonl} holds rows with --kernels {', '.join(map(str, sorted(other, key=str)))}, "
+                             f"not {args.kernels}: choose another --out")
     work = Path(os.environ.get("TMPDIR", "/tmp")) / f"ensemble-sweep-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
     for label, models, copies, batch, size in ENSEMBLES:

@@ -2,6 +2,7 @@
 eager forward; the hivemind scheduler's schedules valid; the command's bad input refused in one line."""
 
 import copy
+import importlib.util
 import json
 import threading
 
@@ -479,6 +480,25 @@ def pre():
 
 
 
+def test_each_graph_a_model_batch_costs_is_costed_once(monkeypatch):
+    """The fusion's cost models serve the schedules: with --kernels auto a cost model times its choice again
+    each time it is made, so the graph run_workload schedules is not costed a second time."""
+    import opsched.pipeline
+
+    costed, made = [], opsched.pipeline.cost_model
+
+    def counted(graph, *args, **kwargs):
+        costed.append(graph.fingerprint)
+        return made(graph, *args, **kwargs)
+
+    monkeypatch.setattr(opsched.pipeline, "cost_model", counted)
+    # one group to batch: the graph scheduled is the batched one or the one apart, both costed by the fusion
+    models = [_randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), k) for k in range(2)]
+    result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1)
+    assert len(costed) == 2 and result.fusion.graph.fingerprint in costed and len(set(costed)) == 2
+    assert max(result.model_errors) <= 1e-5
+
+
 def test_torch_compile_of_the_loop_is_a_peer_when_asked_for():
     models = [_randomised(Residual(), k) for k in range(2)]
     result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,
@@ -613,7 +633,13 @@ def test_opsched_multi_reports_the_batch_as_the_design_says(batch_file, tmp_path
     assert {"sequential_models", "threads", "vmap"} <= set(out["measured_ms"]) | set(out["dropped"])
     assert out["max_abs_error"] <= 1e-3 and len(out["model_errors"]) == 6
     assert out["chosen"] in out["measured_ms"]
-    assert json.loads(plan.read_text())["models"]["models"] == 6
+    written = json.loads(plan.read_text())
+    assert written["models"]["models"] == 6
+    # kernels chosen block by block by default, as opsched optimize chooses them, every unit's choice recorded
+    assert out["kernels"] == "auto" and written["options"]["kernels"] == "auto"
+    if importlib.util.find_spec("onnxruntime") is not None:
+        choice = written["stats"]["kernel_choice"]
+        assert sum(choice["units"].values()) == len(written["unit_kernels"]) == out["units"]
     assert main(["multi", f"{batch_file}:batch", "--out", str(plan), "--json"]) == 2  # never overwritten
 
 

@@ -191,5 +191,9 @@ def test_a_configuration_the_race_left_out_is_not_chosen_when_the_machine_slows_
     ev = evaluate(candidates, reference=x * 2, repeats=15)
     assert ev.left_out == {"eager"} and len(ev.samples["eager"]) == 5 and ev.noise()["left_out"] == {"eager": 5}
     assert ev.measured_ms["eager"] < ev.measured_ms["ios"]  # its median is of the quick rounds only
+    # speedups pair the rounds both ran: IOS's plan 1.15x eager, where dividing the medians said 0.96x
+    speedups = ev.speedups("eager")
+    assert speedups["eager"] == 1.0 and speedups["ios"] == pytest.approx(0.0113 / 0.0098, rel=1e-3)
+    assert ev.speedups("nothing") == {}
     assert ev.chosen == "ios" and "eager" not in ev.tie
     assert ev.fastest("peer") == "eager"  # the only peer: still the one to report beside the plan

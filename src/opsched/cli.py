@@ -107,6 +107,16 @@ def _add_ios_options(p: argparse.ArgumentParser) -> None:
                    help=f"ios: cut blocks larger than N units into parts (0: no limit; default {DEFAULT_MAX_SIZE})")
 
 
+def _add_kernels_option(p: argparse.ArgumentParser, graph: str) -> None:
+    p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
+                   help=f"how units run: auto (default) runs each block of units of {graph} on the default "
+                        "kernels (eager ATen operators, convolutions reordered once) or on an ONNX Runtime session "
+                        f"(when installed), whichever measured faster, {graph} possibly as one session; on a GPU "
+                        "and with simulated costs, the default kernels; eager, inductor (compiled by TorchInductor) "
+                        "or onnxruntime (each unit or region on a session of its own) run every unit so, and the "
+                        "last two add the peers torch.compile and ONNX Runtime to the measurements")
+
+
 def _add_quiet_option(p: argparse.ArgumentParser) -> None:
     """--quiet, for the commands that say on stderr what they are doing while they work."""
     p.add_argument("-q", "--quiet", action="store_true",
@@ -186,12 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "sim:t4, sim:rtx3080, sim:k80 (figures then are simulated and nothing runs)")
     p.add_argument("--method", default="ios", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written (default ios)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
-                   help="how units run: auto (default) runs each block of units on the default kernels (eager "
-                        "ATen operators, convolutions reordered once) or on an ONNX Runtime session (when "
-                        "installed), whichever measured faster, the model possibly as one session; eager, inductor (compiled by TorchInductor) or onnxruntime (each unit or region "
-                        "on a session of its own) run every unit so, and the last two add the peers torch.compile "
-                        "and ONNX Runtime to the measurements")
+    _add_kernels_option(p, "the model")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the whole model (freezing on, compiled for each thread count "
                         "in isolation) and ONNX Runtime (when installed) beside eager; the choice (above the run's "
@@ -304,13 +309,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the scheduler whose plan is written when costs are simulated (default hivemind; measured, "
                         "the schedule chosen above the run's noise is written)")
     p.add_argument("--no-fuse", action="store_true", help="no rewrites: the models' units as captured")
-    p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
-                   help="how units run (default eager); inductor or onnxruntime compile each unit, and each run of "
-                        "units a schedule makes back to back (a region), and add the peers of --peers")
+    _add_kernels_option(p, "the fused graph of the models")
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the loop over the models (freezing on, compiled for 1 and all "
                         "threads) and, when onnxruntime is installed, every model in an ONNX Runtime session of its "
-                        "own, one after another and all at once (on with --kernels inductor)")
+                        "own, one after another and all at once (on with --kernels inductor or onnxruntime)")
     _add_run_options(p, reference="each model's own forward")
     p.add_argument("--train", action="store_true",
                    help="also train the models (SGD, cross-entropy on seeded random labels) fused and one after "

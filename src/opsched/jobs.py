@@ -276,7 +276,8 @@ def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, 
                    max_plans: int = 8, follow_weights: bool = True, dynamic_dims: Sequence[dict] = (),
                    **options: Any) -> Any:
     """Several models as one fused, scheduled, verified program (HiveMind): see
-    :func:`opsched.multi.optimize.optimize` for the options. Returns a :class:`~opsched.multi.MultiOutcome`
+    :func:`opsched.multi.optimize.optimize` for the options (``kernels`` is ``eager`` unless asked, as the server's
+    fused groups run; ``opsched multi`` asks for ``auto``). Returns a :class:`~opsched.multi.MultiOutcome`
     (``plan()``, ``module``, ``measured_ms``, ``chosen``, each model's error); raises
     :class:`VerificationError` when no fused plan verifies.
 

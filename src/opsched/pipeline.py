@@ -251,7 +251,9 @@ def _raising(error: BaseException) -> Callable[[], Any]:
 class Workload:
     """One model to optimise: its module (in eval mode, on ``device``) and example inputs, its captured
     graph, and the schedules to make: ``methods`` maps a name to (scheduler, options). ``measure``: on a real
-    device, compile, verify and time the schedules with the peers (False: cost and schedule only)."""
+    device, compile, verify and time the schedules with the peers (False: cost and schedule only). ``costed``:
+    the graph's cost model and kernels as :func:`cost_model` makes them for these settings, where made already
+    (``--kernels auto`` times its choice again on every call)."""
 
     model: Any
     inputs: tuple
@@ -269,6 +271,7 @@ class Workload:
     say: Callable[[str], Any] = lambda text: None
     profile_progress: Callable[[str, int], Any] | None = None
     measure: bool = True
+    costed: tuple[CostModel, Any] | None = None  # the graph's cost model and kernels, where made already
 
 
 @dataclass
@@ -352,8 +355,9 @@ def run_workload(job: Workload) -> Outcome:
     cores = job.cores or torch.get_num_threads()
     flat = pytree.tree_leaves(tuple(job.inputs))
     simulated = is_simulated(job.cost)
-    cost, kernels = cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels, cores=cores,
-                               cache=job.cache, progress=job.profile_progress, replayed=job.cuda_graph)
+    cost, kernels = job.costed or cost_model(job.graph, flat, job.cost, device=job.device, kernels=job.kernels,
+                                             cores=cores, cache=job.cache, progress=job.profile_progress,
+                                             replayed=job.cuda_graph)
     schedules = {}
     for name, (method, options) in job.methods.items():
         job.say(f"scheduling with {name} ...")

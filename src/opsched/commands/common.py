@@ -143,12 +143,14 @@ def block_progress():
     return update
 
 
-def measured_fields(outcome: Any, plan: Any) -> dict[str, Any]:
-    """The measured part of a job's JSON: every verified configuration's median, the one chosen, the errors,
-    and what was dropped or left out and why."""
+def measured_fields(outcome: Any, plan: Any, baseline: str = "eager") -> dict[str, Any]:
+    """The measured part of a job's JSON: every verified configuration's median and speedup over ``baseline``
+    (paired over the rounds both ran: :meth:`~opsched.evaluation.Evaluation.speedups`), the one chosen, the
+    errors, and what was dropped or left out and why."""
     ev = outcome.evaluation
     out: dict[str, Any] = {
-        "measured_ms": dict(ev.measured_ms), "threads": {n: t for n, t in ev.threads.items() if t is not None},
+        "measured_ms": dict(ev.measured_ms), "speedups": {"over": baseline, **ev.speedups(baseline)},
+        "threads": {n: t for n, t in ev.threads.items() if t is not None},
         "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(), "plan_method": plan.measured.measured_as,
         "max_error": ev.errors[plan.measured.measured_as], "max_abs_error": ev.abs_errors[plan.measured.measured_as],
         "max_errors": dict(ev.errors), "max_abs_errors": dict(ev.abs_errors), "dropped": dict(ev.dropped),

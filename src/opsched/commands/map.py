@@ -138,11 +138,10 @@ def _print(result: dict[str, Any], problem: Problem) -> None:
     print(f"transfers   {len(result['transfers'])}")
     measured = result.get("measured_ms")
     if measured:
-        eager = measured["eager"]
         print("measured    (this machine; every configuration verified against eager, timed interleaved)")
         for name, ms in sorted(measured.items(), key=lambda item: item[1]):
             mark = "*" if name == result["chosen"] else " "
-            print(f"  {mark} {name:<16} {ms:8.3f} ms  {eager / ms:5.2f}x eager")
+            print(f"  {mark} {name:<16} {ms:8.3f} ms  {result['speedups'][name]:5.2f}x eager")
         print(f"chosen      {result['chosen']}: {choice_text(result)}; the plan written is {result['plan_method']}'s "
               f"(largest error {result['max_error']:.3g} of each output's magnitude)")
     elif result.get("warnings"):

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     names, loaded, inputs, preprocess = load_command_batch(args, device)
     say(f"loaded {len(args.models)} model(s) x {args.copies}")
     methods = list(dict.fromkeys(["sequential", "lios", "hivemind", args.method]))
-    peers = MULTI_PEERS + (COMPILED_PEERS if args.peers or args.kernels != "eager" else ())
+    peers = MULTI_PEERS + (COMPILED_PEERS if args.peers or args.kernels not in ("eager", "auto") else ())
     result = optimize_batch([m.model for m in loaded], inputs, methods=methods, cost=args.cost,
                             preprocess=preprocess, kernels=args.kernels,
                             rewrites=() if args.no_fuse else ("shared", "same_input", "same_shape"),
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not simulated:
         ev = outcome.evaluation
         out.update({"measured_ms": dict(ev.measured_ms),
+                    "speedups": {"over": "sequential_models", **ev.speedups("sequential_models")},
                     "threads": {n: t for n, t in ev.threads.items() if t is not None},
                     "chosen": ev.chosen, "tie": list(ev.tie), "noise": ev.noise(),
                     "plan_method": plan.measured.measured_as, "max_error": max(result.model_errors),
@@ -87,14 +88,14 @@ def _print(out: dict[str, Any]) -> None:
     print()
     measured = out.get("measured_ms", {})
     names = list(dict.fromkeys([*out["predicted_ms"], *measured]))
-    base = measured.get("sequential_models")
+    speedups = out.get("speedups", {})  # over the rounds both ran (a race leaves plainly slower ones out early)
     print(f"  {'':<18} {'predicted ms':>13}" + (f" {'measured ms':>12} {'vs sequential':>14}" if measured else ""))
     for name in names:
         predicted = out["predicted_ms"].get(name)
         line = f"{'*' if name == out.get('chosen') else ' '} {name:<18} {f'{predicted:.3f}' if predicted else '-':>13}"
         if measured:
             ms = measured.get(name)
-            line += f" {f'{ms:.3f}' if ms else 'dropped':>12} {f'{base / ms:.2f}x' if ms and base else '':>14}"
+            line += f" {f'{ms:.3f}' if ms else 'dropped':>12} {f'{speedups[name]:.2f}x' if name in speedups else '':>14}"
         print(line)
     if measured:
         print(f"\nchosen     {out['chosen']}: {choice_text(out)}; every model within {out['max_error']:.2g} of its "

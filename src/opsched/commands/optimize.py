@@ -138,7 +138,7 @@ def _print(result: dict[str, Any], schedules) -> None:
             ms = measured[name]
             threads = result.get("threads", {}).get(name)
             rounds = result.get("noise", {}).get("left_out", {}).get(name)
-            line += f" {ms:>12.2f} {measured['eager'] / ms:>8.2f}x" + (f"  ({count(threads, 'thread')})" if threads else "") \
+            line += f" {ms:>12.2f} {result['speedups'][name]:>8.2f}x" + (f"  ({count(threads, 'thread')})" if threads else "") \
                 + (f"  (timed {rounds} rounds: plainly slower, left out)" if rounds else "")
         elif name in dropped:
             line += f"  dropped: {dropped[name]}"
@@ -152,7 +152,8 @@ def _print(result: dict[str, Any], schedules) -> None:
         left_out = result.get("noise", {}).get("left_out", {})
         # (a left-out peer's median is of the first rounds only: not compared with the others' medians)
         best_peer = min([p for p in peer_names if p not in left_out] or peer_names, key=measured.__getitem__)
-        print(f"chosen     {chosen} (*): {measured[best_peer] / measured[chosen]:.2f}x the fastest peer "
+        over_peer = 1.0 if best_peer == chosen else 1.0 / result["noise"]["chosen_over"][best_peer]["ratio"]
+        print(f"chosen     {chosen} (*): {over_peer:.2f}x the fastest peer "
               f"({best_peer}); {choice_text(result)}; the plan written is {result['plan_method']}'s schedule and "
               "records the choice")
     print(f"reason     {result['method']}: {result['reason']}")

@@ -95,7 +95,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
               "predicted_ms": plan.predicted_latency, "max_error": ev.errors[ran], "max_abs_error": ev.abs_errors[ran],
-              "tie": list(ev.tie), "noise": ev.noise(),
+              "tie": list(ev.tie), "noise": ev.noise(), "speedups": {"over": baseline, **ev.speedups(baseline)},
               "warnings": ev.warnings + outcome.notes, "engine": engine}
     if names is not None:  # each model's outputs under what ran, against its own forward, as opsched multi does
         from opsched.multi.optimize import model_errors
@@ -166,11 +166,12 @@ def _print(result: dict[str, Any], ev: Any, plan: Any, label: str, baseline: str
              if "models" in result else ""))
     width = max(13, len(baseline), len(label), len(ran))
     print(f"{baseline:<{width}} {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads[baseline]})")
+    speedups = result["speedups"]  # over the rounds both ran (a race leaves plainly slower ones out early)
     ms = ev.measured_ms[label]
-    print(f"{label:<{width}} {ms:.2f} ms  ({eager / ms:.2f}x {baseline}; predicted {plan.predicted_latency:.2f} ms)")
+    print(f"{label:<{width}} {ms:.2f} ms  ({speedups[label]:.2f}x {baseline}; predicted {plan.predicted_latency:.2f} ms)")
     if ran != label:
         ms = ev.measured_ms[ran]
-        print(f"{ran:<{width}} {ms:.2f} ms  ({eager / ms:.2f}x {baseline}): the configuration the plan chose")
+        print(f"{ran:<{width}} {ms:.2f} ms  ({speedups[ran]:.2f}x {baseline}): the configuration the plan chose")
     if args.trace:
         print(f"trace         {args.trace} (measured)")
 

@@ -121,15 +121,20 @@ class CostLatencies:
             spec, kernels, cores, cache, progress, device
         self.replayed = replayed
         self.flat = pytree.tree_leaves(tuple(inputs))
-        self.models: dict[str, Any] = {}  # by fingerprint: fuse_graph and optimize both ask for the combined graph
+        # by fingerprint, each cost model and the kernels it measured: fuse_graph and optimize both ask for the
+        # combined graph
+        self.models: dict[str, tuple[Any, Any]] = {}
 
     def cost(self, graph: Graph) -> Any:
+        return self._measured(graph)[0]
+
+    def _measured(self, graph: Graph) -> tuple[Any, Any]:
         from opsched.pipeline import cost_model
 
         if graph.fingerprint not in self.models:
-            self.models[graph.fingerprint], _ = cost_model(graph, self.flat, self.spec, device=self.device,
-                                                           kernels=self.kernels, cores=self.cores, cache=self.cache,
-                                                           progress=self.progress, replayed=self.replayed)
+            self.models[graph.fingerprint] = cost_model(graph, self.flat, self.spec, device=self.device,
+                                                        kernels=self.kernels, cores=self.cores, cache=self.cache,
+                                                        progress=self.progress, replayed=self.replayed)
         return self.models[graph.fingerprint]
 
     def __call__(self, graph: Graph) -> list[float]:
@@ -138,12 +143,15 @@ class CostLatencies:
 
     def regions_ms(self, graph: Graph) -> float | None:
         """The whole graph's units run in order, as the compiled regions they form: predicted, its regions
-        measured in place; None with eager kernels, or where a region fails to compile."""
+        measured in place; None with eager kernels (asked, or what ``auto`` chose), or where a region fails to
+        compile."""
         from opsched.pipeline import with_regions
         from opsched.schedulers import make_schedule
 
         if self.kernels == "eager" or is_simulated(self.spec):  # nothing to compile, or nothing that runs
             return None
-        cost = self.cost(graph)
+        cost, kernels = self._measured(graph)
+        if kernels is None or kernels.asked == "eager":
+            return None
         plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
         return None if cost.region_error else plan.predicted_latency

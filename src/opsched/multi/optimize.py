@@ -120,7 +120,8 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
         peers = (*peers, "cuda_graph")
     outcome = run_workload(Workload(batch, tuple(batch.inputs), fusion.graph, jobs, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=peers, tolerance=tolerance, repeats=repeats,
-                                    cache=cache, cuda_graph=cuda_graph, say=say, profile_progress=progress))
+                                    cache=cache, cuda_graph=cuda_graph, say=say, profile_progress=progress,
+                                    costed=latencies.models.get(fusion.graph.fingerprint)))
     outcome.graph, outcome.requested = fusion.graph, requested or list(methods)[-1]
     result = MultiOutcome(fusion, outcome, predicted_sequential_ms=sequential_ms)
     plan = outcome.plan()

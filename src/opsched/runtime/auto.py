@@ -1,5 +1,5 @@
-"""``--kernels auto`` (the default of ``opsched optimize``): which units run on ONNX Runtime, chosen block by
-block from what each kernel measured, the units then scheduled on that choice.
+"""``--kernels auto`` (the default of ``opsched optimize`` and ``opsched multi``): which units run on ONNX Runtime,
+chosen block by block from what each kernel measured, the units then scheduled on that choice.
 
 ONNX Runtime's lead over eager PyTorch on the CPU comes from fusing across operators within one session: unit
 by unit (a session per unit), MNASNet at 96 px measured about the same either way, whole it ran 2.6x faster.
