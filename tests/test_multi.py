@@ -499,6 +499,16 @@ def test_each_graph_a_model_batch_costs_is_costed_once(monkeypatch):
     assert max(result.model_errors) <= 1e-5
 
 
+def test_each_model_on_a_stream_of_its_own_is_measured_beside_hivemind():
+    models = [_randomised(Residual(), 0), _randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), 1)]
+    result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential", "hivemind"], repeats=2,
+                      cache=False, cores=1, kernels="eager")
+    parts = result.outcome.schedules["hivemind_parts"]
+    models_on_streams = [{name.split("/")[0] for name in stream} for stream in parts.streams()]
+    assert sorted(map(sorted, models_on_streams)) == [["m0"], ["m1"]]
+    assert "hivemind_parts" in result.outcome.evaluation.measured_ms and max(result.model_errors) <= 1e-5
+
+
 def test_torch_compile_of_the_loop_is_a_peer_when_asked_for():
     models = [_randomised(Residual(), k) for k in range(2)]
     result = optimize(models, (torch.randn(1, 3, 8, 8),), methods=["sequential"], repeats=2, cache=False, cores=1,

@@ -80,11 +80,13 @@ def _folded(placed: list[list[int]], streams: int) -> list[list[int]]:
     return folded
 
 
-def hivemind(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
+def hivemind(graph: Graph, cost: CostModel, streams: int = 0, each_part: bool = False) -> Schedule:
     """HiveMind's streams folded onto the number of streams, at most ``streams`` (0: as many as the walk
     makes), whose schedule ``cost`` predicts fastest; the fewest streams among equals. Each stream of its
     own has a price (threads split between streams, the hand-off): on this 2-core CPU, sixteen small CNNs
     on sixteen streams ran 1.46x slower than on one, so the plan keeps the streams only where they pay.
+    ``each_part``: every independent part on a stream of its own, whatever the prediction (on a model batch,
+    each model on its own stream, as a pool of one thread per model runs them: the evaluation measures it).
 
     The graph's independent parts (on a model batch with nothing fused, its models) are candidates too, each
     whole on one stream, spread over the streams by their predicted work: the walk cuts a branchy model into
@@ -101,9 +103,13 @@ def hivemind(graph: Graph, cost: CostModel, streams: int = 0) -> Schedule:
     ...              Node("d", latency=3.0)])
     >>> hivemind(two, TableCost(two, capacity=2)).streams()  # a and its two readers beside d
     [['a', 'b', 'c'], ['d']]
+    >>> hivemind(two, TableCost(two, capacity=1), each_part=True).streams()  # kept apart, whatever it predicts
+    [['a', 'b', 'c'], ['d']]
     """
     walked = hivemind_streams(graph)
     parts = independent_parts(graph)
+    if each_part:
+        return from_streams(graph, cost, "hivemind", parts, options={"streams": streams, "each_part": True})
     candidates = [_folded(walked, count) for count in _counts(_at_most(streams, len(walked)))]
     if len(parts) > 1:
         candidates += [_balanced(parts, count, cost.op_latency) for count in _counts(_at_most(streams, len(parts)))]
