@@ -143,15 +143,16 @@ class CostLatencies:
 
     def regions_ms(self, graph: Graph) -> float | None:
         """The whole graph's units run in order, as the compiled regions they form: predicted, its regions
-        measured in place; None with eager kernels (asked, or what ``auto`` chose), or where a region fails to
-        compile."""
+        measured in place; None with eager kernels, or where a region fails to compile. Where ``auto``
+        chose the default kernels for this graph, its units one after another: the batched graph and the graph
+        apart may choose differently (batched units on eager kernels, the models apart on ONNX Runtime), and
+        then it is their regions that the choice between them compares."""
         from opsched.pipeline import with_regions
         from opsched.schedulers import make_schedule
 
-        if self.kernels == "eager" or is_simulated(self.spec):  # nothing to compile, or nothing that runs
+        # nothing to compile (eager kernels, or auto off the CPU, where it is the default kernels), or nothing runs
+        if self.kernels == "eager" or (self.kernels == "auto" and self.device != "cpu") or is_simulated(self.spec):
             return None
-        cost, kernels = self._measured(graph)
-        if kernels is None or kernels.asked == "eager":
-            return None
+        cost = self.cost(graph)
         plan = with_regions(make_schedule("sequential", graph, cost), graph, cost)
         return None if cost.region_error else plan.predicted_latency
