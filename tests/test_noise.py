@@ -157,6 +157,11 @@ def test_evaluate_times_a_plainly_slower_configuration_for_fewer_rounds(monkeypa
                                                                                       expected_ms=2.0)
     ev = evaluate([slow_plan, fast_plan], reference=x * 2, repeats=12)
     assert ev.noise_control == "fast" and ev.left_out == {"slow"} and len(ev.samples["slow"]) == 5
+    # a same-program alias's prediction counts for the candidate timed; a prediction that is no number, for none
+    fast_again = Candidate("fast_again", fast_plan.run, expected_ms=1.0, program="fast")
+    slow_plan.expected_ms, fast_plan.program = float("nan"), "fast"
+    ev = evaluate([slow_plan, fast_plan, fast_again], reference=x * 2, repeats=12)
+    assert ev.noise_control == "fast" and ev.same_program == {"fast_again": "fast"} and ev.left_out == {"slow"}
 
 
 def test_a_configuration_the_race_left_out_is_not_chosen_when_the_machine_slows_after(monkeypatch):

@@ -8,6 +8,7 @@ This module imports nothing of opsched's above it: :mod:`opsched.peers` makes ca
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -194,8 +195,13 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     # the control, one configuration again as one more in every round (see opsched.noise): the one predicted
     # fastest, since the race never leaves the pair out (a slow one timed twice every round cost Inception V3's
     # evaluation a third of its time), else the first
-    predicted = [k for k, c in enumerate(timed) if c.expected_ms]
-    twice = min(predicted, key=lambda k: timed[k].expected_ms) if predicted else 0
+    position = {id(c): k for k, c in enumerate(timed)}
+    predicted: dict[int, float] = {}  # by timed candidate, the lowest prediction of it or its same-program aliases
+    for c in verified:
+        if c.expected_ms and math.isfinite(c.expected_ms):
+            k = position[id(alias.get(c.label, c))]
+            predicted[k] = min(predicted.get(k, math.inf), c.expected_ms)
+    twice = min(predicted, key=predicted.__getitem__) if predicted else 0
     runners = [c.run for c in timed] + [timed[twice].run]
     around = [(c.prepare, c.settle) for c in timed] + [(timed[twice].prepare, timed[twice].settle)]
     # the control and the configuration it repeats run every round (the noise floor compares them)
