@@ -104,13 +104,18 @@ class Evaluation:
         ratio, low, high = ratio_interval(self.samples[name], self.samples[than])
         return {"ratio": round(ratio, 4), "low": round(low, 4), "high": round(high, 4)}
 
+    def shared_medians(self, *names: str) -> list[float]:
+        """The medians of ``names`` over the rounds all of them were timed in: a configuration the race left out
+        has samples of its first rounds only, and the machine may have slowed after."""
+        rounds = min(len(self.samples[n]) for n in names)
+        return [statistics.median(self.samples[n][:rounds]) for n in names]
+
     def speedups(self, baseline: str) -> dict[str, float]:
         """Each verified configuration's speedup over ``baseline`` (its median into the baseline's), over the
-        rounds both were timed in: a configuration the race left out has the median of its first rounds only,
-        and the machine may have slowed after. Empty where ``baseline`` was not measured."""
+        rounds both were timed in (:meth:`shared_medians`). Empty where ``baseline`` was not measured."""
         if baseline not in self.samples:
             return {}
-        return {n: round(self.ratio(baseline, n)["ratio"], 4) for n in self.measured_ms}
+        return {n: round(base / ms, 4) for n in self.measured_ms for base, ms in [self.shared_medians(baseline, n)]}
 
     def noise(self) -> dict[str, Any]:
         """The run's noise as reported beside its figures: the same-program spread and what was timed twice,

@@ -17,7 +17,6 @@ requests run again on their own model, so that a request that fails, fails alone
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,11 +67,8 @@ class FusedGroup:
             self.say(f"{names} run apart: {first_line(e)}")
             return
         # over the rounds both were timed in: the evaluation's race may have stopped timing one of them early
-        samples = result.outcome.evaluation.samples
-        fused, apart = samples[result.chosen], samples["sequential_models"]
-        rounds = min(len(fused), len(apart))
-        self.fused_ms = statistics.median(fused[:rounds])
-        self.apart_ms = statistics.median(apart[:rounds]) / len(self.endpoints)
+        self.fused_ms, apart = result.outcome.evaluation.shared_medians(result.chosen, "sequential_models")
+        self.apart_ms = apart / len(self.endpoints)
         if self.stopping:  # made as the server stopped: never used
             module.close()
             return
