@@ -89,10 +89,11 @@ def _print(out: dict[str, Any]) -> None:
     measured = out.get("measured_ms", {})
     names = list(dict.fromkeys([*out["predicted_ms"], *measured]))
     speedups = out.get("speedups", {})  # over the rounds both ran (a race leaves plainly slower ones out early)
-    print(f"  {'':<18} {'predicted ms':>13}" + (f" {'measured ms':>12} {'vs sequential':>14}" if measured else ""))
+    width = max(18, *map(len, names))
+    print(f"  {'':<{width}} {'predicted ms':>13}" + (f" {'measured ms':>12} {'vs sequential':>14}" if measured else ""))
     for name in names:
         predicted = out["predicted_ms"].get(name)
-        line = f"{'*' if name == out.get('chosen') else ' '} {name:<18} {f'{predicted:.3f}' if predicted else '-':>13}"
+        line = f"{'*' if name == out.get('chosen') else ' '} {name:<{width}} {f'{predicted:.3f}' if predicted else '-':>13}"
         if measured:
             ms = measured.get(name)
             line += f" {f'{ms:.3f}' if ms else 'dropped':>12} {f'{speedups[name]:.2f}x' if name in speedups else '':>14}"
