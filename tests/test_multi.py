@@ -1029,3 +1029,43 @@ def test_fuse_goes_through_the_one_runner_verified_and_timed_beside_the_models()
         _outputs_match(module(x), models, [(x,)] * 3)
     with pytest.raises(SignatureMismatch, match="batch 2, plan made for 1"):  # made for its inputs' signature
         module(torch.randn(2, 3, 8, 8))
+
+
+@pytest.mark.parametrize("unbatched_wins", [True, False])
+def test_a_batch_batched_on_its_regions_is_measured_beside_its_models_apart(monkeypatch, unbatched_wins):
+    """Batching chosen on a prediction of compiled regions run one after another is measured against the models'
+    own graphs on streams of their own, in the same run (ResNet-18 x4 at batch 1 ran 0.86x ONNX Runtime's
+    sessions at the same time batched, and tied them apart); the plan is the graph whose schedule won, and it
+    rebuilds and reproduces the models as the plan records it."""
+    pytest.importorskip("onnxruntime")
+    from opsched.multi.fuse import CostLatencies
+    from opsched.runtime.module import OptimizedModule
+
+    models = [_randomised(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU()), k) for k in range(3)]
+    x = torch.randn(1, 3, 8, 8)
+    apart = len(combine(ModelBatch(models, [(x,)] * 3)))
+    # batching pays unit by unit and, predicted, as regions: the prediction the measurement may overrule
+    monkeypatch.setattr(CostLatencies, "__call__", lambda self, g: [1.0 if len(g) == apart else 0.1] * len(g))
+    monkeypatch.setattr(CostLatencies, "regions_ms", lambda self, g: 2.0 if len(g) == apart else 1.0)
+    winner = "hivemind+regions+unbatched" if unbatched_wins else "sequential+regions"
+    monkeypatch.setattr(importlib.import_module("opsched.multi.optimize"), "_plan_graph", lambda ev: winner)
+    result = optimize(models, (x,), methods=["sequential", "hivemind"], kernels="onnxruntime", repeats=3,
+                      cache=False, cores=1)
+    measured = result.outcome.evaluation.measured_ms
+    assert {"hivemind+regions+unbatched", "hivemind_parts+regions+unbatched", "sequential+regions"} <= set(measured)
+    assert set(result.schedules) == {*result.outcome.schedules, *result.beside.schedules}
+    plan = result.plan()
+    # the plan is the fastest schedule of the winner's graph
+    assert plan.measured.measured_as in result.outcome.schedules and max(result.model_errors) <= 1e-5
+    assert plan.measured.measured_as.endswith("+unbatched") == unbatched_wins
+    assert plan.models.batched == ([] if unbatched_wins else result.fusion.batched) and len(plan.models.batched) \
+        == (0 if unbatched_wins else 1)
+    assert [d["made"] for d in result.fusion.decisions] == [not unbatched_wins]
+    # the plan file rebuilds its graph from the batched units it records, and runs it
+    graph = fuse_graph(ModelBatch(models, [(x,)] * 3), plan.models.rewrites, made=plan.models.batched).graph
+    assert graph.fingerprint == result.fusion.graph.fingerprint and (len(graph) == apart) == unbatched_wins
+    validate(plan, graph)
+    from opsched.runtime.kernels import plan_kernels
+
+    module = OptimizedModule(graph, plan, 1, plan_kernels(graph, plan, "cpu", [x]))
+    _outputs_match(module(x), models, [(x,)] * 3)

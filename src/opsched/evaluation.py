@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,12 +83,13 @@ class Evaluation:
         rounds = max((len(s) for s in self.samples.values()), default=0)
         return {n for n, s in self.samples.items() if len(s) < rounds}
 
-    def fastest(self, kind: str) -> str | None:
+    def fastest(self, kind: str, among: Collection[str] | None = None) -> str | None:
         """The configuration of ``kind`` (``schedule`` or ``peer``) to use: the simplest of that kind that the
-        fastest of that kind does not beat above the run's noise (see :func:`opsched.noise.choose`)."""
+        fastest of that kind does not beat above the run's noise (see :func:`opsched.noise.choose`); with
+        ``among``, of those named there only."""
         from opsched.noise import choose
 
-        names = [n for n in self.order if self.kinds[n] == kind]
+        names = [n for n in self.order if self.kinds[n] == kind and (among is None or n in among)]
         left_out = self.left_out
         timed_through = [n for n in names if n not in left_out]
         if timed_through:

@@ -7,7 +7,9 @@ capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> evaluate (
 - :func:`search`: one scheduler, refined by measurement where the costs are measured;
 - :func:`schedule_candidates` and :func:`peer_candidates`: what :func:`opsched.evaluation.evaluate` verifies
   and times: each plan compiled, and the peers a user would run instead (see :mod:`opsched.peers`);
-- :func:`run_workload`: all of it for one graph: cost, search every method, compile, evaluate with the peers.
+- :func:`make_schedules`: the cost model and every method's schedule for one graph;
+- :func:`run_workload`: all of it for one graph (and others of the same model): cost, search every method,
+  compile, evaluate with the peers.
 """
 
 from __future__ import annotations
@@ -290,6 +292,9 @@ class Outcome:
     graph: Graph | None = None
     requested: str | None = None  # the method asked for: the plan when nothing was measured
     guarded: Any = None  # opsched.optimize's module: a plan per call signature (opsched.runtime.guarded)
+    # other graphs of the same model measured in the same run, by the suffix of their schedules' names (see
+    # run_workload); each holds its own schedules and modules and shares this evaluation
+    also: dict[str, Outcome] = field(default_factory=dict)
 
     @property
     def measured_ms(self) -> dict[str, float]:
@@ -333,7 +338,7 @@ class Outcome:
         ev = self.evaluation
         if ev is None:
             return self.schedules.get(self.requested) if self.requested else None
-        best = name or ev.fastest("schedule")
+        best = name or ev.fastest("schedule", among=self.schedules)
         if best is None or best not in ev.measured_ms:
             return None
         # a copy: reading the plan never changes the schedule the job made
@@ -346,9 +351,9 @@ class Outcome:
             round(ev.noise_floor, 4)))
 
 
-def run_workload(job: Workload) -> Outcome:
-    """Cost the graph, make every schedule, and on a real device compile, verify and time them with the
-    peers, interleaved; see :class:`Outcome`."""
+def make_schedules(job: Workload) -> Outcome:
+    """Cost the graph and make every schedule, nothing run: with compiled kernels on a real device (to be
+    measured), each schedule's compiled regions beside it; see :class:`Outcome`."""
     import torch
     import torch.utils._pytree as pytree
 
@@ -368,10 +373,7 @@ def run_workload(job: Workload) -> Outcome:
         if getattr(cost, "kernel_choice", None):  # --kernels auto: how the units' kernels were chosen
             schedule.stats["kernel_choice"] = cost.kernel_choice
         schedules[name] = schedule
-    outcome = Outcome(cost, schedules, kernels)
-    if simulated or not job.measure:
-        return outcome
-    if kernels is not None and kernels.asked != "eager":
+    if not simulated and job.measure and kernels is not None and kernels.asked != "eager":
         # Compiled regions beside compiled units, for every schedule that does not run them yet (IOS chose its
         # own, block by block): which pays is measured. A stream schedule's regions are its streams' runs of
         # units (four different small networks on ONNX Runtime: a session per network and stream).
@@ -381,8 +383,27 @@ def run_workload(job: Workload) -> Outcome:
             schedules[f"{name}+regions"] = (
                 with_regions(schedule, job.graph, cost) if schedule.stages is not None
                 else dataclasses.replace(schedule, run=dataclasses.replace(schedule.run, regions=True)))
-    evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=cores, device=job.device, peers=job.peers,
-                   tolerance=job.tolerance, repeats=job.repeats, cuda_graph=job.cuda_graph, say=job.say)
+    return Outcome(cost, schedules, kernels, graph=job.graph)
+
+
+def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outcome:
+    """Cost the graph, make every schedule, and on a real device compile, verify and time them with the
+    peers, interleaved; see :class:`Outcome`. ``also``: other graphs of the same model (as a model batch's
+    graph without its batched units), each under a suffix; their schedules are made the same way and measured
+    in the same run, named with the suffix (``hivemind+regions+unbatched``), and their outcomes are in the
+    result's ``also``, sharing its evaluation."""
+    import torch
+
+    outcome = make_schedules(job)
+    if is_simulated(job.cost) or not job.measure:
+        return outcome
+    for suffix, other in (also or {}).items():
+        made = make_schedules(other)
+        made.schedules = {f"{name}{suffix}": schedule for name, schedule in made.schedules.items()}
+        outcome.also[suffix] = made
+    evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=job.cores or torch.get_num_threads(),
+                   device=job.device, peers=job.peers, tolerance=job.tolerance, repeats=job.repeats,
+                   cuda_graph=job.cuda_graph, say=job.say)
     return outcome
 
 
@@ -404,9 +425,15 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     guard = Guard.of(tuple(inputs), model)  # every plan refuses calls it was not made for
     candidates, outcome.modules = schedule_candidates(graph, outcome.schedules, outcome.kernels, inputs, cores,
                                                       device, sync, cuda_graph, guard)
+    for other in outcome.also.values():  # after this graph's: where they tie, this graph's plan is kept
+        found, other.modules = schedule_candidates(other.graph, other.schedules, other.kernels, inputs, cores,
+                                                   device, sync, cuda_graph, guard)
+        candidates += found
     found, outcome.notes = peer_candidates(model, inputs, cores, peers, sync, say)
     everything = candidates + list(extra) + found
     say(f"verifying and measuring {len(everything)} configurations, interleaved ...")
     outcome.evaluation = evaluate(everything, reference_outputs(model, inputs, cores), tolerance, repeats)
+    for other in outcome.also.values():
+        other.evaluation = outcome.evaluation
     torch.set_num_threads(cores)
     return outcome

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             cache=not args.no_cache, peers=peers, say=say, progress=run_progress,
                             requested=args.method, cuda_graph=args.cuda_graph, device=device)
     outcome, fusion = result.outcome, result.fusion
-    schedules = outcome.schedules
+    schedules = result.schedules
     out: dict[str, Any] = {
         "models": names, "shared_input": fusion.batch.shared_input, "units": len(fusion.graph),
         "units_before_fusion": len(fusion.combined), "preprocess": args.preprocess, "fused": dict(fusion.fused),
@@ -81,9 +81,11 @@ def _print(out: dict[str, Any]) -> None:
           f"{out['fused']['same_shape']} same shape)")
     if out["regions_ms"]:
         whole = out["regions_ms"]
+        predicted = "batched" if whole["batched_ms"] < whole["apart_ms"] else "nothing batched"
+        if predicted == "batched" and not any(out["fused"][kind] for kind in ("same_input", "same_shape")):
+            predicted = "batched, but the models apart on streams of their own measured faster (+unbatched)"
         print(f"regions    the graph's compiled regions, predicted: {whole['batched_ms']:.3g} ms batched, "
-              f"{whole['apart_ms']:.3g} ms apart: " + ("batched" if whole["batched_ms"] < whole["apart_ms"] else
-                                                       "nothing batched"))
+              f"{whole['apart_ms']:.3g} ms apart: {predicted}")
     print(f"cost       {out['cost']}" + ("  -- every latency below is SIMULATED, not measured" if simulated else ""))
     print()
     measured = out.get("measured_ms", {})
