@@ -75,6 +75,36 @@ def test_a_unit_onnx_cannot_take_runs_eagerly_and_is_named():
     assert operator.eager_units == [graph.nodes[0].name]
 
 
+@pytest.mark.parametrize("regions", [False, True])
+def test_a_batch_norm_of_no_convolution_runs_on_its_session(regions):
+    # RepVGG's block normalises its input itself, a batch norm that folds into no convolution; captured as
+    # aten._native_batch_norm_legit_no_training, which the ONNX exporter refused: every unit holding one stayed
+    # eager (timm's RepVGG-A0: no block on ONNX Runtime, 1.62x the time of ONNX Runtime's session)
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    block = timm.create_model("repvgg_a0").stages[0][1].eval()
+    for norm in block.modules():
+        if isinstance(norm, nn.BatchNorm2d):
+            norm.running_mean.normal_()
+            norm.running_var.uniform_(0.5, 2)
+            nn.init.normal_(norm.weight)
+            nn.init.normal_(norm.bias)
+    x = torch.randn(2, 48, 8, 8)
+    graph = capture(block, (x,))
+    assert any(m.target is torch.ops.aten._native_batch_norm_legit_no_training.default
+               for n in graph.nodes for m in n.run.graph.nodes)
+    for n in graph.nodes:
+        n.latency = 1.0
+    plan = make_schedule("sequential", graph, TableCost(graph))
+    if regions:
+        graph, plan = compiled_regions(graph, plan)
+    operator = OnnxRuntimeOperator(all_values(graph, [x]).__getitem__)
+    with torch.inference_mode():
+        got, want = OptimizedModule(graph, plan, 1, operator)(x), block(x)
+    assert operator.eager_units == [] and operator.why_eager == {}
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_each_session_has_the_threads_of_its_step(monkeypatch):
     made = []
     real = ort.InferenceSession

@@ -44,6 +44,7 @@ import torch
 from opsched.errors import OpschedError, first_line
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
+from opsched.graph.onnxops import exportable_batch_norms
 from opsched.runtime.choice import ASKED
 from opsched.runtime.merge import merged_operator
 from opsched.runtime.packed import packed_unit, packs
@@ -164,6 +165,7 @@ class OnnxRuntimeOperator(CompiledOperator):
                 if key not in self._exported:
                     module = run if isinstance(run, torch.fx.GraphModule) else _trace(base, nodes, self.example)
                     module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
+                    module = exportable_batch_norms(module)  # the exporter lacks the inference norm
                     # named by position among the arguments' tensors: the exporter drops those the unit does not
                     # use (one of the list chunk made), and the names say which are left
                     self._exported[key] = onnx_bytes(
