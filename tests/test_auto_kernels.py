@@ -240,6 +240,22 @@ def test_a_mix_is_kept_only_where_it_ran_faster_than_each_kernel_alone():
     assert _kept(mix, {}) == mix  # nothing run: the cut's labels
 
 
+def _chain_captured():
+    """Chain, an input, and its captured graph."""
+    torch.manual_seed(0)
+    model, x = Chain().eval(), torch.randn(2, 3, 8, 8)
+    return model, x, capture(model, (x,))
+
+
+def _kept_answers_as_the_model(graph, cost, kernels, model, x):
+    """Whatever auto_cost kept runs, and answers as the model."""
+    with torch.inference_mode():
+        module = OptimizedModule(graph, make_schedule("sequential", graph, cost), 2, kernels)
+        want = model(x)
+        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+        module.close()
+
+
 def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monkeypatch):
     """Whatever the cut labels, a mix is kept only after it ran faster than each kernel alone: here the cut is
     made to answer a mix, which then runs (in place, with its regions) and is kept or dropped by what it ran."""
@@ -247,9 +263,7 @@ def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monk
     from opsched.runtime import auto
     from opsched.schedulers import kernels as labelling
 
-    torch.manual_seed(0)
-    model, x = Chain().eval(), torch.randn(2, 3, 8, 8)
-    graph = capture(model, (x,))
+    model, x, graph = _chain_captured()
     calls = []
 
     def mixed_first(chain, first, second):
@@ -263,11 +277,33 @@ def test_a_mix_of_kernels_is_run_beside_each_kernel_alone_before_it_is_kept(monk
     kept = {kernels.choice[n.name] == "onnxruntime" for n in graph.nodes}
     faster = [r for r in ran if r["mix"] < min(r["default"], r["onnxruntime"] or math.inf)]
     assert len(kept) == (2 if faster else 1)  # a mix only where one ran faster than each kernel alone
-    with torch.inference_mode():  # whatever was kept runs and answers as the model
-        module = OptimizedModule(graph, make_schedule("sequential", graph, cost), 2, kernels)
-        want = model(x)
-        torch.testing.assert_close(module(x), want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
-        module.close()
+    _kept_answers_as_the_model(graph, cost, kernels, model, x)
+
+
+@pytest.mark.parametrize("cut_says_onnx", [False, True])
+@pytest.mark.parametrize("onnx_ran_faster", [False, True])
+def test_one_kernel_for_every_block_is_run_against_the_other_whole_before_it_is_kept(monkeypatch, cut_says_onnx,
+                                                                                     onnx_ran_faster):
+    """The costs the cut labels with sum the default kernels' units but measure ONNX Runtime's whole graph as it
+    runs (BERT: the default kernels chosen on 7.70 ms of units, whose plan ran 8.7, where ONNX Runtime's
+    session ran 7.9): a labelling of one kernel is kept only once each kernel's whole graph ran, the faster."""
+    pytest.importorskip("onnxruntime")
+    from opsched.runtime import auto
+
+    model, x, graph = _chain_captured()
+    ran = []
+
+    def timed(graph, kernel_sets, cost):
+        ran.append([set(k.choice.values()) for k in kernel_sets])
+        return [5.0, 4.0] if onnx_ran_faster else [4.0, 5.0]
+
+    monkeypatch.setattr(auto, "cheapest_kernels", lambda chain, first, second: dict.fromkeys(chain, int(cut_says_onnx)))
+    monkeypatch.setattr(auto, "sequential_ms", timed)
+    cost, kernels = auto.auto_cost(graph, [x], all_values(graph, [x]), cache=False)
+    assert len(ran) == 1 and ran[0][0] <= {"eager", "packed"} and ran[0][1] == {"onnxruntime"}
+    assert set(kernels.choice.values()) == ({"onnxruntime"} if onnx_ran_faster else set(ran[0][0]))
+    assert cost.kernel_choice["mixes_run_ms"][0]["onnxruntime"] == (4.0 if onnx_ran_faster else 5.0)
+    _kept_answers_as_the_model(graph, cost, kernels, model, x)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
