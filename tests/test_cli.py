@@ -2,6 +2,7 @@ import json
 import textwrap
 
 import pytest
+import torch
 
 from opsched.cli import main
 from opsched.errors import ModelSpecError
@@ -97,6 +98,10 @@ def test_timm_and_torchvision_specs():
     assert m.inputs[0].shape == (1, 3, 32, 32)
     m = load_model("torchvision:inception_v3", batch=2, image_size=80)
     assert m.inputs[0].shape == (2, 3, 80, 80)
+    m = load_model("torchvision:r3d_18", image_size=16)  # a video model: a clip of 16 frames
+    assert m.inputs[0].shape == (1, 3, 16, 16, 16)
+    with torch.no_grad():
+        assert m.model(*m.inputs).shape == (1, 400)
     with pytest.raises(ModelSpecError, match="batch must be at least 1"):
         load_model("squeezenet", batch=0)
 

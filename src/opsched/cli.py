@@ -95,7 +95,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="example input shape such as 1x3x224x224, for a factory that returns a model alone "
                         "(repeat for several inputs)")
     p.add_argument("--image-size", type=_positive, metavar="N",
-                   help="image height and width for the zoo, torchvision and timm models")
+                   help="image height and width for the zoo, torchvision and timm models (a torchvision video "
+                        "model takes a clip of 16 frames of this size, default 112)")
 
 
 def _add_ios_options(p: argparse.ArgumentParser) -> None:

@@ -155,6 +155,10 @@ def _torchvision(name: str, image_size: int | None):
     if name in {"googlenet", "inception_v3"}:
         kwargs.update(aux_logits=False, init_weights=False)
     model = builder(**kwargs)
+    if name in torchvision.models.list_models(module=torchvision.models.video):
+        # a clip: 16 frames of 112 px, what the video models were trained on (their weights' transforms)
+        size = image_size or 112
+        return model, (torch.randn(1, 3, 16, size, size),)
     size = image_size or (299 if name == "inception_v3" else 224)
     return model, (torch.randn(1, 3, size, size),)
 
