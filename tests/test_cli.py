@@ -102,6 +102,9 @@ def test_timm_and_torchvision_specs():
     assert m.inputs[0].shape == (1, 3, 16, 16, 16)
     with torch.no_grad():
         assert m.model(*m.inputs).shape == (1, 400)
+    m = load_model("torchvision:deeplabv3_mobilenet_v3_large", image_size=32)  # no backbone weights fetched
+    with torch.no_grad():
+        assert m.model(*m.inputs)["out"].shape == (1, 21, 32, 32)
     with pytest.raises(ModelSpecError, match="batch must be at least 1"):
         load_model("squeezenet", batch=0)
 

@@ -9,6 +9,7 @@ alone, which then needs ``input_shapes``. ``batch`` rescales the first dimension
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -152,6 +153,8 @@ def _torchvision(name: str, image_size: int | None):
         raise ModelSpecError(f"torchvision has no model {name!r}") from None
     torch.manual_seed(0)
     kwargs: dict[str, Any] = {"weights": None}
+    if "weights_backbone" in inspect.signature(builder).parameters:
+        kwargs["weights_backbone"] = None  # segmentation and detection models fetch their backbone's otherwise
     if name in {"googlenet", "inception_v3"}:
         kwargs.update(aux_logits=False, init_weights=False)
     model = builder(**kwargs)
