@@ -100,6 +100,9 @@ def test_timm_and_torchvision_specs():
     assert m.inputs[0].shape == (2, 3, 80, 80)
     m = load_model("torchvision:r3d_18", image_size=16)  # a video model: a clip of 16 frames
     assert m.inputs[0].shape == (1, 3, 16, 16, 16)
+    # by default at its weights' crop: 224 px for MViT, whose position encoding takes no other
+    assert load_model("torchvision:mvit_v2_s").inputs[0].shape == (1, 3, 16, 224, 224)
+    assert load_model("torchvision:r3d_18").inputs[0].shape == (1, 3, 16, 112, 112)
     with torch.no_grad():
         assert m.model(*m.inputs).shape == (1, 400)
     m = load_model("torchvision:deeplabv3_mobilenet_v3_large", image_size=32)  # no backbone weights fetched

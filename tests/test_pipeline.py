@@ -257,3 +257,23 @@ def test_one_python_call_per_job_returns_what_the_command_reports(tmp_path, monk
     assert simulated.evaluation is None and simulated.plan().devices.platform["name"] == "diviml"
     batch = opsched.optimize_batch([model, model], (x,), methods=["sequential"], repeats=3, cache=False)
     assert batch.plan().kind == "model batch" and batch.chosen in batch.measured_ms
+
+
+def test_no_schedule_verified_names_why_for_the_other_graphs_schedules_too():
+    from opsched.errors import VerificationError
+    from opsched.jobs import require_a_plan
+    from opsched.pipeline import Outcome
+
+    x = torch.ones(3)
+
+    def fails(why):
+        def run():
+            raise RuntimeError(why)
+        return run
+
+    ev = evaluate([Candidate("ios", fails("batched broke")), Candidate("hivemind+unbatched", fails("apart broke")),
+                   Candidate("eager", lambda: x, "peer")], reference=x, repeats=3)
+    outcome = Outcome(None, {"ios": None}, also={"+unbatched": Outcome(None, {"hivemind+unbatched": None})},
+                      evaluation=ev)
+    with pytest.raises(VerificationError, match="ios: .*batched broke.*hivemind\\+unbatched: .*apart broke"):
+        require_a_plan(outcome)

@@ -96,7 +96,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                         "(repeat for several inputs)")
     p.add_argument("--image-size", type=_positive, metavar="N",
                    help="image height and width for the zoo, torchvision and timm models (a torchvision video "
-                        "model takes a clip of 16 frames of this size, default 112)")
+                        "model takes a clip of 16 frames of this size, by default its weights' crop)")
 
 
 def _add_ios_options(p: argparse.ArgumentParser) -> None:

@@ -267,9 +267,9 @@ class OptimizeBuilder:
 def require_a_plan(outcome: Outcome) -> None:
     """Raise :class:`VerificationError` when ``outcome`` was measured and none of its schedules verified."""
     if outcome.evaluation is not None and outcome.evaluation.fastest("schedule") is None:
-        dropped = outcome.evaluation.dropped
+        schedules = set(outcome.schedules).union(*(other.schedules for other in outcome.also.values()))
         raise VerificationError("no schedule verified: " + "; ".join(
-            f"{n}: {why}" for n, why in dropped.items() if n in outcome.schedules))
+            f"{n}: {why}" for n, why in outcome.evaluation.dropped.items() if n in schedules))
 
 
 def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, wait: bool = False,

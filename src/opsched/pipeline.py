@@ -332,8 +332,9 @@ class Outcome:
 
     def plan(self, name: str | None = None) -> Schedule | None:
         """The schedule to hand the user, recording what was chosen overall (possibly a peer) and every measured
-        figure: ``name``'s, or by default the simplest verified schedule that no other schedule beats above the
-        run's noise (:mod:`opsched.noise`); when nothing was measured (simulated costs), the requested method's; None when it
+        figure: ``name``'s, or by default the simplest verified schedule of this outcome's that none of its other
+        schedules beats above the run's noise (:mod:`opsched.noise`; an outcome in ``also`` shares the evaluation,
+        not its schedules); when nothing was measured (simulated costs), the requested method's; None when it
         did not verify."""
         ev = self.evaluation
         if ev is None:
@@ -433,7 +434,7 @@ def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[
     everything = candidates + list(extra) + found
     say(f"verifying and measuring {len(everything)} configurations, interleaved ...")
     outcome.evaluation = evaluate(everything, reference_outputs(model, inputs, cores), tolerance, repeats)
-    for other in outcome.also.values():
-        other.evaluation = outcome.evaluation
+    for other in outcome.also.values():  # one run: its evaluation and notes (the peers left out) are theirs too
+        other.evaluation, other.notes = outcome.evaluation, outcome.notes
     torch.set_num_threads(cores)
     return outcome

@@ -159,8 +159,9 @@ def _torchvision(name: str, image_size: int | None):
         kwargs.update(aux_logits=False, init_weights=False)
     model = builder(**kwargs)
     if name in torchvision.models.list_models(module=torchvision.models.video):
-        # a clip: 16 frames of 112 px, what the video models were trained on (their weights' transforms)
-        size = image_size or 112
+        # a clip of 16 frames at the size the model's weights were made for (their transforms' crop: 112 px for
+        # R3D, MC3 and R(2+1)D, 224 for S3D, MViT and Swin3D, which MViT's position encoding fixes)
+        size = image_size or torchvision.models.get_model_weights(name).DEFAULT.transforms.keywords["crop_size"][0]
         return model, (torch.randn(1, 3, 16, size, size),)
     size = image_size or (299 if name == "inception_v3" else 224)
     return model, (torch.randn(1, 3, size, size),)

@@ -142,7 +142,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
     outcome = run_workload(workload(fusion.graph, jobs), also={UNBATCHED: workload(unbatched.graph, {
         "hivemind": jobs["hivemind"], "hivemind_parts": ("hivemind", {**jobs["hivemind"][1], "each_part": True})})}
         if unbatched is not None else None)
-    beside = outcome.also.pop(UNBATCHED, None)
+    beside = outcome.also.get(UNBATCHED)
     if beside is not None and _plan_graph(outcome.evaluation) in beside.schedules:
         say("the models' own graphs, on streams of their own, ran faster than their batched units")
         fusion, outcome, beside = unbatched, beside, outcome

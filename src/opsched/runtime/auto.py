@@ -193,9 +193,10 @@ def _counts(choice: dict[str, str]) -> dict[str, int]:
 
 
 def _kept(labels: tuple[int, ...], rounds: dict[tuple[int, ...], tuple[float, float, float]]) -> tuple[int, ...]:
-    """The labels to keep: with nothing run (the cut chose one kernel at once), ``labels``; else a mix only
-    where it ran faster than each kernel alone in its own round (the fastest such), and otherwise the kernel
-    that ran faster alone in the last round."""
+    """The labels to keep: with nothing run (the cut chose one kernel where ONNX Runtime could not take every
+    block), ``labels``; else a mix only where it ran faster than each kernel alone in its own round (the fastest
+    such), and otherwise the kernel that ran faster alone in the last round (for a labelling of one kernel, the
+    only round)."""
     if not rounds:
         return labels
     good = {key: times[0] for key, times in rounds.items() if times[0] < min(times[1:])}
