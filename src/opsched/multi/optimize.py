@@ -128,7 +128,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
         # beside the streams the cost model predicts fastest, each model (independent part) on its own, as a
         # thread pool runs them: four small networks at 128 px ran 0.85x the pool of ONNX Runtime sessions on the
         # three streams predicted fastest
-        jobs["hivemind_parts"] = ("hivemind", {**jobs["hivemind"][1], "each_part": True})
+        jobs["hivemind_parts"] = _each_part(jobs["hivemind"])
     if cuda_graph:  # a user who replays CUDA graphs replays the models one after another as one
         peers = (*peers, "cuda_graph")
 
@@ -140,8 +140,7 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
 
     unbatched = _unbatched(batch, fusion, jobs)
     outcome = run_workload(workload(fusion.graph, jobs), also={UNBATCHED: workload(unbatched.graph, {
-        "hivemind": jobs["hivemind"], "hivemind_parts": ("hivemind", {**jobs["hivemind"][1], "each_part": True})})}
-        if unbatched is not None else None)
+        "hivemind": jobs["hivemind"], "hivemind_parts": _each_part(jobs["hivemind"])})} if unbatched is not None else None)
     beside = outcome.also.get(UNBATCHED)
     if beside is not None and _plan_graph(outcome.evaluation) in beside.schedules:
         say("the models' own graphs, on streams of their own, ran faster than their batched units")
@@ -153,6 +152,11 @@ def optimize(models: Sequence[torch.nn.Module], inputs: Any, *, methods: Sequenc
         module = outcome.modules[plan.measured.measured_as]
         result.model_errors = model_errors(module, batch, cores)
     return result
+
+
+def _each_part(hivemind_job: tuple[str, dict[str, Any]]) -> tuple[str, dict[str, Any]]:
+    """The hivemind job with every independent part (each model) on a stream of its own."""
+    return "hivemind", {**hivemind_job[1], "each_part": True}
 
 
 def _unbatched(batch: ModelBatch, fusion: Fusion, jobs: dict[str, Any]) -> Fusion | None:

@@ -139,6 +139,7 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
     switch_ms, rounds = 0.0, {}  # labels run: (the mix's, the default kernels', ONNX Runtime's milliseconds)
     chain, costs = chain_and_costs(switch_ms)
     labels = cheapest_kernels(chain, on_default, costs)
+    every_onnx = onnx.chosen_as(choice_of(dict.fromkeys(labels, 1)))  # every block on ONNX Runtime, run as such
     for _ in range(MIX_ROUNDS):
         key = tuple(labels.values())
         if key in rounds:
@@ -149,11 +150,10 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
                 # Runtime's whole graph as it runs: each kernel's whole graph is run, as a mix is, and the
                 # faster kept (BERT, 4 layers: the default kernels' units summed 7.70 ms and the whole graph
                 # ran 8.7 as a plan, where ONNX Runtime's whole graph measured 8.46 in place and 7.9 as a peer).
-                default_ms, onnx_ms = sequential_ms(
-                    graph, [default, onnx.chosen_as(choice_of(dict.fromkeys(labels, 1)))], first)
+                default_ms, onnx_ms = sequential_ms(graph, [default, every_onnx], first)
                 rounds[key] = (onnx_ms if key[0] else default_ms, default_ms, onnx_ms)
             break
-        alone = [default] + ([] if refused else [onnx.chosen_as(choice_of(dict.fromkeys(labels, 1)))])
+        alone = [default] + ([] if refused else [every_onnx])
         times = sequential_ms(graph, [onnx.chosen_as(choice_of(labels)), *alone], first)
         rounds[key] = (times[0], times[1], times[2] if len(times) > 2 else math.inf)
         predicted = labelling_cost(chain, labels, on_default, costs)
