@@ -297,3 +297,39 @@ def test_a_folded_view_keeps_the_strides_the_kernel_read():
     folded = next(getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr")
     assert folded.stride() == root.w.transpose(1, 2).stride()
     assert torch.equal(gm(x), expected)
+
+
+def _inference_norm_graph(channels: int, eps: float, seed: int) -> torch.fx.GraphModule:
+    """x -> aten._native_batch_norm_legit_no_training(x, ...)[0], as torch.export records timm's batch norms."""
+    import operator
+
+    torch.manual_seed(seed)
+    root = torch.nn.Module()
+    for name in ("weight", "bias", "mean"):
+        root.register_buffer(name, torch.randn(channels))
+    root.register_buffer("var", torch.rand(channels) * 3 + 0.1)
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    norm = g.call_function(torch.ops.aten._native_batch_norm_legit_no_training.default,
+                           (x, *[g.get_attr(n) for n in ("weight", "bias", "mean", "var")], 0.1, eps))
+    g.output(g.call_function(operator.getitem, (norm, 0)))
+    return torch.fx.GraphModule(root, g)
+
+
+@settings(max_examples=60, deadline=None)
+@given(channels=st.integers(1, 16), size=st.integers(1, 9), batch=st.integers(1, 3),
+       eps=st.floats(1e-6, 1e-2), scale=st.floats(-3, 3), seed=st.integers(0, 2**16))
+def test_the_inference_norm_exported_as_batch_norm_computes_the_same(channels, size, batch, eps, scale, seed):
+    """The ONNX exporter has no symbolic for the inference norm: it is exported as aten.batch_norm, which must give
+    the same bits, and float32's own error against a float64 reference."""
+    from opsched.graph.onnxops import exportable_batch_norms
+
+    gm = _inference_norm_graph(channels, eps, seed)
+    rewritten = exportable_batch_norms(gm)
+    assert torch.ops.aten._native_batch_norm_legit_no_training.default not in [n.target for n in rewritten.graph.nodes]
+    x = torch.randn(batch, channels, size, size) * 10 ** scale
+    got = rewritten(x)
+    assert torch.equal(got, gm(x))
+    b = {n: getattr(gm, n).double() for n in ("weight", "bias", "mean", "var")}
+    want = torch.nn.functional.batch_norm(x.double(), b["mean"], b["var"], b["weight"], b["bias"], False, 0.1, eps)
+    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()

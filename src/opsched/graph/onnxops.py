@@ -8,13 +8,22 @@ offered none of timm's RepVGG-A0 blocks to ONNX Runtime and its plan ran 1.62x t
 session of the model (docs/sweep_auto_untuned.md). It is ``aten.batch_norm`` with ``training=False``, the same
 arithmetic, which the exporter takes.
 
->>> import torch
->>> norm = torch.nn.BatchNorm2d(3).eval()
->>> gm = torch.export.export(norm, (torch.randn(1, 3, 4, 4),)).module()
+>>> import operator, torch
+>>> from torch import fx
+>>> root = torch.nn.Module()
+>>> for name in ("weight", "bias", "mean"):
+...     root.register_buffer(name, torch.randn(3))
+>>> root.register_buffer("var", torch.rand(3) + 0.5)
+>>> g = fx.Graph()
+>>> x = g.placeholder("x")
+>>> norm = g.call_function(torch.ops.aten._native_batch_norm_legit_no_training.default,
+...                        (x, *[g.get_attr(n) for n in ("weight", "bias", "mean", "var")], 0.1, 1e-5))
+>>> _ = g.output(g.call_function(operator.getitem, (norm, 0)))
+>>> gm = fx.GraphModule(root, g)
 >>> exportable = exportable_batch_norms(gm)
->>> sorted({str(n.target) for n in exportable.graph.nodes if n.op == "call_function"})
+>>> [str(n.target) for n in exportable.graph.nodes if n.op == "call_function"]
 ['aten.batch_norm.default']
->>> x = torch.randn(1, 3, 4, 4)
+>>> x = torch.randn(2, 3, 4, 4)
 >>> torch.equal(exportable(x), gm(x))
 True
 """
