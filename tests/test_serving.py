@@ -351,9 +351,11 @@ def test_the_plans_for_more_samples_come_from_the_schedule_searched_for_one(serv
     # Searched size by size, the plans of 16 small CNNs at four sizes each were not ready within 15 minutes.
     module = server.endpoints["cnn"].module
     plans = {plan.inputs[0].shape[0]: plan for plan in module.plans.values()}  # by the batch size they serve
-    assert sorted(plans) == [1, 2, 4]
+    # prepared at readiness: 1, 2 and 4; a request of 3 rows (another test's) may have added a plan for 3 since,
+    # built in the background, so whether it is there yet depends on timing
+    assert {1, 2, 4} <= set(plans) <= {1, 2, 3, 4}, sorted(plans)
     assert module.dynamic == ({0: (1, 4)},)
-    for size in (2, 4):
+    for size in set(plans) - {1}:
         assert "the schedule made for" in plans[size].note, plans[size].note
 
 
