@@ -330,3 +330,95 @@ def test_random_models_on_random_mixes_of_kernels_answer_as_the_model(recipe, la
         verdict = compare_outputs(module(*inputs), model(*inputs))
     module.close()
     assert verdict.ok, verdict.why
+
+
+class Attention(nn.Module):
+    """One pre-norm self-attention block: what the CNN-tuned choice of ONNX Runtime blocks does not speed up."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.norm, self.qkv, self.out = nn.LayerNorm(width), nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return x + self.out(weights @ v)
+
+
+@pytest.mark.parametrize("choice, offered", [
+    ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 5.0}, False),
+    ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 8.4}, False),
+    ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 8.5}, True),
+    ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 18.0}, True),
+    ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": None}, True),  # ORT failed on it
+])
+def test_inductor_is_offered_the_whole_graph_where_onnx_runtime_gains_little_over_the_default_kernels(choice,
+                                                                                                      offered):
+    from opsched.runtime.auto import inductor_offered
+
+    class Costed:
+        kernel_choice = choice
+
+    got, why = inductor_offered(Costed())
+    assert got == offered and why
+    assert inductor_offered(object())[0] is False  # a cost model auto did not make on the CPU
+
+
+def test_without_onnxruntime_inductor_is_offered_the_whole_graph(monkeypatch):
+    import sys
+
+    from opsched.runtime import auto
+
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
+    monkeypatch.setattr(auto, "_said_missing", True)
+
+    class Costed:
+        kernel_choice = None
+
+    assert auto.inductor_offered(Costed()) == (True, "ONNX Runtime is not installed")
+
+
+def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_its_plan_runs_again(monkeypatch):
+    """Offered (here whatever ONNX Runtime measured), the whole graph compiled by Inductor as one region is one
+    more schedule of the run, verified against the model: its plan records every unit on Inductor and compiles
+    again from a new capture, as ``opsched.load`` and a weight change rebuild it."""
+    pytest.importorskip("onnxruntime")
+    import opsched
+    from opsched.compare import compare_outputs
+    from opsched.deploy import recompile
+    from opsched.runtime import auto
+
+    monkeypatch.setattr(auto, "INDUCTOR_FROM", 0.0)
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
+    name = "sequential+regions+inductor"
+    assert name in outcome.measured_ms, outcome.evaluation.dropped
+    assert outcome.cost.kernel_choice["inductor_whole_graph"]["offered"]
+    plan = outcome.plan(name)
+    assert plan.run.regions and set(plan.unit_kernels.values()) == {"inductor"} and len(plan.unit_kernels) == len(
+        outcome.graph)
+    assert plan.measured.measured_as == name
+    with torch.no_grad():
+        model.qkv.weight.mul_(0.5)  # new weights: compiled again, and verified against the model as it is now
+    module, verdict = recompile(model, (x,), plan, {"repeats": 3})
+    assert verdict.ok
+    with torch.inference_mode():
+        assert compare_outputs(module(x), model(x)).ok
+
+
+def test_a_whole_graph_inductor_cannot_compile_is_dropped_with_why_and_the_others_stand(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    import opsched
+    from opsched.errors import OpschedError
+    from opsched.runtime import auto, kernels
+
+    def fails(self, nodes, threads):
+        raise OpschedError(f"inductor could not compile unit {nodes[0].name!r}: LoweringException: made up")
+
+    monkeypatch.setattr(auto, "INDUCTOR_FROM", 0.0)
+    monkeypatch.setattr(kernels.InductorOperator, "_compile", fails)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
+    assert "made up" in outcome.evaluation.dropped["sequential+regions+inductor"]
+    assert outcome.plan() is not None and outcome.plan().measured.measured_as != "sequential+regions+inductor"

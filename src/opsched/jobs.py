@@ -156,7 +156,7 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
     outcome = run_workload(Workload(model, tuple(example_inputs), graph, methods, cost=cost, device=device,
                                     kernels=kernels, cores=cores, peers=chosen_peers, tolerance=tolerance,
                                     repeats=repeats, cache=cache, cuda_graph=cuda_graph, say=say,
-                                    profile_progress=progress))
+                                    profile_progress=progress, whole_on_inductor=True))
     outcome.graph, outcome.requested = graph, method
     if device == "cuda" and not simulated and not cuda_graph:
         outcome.notes.append("the plans ran on CUDA streams, each kernel launched from the host; at small batch, "

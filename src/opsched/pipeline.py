@@ -274,6 +274,9 @@ class Workload:
     profile_progress: Callable[[str, int], Any] | None = None
     measure: bool = True
     costed: tuple[CostModel, Any] | None = None  # the graph's cost model and kernels, where made already
+    # with --kernels auto on the CPU, the whole graph on Inductor beside the plans where auto offers it (one
+    # model's job: a model batch chooses among its own graphs, see opsched.multi.optimize)
+    whole_on_inductor: bool = False
 
 
 @dataclass
@@ -333,19 +336,23 @@ class Outcome:
     def plan(self, name: str | None = None) -> Schedule | None:
         """The schedule to hand the user, recording what was chosen overall (possibly a peer) and every measured
         figure: ``name``'s, or by default the simplest verified schedule of this outcome's that none of its other
-        schedules beats above the run's noise (:mod:`opsched.noise`; an outcome in ``also`` shares the evaluation,
-        not its schedules); when nothing was measured (simulated costs), the requested method's; None when it
-        did not verify."""
+        schedules beats above the run's noise (:mod:`opsched.noise`); the schedules of an outcome in ``also``
+        count as this one's where it has the same graph (other kernels: the whole graph on Inductor), not where
+        it has another (a model batch's graph without its batched units: it shares the evaluation only). When
+        nothing was measured (simulated costs), the requested method's; None when it did not verify."""
         ev = self.evaluation
         if ev is None:
             return self.schedules.get(self.requested) if self.requested else None
-        best = name or ev.fastest("schedule", among=self.schedules)
+        mine = [self] + [other for other in self.also.values() if other.graph is self.graph]
+        best = name or ev.fastest("schedule", among=[n for o in mine for n in o.schedules])
         if best is None or best not in ev.measured_ms:
             return None
+        holder = next(o for o in mine if best in o.schedules)
         # a copy: reading the plan never changes the schedule the job made
-        kernels = self.kernels.choice if self.kernels is not None else self.schedules[best].unit_kernels
-        return dataclasses.replace(self.schedules[best], unit_kernels=dict(kernels) if kernels else None,
-                                   options=dict(self.schedules[best].options), measured=Measurement(
+        schedule = holder.schedules[best]
+        kernels = holder.kernels.choice if holder.kernels is not None else schedule.unit_kernels
+        return dataclasses.replace(schedule, unit_kernels=dict(kernels) if kernels else None,
+                                   options=dict(schedule.options), measured=Measurement(
             best, {"name": ev.chosen, "kind": ev.kinds[ev.chosen], "threads": ev.threads[ev.chosen]},
             {n: round(ms, 4) for n, ms in ev.measured_ms.items()},
             list(ev.tie),  # beaten by none above the run's noise; the first was chosen
@@ -387,6 +394,35 @@ def make_schedules(job: Workload) -> Outcome:
     return Outcome(cost, schedules, kernels, graph=job.graph)
 
 
+ON_INDUCTOR = "+inductor"  # the whole graph as one Inductor region, beside the plans (whole_graph_on_inductor)
+
+
+def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
+    """The sequential plan of ``outcome``'s graph with every unit on Inductor, run as one compiled region (its
+    schedule named ``sequential+regions+inductor``), to be measured beside ``outcome``'s plans: where ``--kernels
+    auto`` offers it on the CPU (:func:`~opsched.runtime.auto.inductor_offered`: Inductor compiles for seconds
+    per graph, which a choice block by block cannot pay); else None. Why it was offered or not is recorded in
+    the cost model's ``kernel_choice`` and the schedules' stats, which ``opsched show`` prints."""
+    from opsched.runtime.auto import inductor_offered
+
+    if not job.whole_on_inductor or job.kernels != "auto" or job.device != "cpu" or outcome.kernels is None \
+            or len(job.graph) == 0:
+        return None
+    offered, why = inductor_offered(outcome.cost)
+    if outcome.cost.kernel_choice is not None:
+        outcome.cost.kernel_choice["inductor_whole_graph"] = {"offered": offered, "why": why}
+    if not offered:
+        return None
+    job.say(f"Inductor offered for the whole graph ({why}) ...")
+    sequential = outcome.schedules.get("sequential") or search(job.graph, outcome.cost, "sequential")
+    # its prediction stays the units' on the cost model's kernels: Inductor's whole graph is measured, not costed
+    schedule = dataclasses.replace(sequential, run=dataclasses.replace(sequential.run, regions=True),
+                                   stats={**sequential.stats, "inductor_whole_graph": why},
+                                   options=dict(sequential.options))
+    return Outcome(outcome.cost, {f"sequential+regions{ON_INDUCTOR}": schedule},
+                   outcome.kernels.every_unit_on("inductor"), graph=job.graph)
+
+
 def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outcome:
     """Cost the graph, make every schedule, and on a real device compile, verify and time them with the
     peers, interleaved; see :class:`Outcome`. ``also``: other graphs of the same model (as a model batch's
@@ -402,6 +438,9 @@ def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outc
         made = make_schedules(other)
         made.schedules = {f"{name}{suffix}": schedule for name, schedule in made.schedules.items()}
         outcome.also[suffix] = made
+    on_inductor = whole_graph_on_inductor(job, outcome)
+    if on_inductor is not None:
+        outcome.also[ON_INDUCTOR] = on_inductor
     evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=job.cores or torch.get_num_threads(),
                    device=job.device, peers=job.peers, tolerance=job.tolerance, repeats=job.repeats,
                    cuda_graph=job.cuda_graph, say=job.say)

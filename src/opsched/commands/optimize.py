@@ -76,6 +76,11 @@ def signature_rows(plan) -> list[dict[str, Any]]:
     return rows
 
 
+def inductor_text(offer: dict[str, Any]) -> str:
+    """Whether ``auto`` ran the whole graph on Inductor beside the plans, and why, in words."""
+    return f"{'offered' if offer['offered'] else 'not offered'} Inductor for the whole graph: {offer['why']}"
+
+
 def signature_text(row: dict[str, Any]) -> str:
     """One call signature of a plan file in words: ``inputs (1, 3, 224, 224): ios 3.1 ms (eager 4.2 ms)``."""
     shapes = ", ".join(str(tuple(s)) if s is not None else "a value" for s in row["inputs"])
@@ -177,6 +182,8 @@ def _print(result: dict[str, Any], schedules) -> None:
               f"{choice['seconds']:.1f} s)")
         for unit, why in choice["not_offered"].get("onnxruntime", {}).items():
             print(f"{'':<10} not offered ONNX Runtime: unit {unit} ({why})")
+        if "inductor_whole_graph" in choice:
+            print(f"{'':<10} {inductor_text(choice['inductor_whole_graph'])}")
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")

@@ -44,6 +44,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         refused = plan.stats.get("kernel_choice", {}).get("not_offered", {}).get("onnxruntime", {})
         if refused:
             result["not_on_onnxruntime"] = refused
+        on_inductor = plan.stats.get("kernel_choice", {}).get("inductor_whole_graph")
+        if on_inductor:
+            result["inductor_whole_graph"] = on_inductor
     if mapping:
         result.update(devices=[d.name for d in mapping.devices], lower_bound=plan.bounds.get("lower_bound"),
                       optimal=mapping.optimal, transfers=len(mapping.transfers))
@@ -59,6 +62,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                           for k, n in result["kernels"].items()))
         for unit, why in result.get("not_on_onnxruntime", {}).items():
             print(f"{'':<11} not offered ONNX Runtime: unit {unit} ({why})")
+        if "inductor_whole_graph" in result:
+            from opsched.commands.optimize import inductor_text
+
+            print(f"{'':<11} {inductor_text(result['inductor_whole_graph'])}")
         names = result["devices"] if mapping else None
         for k, units in enumerate(streams):
             print(f"{'device ' + names[k] if names else f'stream {k}':<11} {count(len(units), 'unit')}")

@@ -31,10 +31,13 @@ where every path meets), each costed as one ONNX Runtime session. On the CPU, wi
 
 Where no block is faster on ONNX Runtime, the choice and every figure are the default kernels'. On a GPU,
 with simulated costs, and where ONNX Runtime is not installed (said once), ``auto`` is the default kernels; where
-choosing fails (a session that compiles and fails to run), too, and ``not_offered`` says why. Inductor is not
-offered: it compiles for seconds per region, which a default search cannot pay. The profiles and regions are
-cached (:mod:`opsched.cost.cache`) under their kernels (a mix under its own choice); the whole graph's thread
-count, the mixes run beside each kernel alone and the copy speed are timed again on every search.
+choosing fails (a session that compiles and fails to run), too, and ``not_offered`` says why. The profiles and
+regions are cached (:mod:`opsched.cost.cache`) under their kernels (a mix under its own choice); the whole
+graph's thread count, the mixes run beside each kernel alone and the copy speed are timed again on every search.
+
+Inductor is offered for the whole graph only, as one region (:func:`inductor_offered`): it compiles for seconds
+to a minute per graph, which a search over blocks cannot pay block by block. The pipeline then runs that
+region beside the plans, verified and timed with them, where this choice says it may win.
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ from opsched.runtime.profile import measured_cost
 from opsched.schedulers.kernels import cheapest_kernels, labelling_cost
 
 COPY_REPEATS = 15
+# ONNX Runtime's whole graph over the default kernels' units, at or above which the whole graph is compiled by
+# Inductor too (see inductor_offered)
+INDUCTOR_FROM = 0.85
 MIX_ROUNDS = 3  # mixes of kernels run before one is kept (see auto_cost)
 MIX_TOLERANCE = 1.1  # a mix that runs within this factor of its costs is kept as costed
 _said_missing = False
@@ -186,6 +192,42 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
     if second.region_error:
         cost.kernel_choice["not_offered"]["onnxruntime blocks"] = second.region_error
     return cost, kernels
+
+
+def inductor_offered(cost: Any) -> tuple[bool, str]:
+    """Whether the whole graph should be compiled by Inductor as one region and run beside the plans, and why,
+    from what ``auto`` measured (``cost.kernel_choice``; a cost model without one was not chosen by ``auto`` on
+    the CPU, and is not offered Inductor).
+
+    Inductor generates its own code for what lies between matrix products and convolutions, which it hands to
+    the same oneDNN and MKL kernels as eager PyTorch; ONNX Runtime fuses that into its own kernels, which it
+    holds for convolutional networks. So where ONNX Runtime's whole graph runs well below the default kernels'
+    units, it is the one to beat and Inductor did not: in a sweep of 43 models nobody here tuned for
+    (docs/sweep_auto_untuned.md), torch.compile beat the plan on the 7 where the whole graph on ONNX Runtime
+    ran at 0.88-1.80x the default kernels' units (attention, 3-D convolutions), and on none of the 35 below
+    0.85x. Compiling costs 20-90 s here where the cache is cold, so it is paid only at ``INDUCTOR_FROM`` and
+    above, where ONNX Runtime cannot run the whole graph, and where it is not installed.
+
+    >>> class Costed: kernel_choice = {"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 5.0}
+    >>> inductor_offered(Costed())
+    (False, 'ONNX Runtime ran the whole graph at 0.50x the default kernels, below 0.85x: it is the one to beat')
+    """
+    if not hasattr(cost, "kernel_choice"):
+        return False, "not measured on the CPU with --kernels auto"
+    choice = cost.kernel_choice
+    if choice is None:
+        if onnxruntime_missing():
+            return True, "ONNX Runtime is not installed"
+        return False, "not measured on the CPU with --kernels auto"
+    whole = choice.get("whole_graph_onnxruntime_ms")
+    default = choice.get("block_after_block_ms", {}).get("default")
+    if not whole or not default:
+        return True, "ONNX Runtime could not run the whole graph"
+    ratio = whole / default
+    if ratio < INDUCTOR_FROM:
+        return False, (f"ONNX Runtime ran the whole graph at {ratio:.2f}x the default kernels, below "
+                       f"{INDUCTOR_FROM:.2f}x: it is the one to beat")
+    return True, f"ONNX Runtime ran the whole graph at {ratio:.2f}x the default kernels"
 
 
 def _counts(choice: dict[str, str]) -> dict[str, int]:

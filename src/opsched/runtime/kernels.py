@@ -253,6 +253,7 @@ class ChosenKernels:
     def __init__(self, choice: Mapping[str, str], example: Callable[[str], Any] | None = None,
                  asked: str | None = None):
         self.choice = dict(choice)
+        self.example = example
         self._lock = threading.Lock()
         compiled = set(self.choice.values()) & COMPILED
         if compiled and example is None:
@@ -272,6 +273,11 @@ class ChosenKernels:
         other._onnx_units = _on_onnxruntime(other.choice)
         other.asked = "auto" if set(other.choice.values()) & COMPILED else "eager"
         return other
+
+    def every_unit_on(self, kernel: str) -> ChosenKernels:
+        """Every unit of these kernels' choice on ``kernel``, compiled for the same example values (own compilers:
+        nothing compiled for these kernels is shared)."""
+        return ChosenKernels(dict.fromkeys(self.choice, kernel), self.example, asked="auto")
 
     def copies(self, of: Mapping[str, str]) -> ChosenKernels:
         """These kernels, also for the units that ``of`` names (a copy's name to the unit it copies): each copy
