@@ -1,6 +1,7 @@
 """What ``--kernels auto`` (the default of ``opsched optimize``) adds to the time a plain optimize takes: the same
 model optimized with ``--kernels eager`` (the default before) and ``auto``, each in a process of its own, on a
-cold cache (an empty cache folder of its own) and on a warm one (the same folder, a second time), the two kernels
+cold cache (an empty cache folder of its own, for opsched's costs and Inductor's compiled graphs) and on a warm
+one (the same folder, a second time), the two kernels
 alternated ``--rounds`` times. Appends one JSON line per run (kernels, cache, seconds, what was chosen and
 measured, the kernel choice) with the machine, versions, date and commit to ``--out``, and prints the medians and
 their ratios.
@@ -54,7 +55,8 @@ def main() -> None:
             for kernels in ("eager", "auto"):
                 cache = Path(folder) / f"{kernels}-{round_}"
                 for state in ("cold", "warm"):
-                    env = {**os.environ, "OPSCHED_CACHE_DIR": str(cache)}
+                    # Inductor's own cache (its compiled graphs) cold and warm with opsched's
+                    env = {**os.environ, "OPSCHED_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
                     ran = subprocess.run([sys.executable, __file__, "--one", args.model, kernels], env=env,
                                          capture_output=True, text=True, check=True)
                     row = {"model": args.model, "kernels": kernels, "cache": state, "round": round_,

@@ -1,5 +1,6 @@
 """Every classification model we can load, through the whole pipeline as a user would run it: capture, the
-measured cost model, sequential and IOS schedules, execution, verification against eager (each output at its
+measured cost model, sequential and IOS schedules (and, with ``--kernels auto`` where it offers it, the whole graph
+on Inductor, as a plain ``opsched optimize`` makes them), execution, verification against eager (each output at its
 own scale, opsched.compare), and the interleaved timing of every candidate beside the peers; the configuration
 opsched chooses (above the run's noise, opsched.noise) and how its best plan compares with eager and with the
 fastest peer. Every figure is measured on this machine.
@@ -82,7 +83,8 @@ def one(spec: str, image_size: int, peers: bool, repeats: int, kernels: str = "a
     methods = {m: (m, method_options(m)) for m in ("sequential", "ios")}
     outcome = run_workload(Workload(loaded.model, tuple(loaded.inputs), graph, methods, repeats=repeats,
                                     cores=torch.get_num_threads(), kernels=kernels,
-                                    peers=("eager", "torch_compile", "onnxruntime") if peers else ("eager",)))
+                                    peers=("eager", "torch_compile", "onnxruntime") if peers else ("eager",),
+                                    whole_on_inductor=True))
     ev = outcome.evaluation
     best_plan, best_peer = ev.fastest("schedule"), ev.fastest("peer")
     row.update(input_shape=list(loaded.inputs[0].shape), kernels=kernels,

@@ -378,7 +378,8 @@ def test_without_onnxruntime_inductor_is_offered_the_whole_graph(monkeypatch):
     assert auto.inductor_offered(Costed()) == (True, "ONNX Runtime is not installed")
 
 
-def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_its_plan_runs_again(monkeypatch):
+def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_its_plan_runs_again(monkeypatch,
+                                                                                                   tmp_path, capsys):
     """Offered (here whatever ONNX Runtime measured), the whole graph compiled by Inductor as one region is one
     more schedule of the run, verified against the model: its plan records every unit on Inductor and compiles
     again from a new capture, as ``opsched.load`` and a weight change rebuild it."""
@@ -394,11 +395,17 @@ def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_
     outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
     name = "sequential+regions+inductor"
     assert name in outcome.measured_ms, outcome.evaluation.dropped
-    assert outcome.cost.kernel_choice["inductor_whole_graph"]["offered"]
+    offer = outcome.cost.kernel_choice["inductor_whole_graph"]
+    assert offer["offered"] and offer["compile_seconds"] >= 0  # what offering it cost is said
     plan = outcome.plan(name)
     assert plan.run.regions and set(plan.unit_kernels.values()) == {"inductor"} and len(plan.unit_kernels) == len(
         outcome.graph)
     assert plan.measured.measured_as == name
+    plan.save(tmp_path / "plan.json")  # opsched show says why Inductor was offered
+    from opsched.cli import main
+
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    assert "offered Inductor for the whole graph: " in capsys.readouterr().out
     with torch.no_grad():
         model.qkv.weight.mul_(0.5)  # new weights: compiled again, and verified against the model as it is now
     module, verdict = recompile(model, (x,), plan, {"repeats": 3})

@@ -108,11 +108,14 @@ def _add_ios_options(p: argparse.ArgumentParser) -> None:
                    help=f"ios: cut blocks larger than N units into parts (0: no limit; default {DEFAULT_MAX_SIZE})")
 
 
-def _add_kernels_option(p: argparse.ArgumentParser, graph: str) -> None:
+def _add_kernels_option(p: argparse.ArgumentParser, graph: str, whole_on_inductor: bool = False) -> None:
+    inductor = (f", and where ONNX Runtime gains little over the default kernels, {graph} as one region compiled by "
+                "Inductor, timed beside the plans") if whole_on_inductor else ""
     p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
                    help=f"how units run: auto (default) runs each block of units of {graph} on the default "
                         "kernels (eager ATen operators, convolutions reordered once) or on an ONNX Runtime session "
-                        f"(when installed), whichever measured faster, {graph} possibly as one session; on a GPU "
+                        f"(when installed), whichever measured faster, {graph} possibly as one session{inductor}; "
+                        "on a GPU "
                         "and with simulated costs, the default kernels; eager, inductor (compiled by TorchInductor) "
                         "or onnxruntime (each unit or region on a session of its own) run every unit so, and the "
                         "last two add the peers torch.compile and ONNX Runtime to the measurements")
@@ -197,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "sim:t4, sim:rtx3080, sim:k80 (figures then are simulated and nothing runs)")
     p.add_argument("--method", default="ios", choices=list(SCHEDULERS),
                    help="the scheduler whose plan is written (default ios)")
-    _add_kernels_option(p, "the model")
+    _add_kernels_option(p, "the model", whole_on_inductor=True)
     p.add_argument("--peers", action="store_true",
                    help="also time torch.compile of the whole model (freezing on, compiled for each thread count "
                         "in isolation) and ONNX Runtime (when installed) beside eager; the choice (above the run's "
