@@ -405,7 +405,9 @@ def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_
     from opsched.cli import main
 
     assert main(["show", str(tmp_path / "plan.json")]) == 0
-    assert "offered Inductor for the whole graph: " in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert "offered Inductor for the whole graph: " in shown and "measured and not costed" in shown
+    assert name in outcome.every_schedule  # what opsched optimize's table lists
     with torch.no_grad():
         model.qkv.weight.mul_(0.5)  # new weights: compiled again, and verified against the model as it is now
     module, verdict = recompile(model, (x,), plan, {"repeats": 3})

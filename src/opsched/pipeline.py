@@ -299,6 +299,17 @@ class Outcome:
     # run_workload); each holds its own schedules and modules and shares this evaluation
     also: dict[str, Outcome] = field(default_factory=dict)
 
+    def same_graph(self) -> list[Outcome]:
+        """This outcome and those in ``also`` of the same graph (other kernels: the whole graph on Inductor), whose
+        schedules count as this one's (a model batch's graph without its batched units, in ``also`` too, does
+        not: it shares the evaluation only)."""
+        return [self] + [other for other in self.also.values() if other.graph is self.graph]
+
+    @property
+    def every_schedule(self) -> dict[str, Schedule]:
+        """The schedules of :meth:`same_graph`'s outcomes, by name."""
+        return {name: schedule for outcome in self.same_graph() for name, schedule in outcome.schedules.items()}
+
     @property
     def measured_ms(self) -> dict[str, float]:
         """Every verified configuration's median milliseconds (empty before measuring)."""
@@ -343,8 +354,8 @@ class Outcome:
         ev = self.evaluation
         if ev is None:
             return self.schedules.get(self.requested) if self.requested else None
-        mine = [self] + [other for other in self.also.values() if other.graph is self.graph]
-        best = name or ev.fastest("schedule", among=[n for o in mine for n in o.schedules])
+        mine = self.same_graph()
+        best = name or ev.fastest("schedule", among=self.every_schedule)
         if best is None or best not in ev.measured_ms:
             return None
         holder = next(o for o in mine if best in o.schedules)

@@ -56,7 +56,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"form        {plan.form}: {count(len(plan.ops), 'unit')} on {count(len(streams), 'stream')}"
               + (f" in {count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
         unit = time_unit(plan)
-        print(f"predicted   {plan.predicted_latency:.4g}{' ' + unit if unit else ''}  ({label})")
+        if "inductor_whole_graph" in plan.stats:  # one region of Inductor's: measured, not costed
+            print(f"predicted   - (the whole graph as one region compiled by Inductor, measured and not costed; "
+                  f"its units on the cost model's kernels: {plan.predicted_latency:.4g}{' ' + unit if unit else ''})")
+        else:
+            print(f"predicted   {plan.predicted_latency:.4g}{' ' + unit if unit else ''}  ({label})")
         if "kernels" in result:
             print(f"kernels     {plan.run.kernels}: " + ", ".join(f"{count(n, 'unit')} {k}"
                                                           for k, n in result["kernels"].items()))
