@@ -237,7 +237,7 @@ def schedule_candidates(graph: Graph, schedules: dict[str, Schedule], kernels: A
         except Exception as e:  # noqa: BLE001 - reported by evaluate, like a schedule that fails to run
             candidates.append(Candidate(name, _raising(e)))
             continue
-        expected = schedule.predicted_latency if schedule.cost == "measured" else None
+        expected = schedule.predicted_latency if schedule.cost == "measured" and schedule.costed else None
         candidates.append(Candidate(name, module_runner(modules[name], inputs, cores, sync), "schedule",
                                     expected_ms=expected, module=modules[name], program=modules[name].program_key))
     return candidates, modules

@@ -289,6 +289,13 @@ class Schedule:
         return "mapping" if self.devices is not None else "model batch" if self.models is not None else "schedule"
 
     @property
+    def costed(self) -> bool:
+        """Whether ``predicted_latency`` predicts this plan: not for the whole graph compiled by Inductor as one
+        region (``--kernels auto``, see :func:`opsched.pipeline.whole_graph_on_inductor`), which is measured, not
+        costed, and holds its units' prediction on the cost model's kernels."""
+        return "inductor_whole_graph" not in self.stats
+
+    @property
     def simulated(self) -> bool:
         """Whether the plan's figures are simulated, the label every reader of a plan gives them: its cost names
         a simulated device (``sim:NAME``) or, for a mapping, a platform whose figures are simulated

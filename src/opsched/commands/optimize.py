@@ -44,8 +44,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": loaded.name, "batch": requested.batch, "device": args.cost if simulated else args.device,
         "cost": args.cost, "simulated": simulated, "method": args.method, "kernels": args.kernels,
         "units": len(graph), "search_seconds": requested.stats["search_seconds"], "plan": str(plan_path),
-        "predicted_ms": {m: s.predicted_latency for m, s in schedules.items()
-                         if "inductor_whole_graph" not in s.stats},  # (measured, not costed)
+        "predicted_ms": {m: s.predicted_latency for m, s in schedules.items() if s.costed},
         "load_seconds": round(load_seconds, 3), "capture_seconds": round(capture_seconds, 3),
         "reason": explain(requested, graph, outcome.cost),
     }
@@ -135,9 +134,8 @@ def _print(result: dict[str, Any], schedules) -> None:
         header += f" {'measured ms':>12} {'vs eager':>9}"
     print(header)
     peers = [p for p in ("eager", "cuda_graph", "torch_compile", "onnxruntime") if p in measured or p in dropped]
-    # (the whole graph on Inductor is measured, not costed: its schedule holds the units' prediction)
-    rows = [(p, None) for p in peers] + [(m, None if "inductor_whole_graph" in schedules[m].stats
-                                          else schedules[m].predicted_latency) for m in schedules]
+    rows = [(p, None) for p in peers] + [(m, schedules[m].predicted_latency if schedules[m].costed else None)
+                                         for m in schedules]
     sequential = result["predicted_ms"]["sequential"]
     for name, predicted in rows:
         mark = "*" if name == result.get("chosen") else " "

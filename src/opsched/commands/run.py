@@ -94,7 +94,7 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
-              "predicted_ms": plan.predicted_latency, "max_error": ev.errors[ran], "max_abs_error": ev.abs_errors[ran],
+              "predicted_ms": plan.predicted_latency if plan.costed else None, "max_error": ev.errors[ran], "max_abs_error": ev.abs_errors[ran],
               "tie": list(ev.tie), "noise": ev.noise(), "speedups": {"over": baseline, **ev.speedups(baseline)},
               "warnings": ev.warnings + outcome.notes, "engine": engine}
     if names is not None:  # each model's outputs under what ran, against its own forward, as opsched multi does
@@ -168,7 +168,8 @@ def _print(result: dict[str, Any], ev: Any, plan: Any, label: str, baseline: str
     print(f"{baseline:<{width}} {eager:.2f} ms  (best of 1 and {cores} threads: {ev.threads[baseline]})")
     speedups = result["speedups"]  # over the rounds both ran (a race leaves plainly slower ones out early)
     ms = ev.measured_ms[label]
-    print(f"{label:<{width}} {ms:.2f} ms  ({speedups[label]:.2f}x {baseline}; predicted {plan.predicted_latency:.2f} ms)")
+    predicted = f"predicted {plan.predicted_latency:.2f} ms" if plan.costed else "measured, not costed"
+    print(f"{label:<{width}} {ms:.2f} ms  ({speedups[label]:.2f}x {baseline}; {predicted})")
     if ran != label:
         ms = ev.measured_ms[ran]
         print(f"{ran:<{width}} {ms:.2f} ms  ({speedups[ran]:.2f}x {baseline}): the configuration the plan chose")

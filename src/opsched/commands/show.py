@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"form        {plan.form}: {count(len(plan.ops), 'unit')} on {count(len(streams), 'stream')}"
               + (f" in {count(len(plan.stages), 'stage')}" if plan.stages is not None else ""))
         unit = time_unit(plan)
-        if "inductor_whole_graph" in plan.stats:  # one region of Inductor's: measured, not costed
+        if not plan.costed:
             print(f"predicted   - (the whole graph as one region compiled by Inductor, measured and not costed; "
                   f"its units on the cost model's kernels: {plan.predicted_latency:.4g}{' ' + unit if unit else ''})")
         else:
