@@ -351,6 +351,7 @@ class Attention(nn.Module):
     ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 8.5}, True),
     ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 18.0}, True),
     ({"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": None}, True),  # ORT failed on it
+    ({"units": {"eager": 3}, "not_offered": {"onnxruntime": {"(every unit)": "choosing failed: ..."}}}, True),
 ])
 def test_inductor_is_offered_the_whole_graph_where_onnx_runtime_gains_little_over_the_default_kernels(choice,
                                                                                                       offered):
@@ -364,9 +365,12 @@ def test_inductor_is_offered_the_whole_graph_where_onnx_runtime_gains_little_ove
     assert inductor_offered(object())[0] is False  # a cost model auto did not make on the CPU
 
 
-def test_without_onnxruntime_inductor_is_offered_the_whole_graph(monkeypatch):
+def test_without_onnxruntime_inductor_is_offered_the_whole_graph_and_the_plan_says_why(monkeypatch, tmp_path,
+                                                                                        capsys):
     import sys
 
+    import opsched
+    from opsched.cli import main
     from opsched.runtime import auto
 
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import fails
@@ -376,6 +380,13 @@ def test_without_onnxruntime_inductor_is_offered_the_whole_graph(monkeypatch):
         kernel_choice = None
 
     assert auto.inductor_offered(Costed()) == (True, "ONNX Runtime is not installed")
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
+    assert "sequential+regions+inductor" in outcome.measured_ms, outcome.evaluation.dropped
+    outcome.plan().save(tmp_path / "plan.json")  # whichever was chosen, its plan records why
+    assert main(["show", str(tmp_path / "plan.json")]) == 0
+    assert "offered Inductor for the whole graph: ONNX Runtime is not installed" in capsys.readouterr().out
 
 
 def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_its_plan_runs_again(monkeypatch,

@@ -358,7 +358,9 @@ class Outcome:
         best = name or ev.fastest("schedule", among=self.every_schedule)
         if best is None or best not in ev.measured_ms:
             return None
-        holder = next(o for o in mine if best in o.schedules)
+        holder = next((o for o in mine if best in o.schedules), None)
+        if holder is None:
+            raise KeyError(f"{best!r} is not a schedule of this outcome's graph")
         # a copy: reading the plan never changes the schedule the job made
         schedule = holder.schedules[best]
         kernels = holder.kernels.choice if holder.kernels is not None else schedule.unit_kernels
@@ -420,8 +422,11 @@ def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
             or len(job.graph) == 0:
         return None
     offered, why = inductor_offered(outcome.cost)
-    if outcome.cost.kernel_choice is not None:
-        outcome.cost.kernel_choice["inductor_whole_graph"] = {"offered": offered, "why": why}
+    if getattr(outcome.cost, "kernel_choice", None) is None:  # ONNX Runtime not installed: nothing else chosen
+        outcome.cost.kernel_choice = {}
+        for schedule in outcome.schedules.values():
+            schedule.stats["kernel_choice"] = outcome.cost.kernel_choice
+    outcome.cost.kernel_choice["inductor_whole_graph"] = {"offered": offered, "why": why}
     if not offered:
         return None
     job.say(f"Inductor offered for the whole graph ({why}) ...")

@@ -85,6 +85,9 @@ def timeline_title(plan, name: str) -> str:
     if plan.simulated:
         on = plan.devices.platform["name"] if plan.devices is not None else plan.cost[4:]
         what = f"SIMULATED on {on} (predicted, not measured)"
+    elif not plan.costed:
+        what = (f"its units' timeline predicted by the {plan.cost} cost model on its own kernels (the plan runs as "
+                "one region compiled by Inductor: measured, not costed)")
     else:
         what = f"predicted by the {plan.cost} cost model"
     # a DAG JSON file's latencies have no unit; a mapping says which it has

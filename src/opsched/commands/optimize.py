@@ -178,11 +178,14 @@ def _print(result: dict[str, Any], schedules) -> None:
                  if c.get("regions_measured") or c.get("regions_cached") else "") + ")")
     choice = result.get("cost_model", {}).get("kernel_choice")
     if choice:
-        units = ", ".join(f"{n} {kernel}" for kernel, n in sorted(choice["units"].items()))
-        print(f"kernels    auto: {choice['blocks_on_onnxruntime']} blocks on ONNX Runtime ({units} units; chosen in "
-              f"{choice['seconds']:.1f} s)")
-        for unit, why in choice["not_offered"].get("onnxruntime", {}).items():
-            print(f"{'':<10} not offered ONNX Runtime: unit {unit} ({why})")
+        units = ", ".join(f"{n} {kernel}" for kernel, n in sorted(choice.get("units", {}).items()))
+        if "blocks_on_onnxruntime" in choice:  # (absent where choosing failed or ONNX Runtime is not installed)
+            print(f"kernels    auto: {choice['blocks_on_onnxruntime']} blocks on ONNX Runtime ({units} units; "
+                  f"chosen in {choice['seconds']:.1f} s)")
+        else:
+            print(f"kernels    auto: {units or 'the default kernels'}")
+        for unit, why in choice.get("not_offered", {}).get("onnxruntime", {}).items():
+            print(f"{'':<10} not offered ONNX Runtime: {'' if unit.startswith('(') else 'unit '}{unit} ({why})")
         if "inductor_whole_graph" in choice:
             print(f"{'':<10} {inductor_text(choice['inductor_whole_graph'])}")
     if "compile_seconds" in result:

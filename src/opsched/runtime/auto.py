@@ -219,9 +219,11 @@ def inductor_offered(cost: Any) -> tuple[bool, str]:
         if onnxruntime_missing():
             return True, "ONNX Runtime is not installed"
         return False, "not measured on the CPU with --kernels auto"
+    if "block_after_block_ms" not in choice:
+        return True, "choosing ONNX Runtime's blocks failed"
     whole = choice.get("whole_graph_onnxruntime_ms")
-    default = choice.get("block_after_block_ms", {}).get("default")
-    if not whole or not default:
+    default = choice["block_after_block_ms"].get("default")
+    if whole is None or not default:
         return True, "ONNX Runtime could not run the whole graph"
     ratio = whole / default
     if ratio < INDUCTOR_FROM:
