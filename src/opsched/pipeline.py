@@ -411,15 +411,15 @@ ON_INDUCTOR = "+inductor"  # the whole graph as one Inductor region, beside the 
 
 
 def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
-    """The sequential plan of ``outcome``'s graph with every unit on Inductor, run as one compiled region (its
-    schedule named ``sequential+regions+inductor``), to be measured beside ``outcome``'s plans: where ``--kernels
-    auto`` offers it on the CPU (:func:`~opsched.runtime.auto.inductor_offered`: Inductor compiles for seconds
+    """The sequential plan of ``outcome``'s graph (which ``job`` asks for) with every unit on Inductor, run as one
+    compiled region (its schedule named ``sequential+regions+inductor``), to be measured beside ``outcome``'s
+    plans: where ``--kernels auto`` offers it on the CPU (:func:`~opsched.runtime.auto.inductor_offered`: Inductor compiles for seconds
     per graph, which a choice block by block cannot pay); else None. Why it was offered or not is recorded in
     the cost model's ``kernel_choice`` and the schedules' stats, which ``opsched show`` prints."""
     from opsched.runtime.auto import inductor_offered
 
     if not job.whole_on_inductor or job.kernels != "auto" or job.device != "cpu" or outcome.kernels is None \
-            or len(job.graph) == 0:
+            or "sequential" not in outcome.schedules or len(job.graph) == 0:
         return None
     offered, why = inductor_offered(outcome.cost)
     if getattr(outcome.cost, "kernel_choice", None) is None:  # ONNX Runtime not installed: nothing else chosen
@@ -430,7 +430,7 @@ def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
     if not offered:
         return None
     job.say(f"Inductor offered for the whole graph ({why}) ...")
-    sequential = outcome.schedules.get("sequential") or search(job.graph, outcome.cost, "sequential")
+    sequential = outcome.schedules["sequential"]
     # its prediction stays the units' on the cost model's kernels: Inductor's whole graph is measured, not costed
     schedule = dataclasses.replace(sequential, run=dataclasses.replace(sequential.run, regions=True),
                                    stats={**sequential.stats, "inductor_whole_graph": why},
