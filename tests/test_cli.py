@@ -112,6 +112,15 @@ def test_timm_and_torchvision_specs():
         load_model("squeezenet", batch=0)
 
 
+@pytest.mark.parametrize("spec", ["timm:resmlp_12_224", "torchvision:vit_b_32"])
+def test_models_whose_libraries_zero_their_heads_answer_by_their_input(spec):
+    # untrained, these returned a constant zero: every plan "matched" them with an error of exactly 0
+    m = load_model(spec)
+    with torch.no_grad():
+        first, other = m.model(*m.inputs), m.model(torch.randn_like(m.inputs[0]))
+    assert first.abs().max() > 0 and (first - other).abs().max() > 1e-3
+
+
 def write_dag(tmp_path):
     from opsched.graph import dagjson
     from opsched.models.synthetic import randwire_stage

@@ -157,7 +157,7 @@ def _torchvision(name: str, image_size: int | None):
         kwargs["weights_backbone"] = None  # segmentation and detection models fetch their backbone's otherwise
     if name in {"googlenet", "inception_v3"}:
         kwargs.update(aux_logits=False, init_weights=False)
-    model = builder(**kwargs)
+    model = without_zero_weights(builder(**kwargs))
     if name in torchvision.models.list_models(module=torchvision.models.video):
         # a clip of 16 frames at the size the model's weights were made for (their transforms' crop: 112 px for
         # R3D, MC3 and R(2+1)D, 224 for S3D, MViT and Swin3D, which MViT's position encoding fixes)
@@ -175,11 +175,32 @@ def _timm(name: str, image_size: int | None):
     if not timm.is_model(name):
         raise ModelSpecError(f"timm has no model {name!r}")
     torch.manual_seed(0)
-    model = timm.create_model(name, pretrained=False)
+    model = without_zero_weights(timm.create_model(name, pretrained=False))
     c, h, w = model.pretrained_cfg.get("input_size", (3, 224, 224))
     if image_size:
         h = w = image_size
     return model, (torch.randn(1, c, h, w),)
+
+
+def without_zero_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every parameter that is all zeros, other than a bias, drawn at random instead (normal, 0.02;
+    seeded). torchvision and timm zero-initialise some classifiers (torchvision's ViT heads, timm's MLP-Mixer,
+    ResMLP and gMLP heads, the last norm of many timm residual blocks): untrained, their output is then a
+    constant, or a branch adds nothing, and no comparison with the model could tell a wrong plan from a right
+    one (ResMLP-12's plans "matched" with an error of exactly 0, as did five rows of the sweep of 2026-11-26).
+
+    >>> head = torch.nn.Linear(4, 2)
+    >>> for p in head.parameters(): _ = torch.nn.init.zeros_(p)
+    >>> head = without_zero_weights(head)
+    >>> bool(head.weight.abs().min() > 0), bool(head.bias.abs().max() == 0)
+    (True, True)
+    """
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not name.endswith("bias") and parameter.is_floating_point() and not parameter.any():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.02)
+    return model
 
 
 def _from_file(path: Path, factory_name: str):
