@@ -140,3 +140,12 @@ def test_default_tolerances_follow_each_dtypes_noise():
     # a float16 output is judged by float16's tolerance, not float32's
     want = torch.tensor([1.0, 2.0], dtype=torch.float16)
     assert compare_outputs(want * (1 + 2e-2), want).ok and not compare_outputs(want * 1.2, want).ok
+
+
+def test_a_model_whose_every_output_is_zero_is_verified_with_a_warning_that_says_it_proves_nothing():
+    # an untrained timm ResMLP or torchvision ViT answered zeros: every plan, right or wrong, "matched" exactly
+    zeros = torch.zeros(2, 3)
+    ev = evaluate([Candidate("plan", lambda: zeros * 5)], reference=zeros, repeats=3)
+    assert "plan" in ev.measured_ms and any("cannot tell a wrong plan" in w for w in ev.warnings)
+    ev = evaluate([Candidate("plan", lambda: zeros + 1)], reference=zeros + 1, repeats=3)
+    assert not any("cannot tell" in w for w in ev.warnings)

@@ -173,6 +173,9 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
 
     steady_allocator()
     result = Evaluation()
+    if all_zero(reference):
+        result.warnings.append("every output of the model is zero on these inputs: the comparison cannot tell a wrong "
+                               "plan from a right one (an untrained model whose last layer starts at zero?)")
     verified = []
     for c in candidates:
         try:
@@ -304,6 +307,21 @@ def module_runner(module: Callable[..., Any], inputs: Sequence[Any], cores: int,
         return out
 
     return run
+
+
+def all_zero(outputs: Any) -> bool:
+    """Whether ``outputs`` (any structure) hold floating-point tensors and every one is all zeros: outputs that
+    no wrong answer would differ from by much.
+
+    >>> import torch
+    >>> all_zero((torch.zeros(2), {"n": torch.zeros(1, dtype=torch.long)})), all_zero([torch.zeros(2), torch.ones(1)])
+    (True, False)
+    """
+    import torch
+    import torch.utils._pytree as pytree
+
+    floats = [t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return bool(floats) and not any(bool(t.any()) for t in floats)
 
 
 def reference_outputs(model: Any, inputs: Sequence[Any], cores: int) -> Any:
