@@ -460,7 +460,7 @@ def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outc
     evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=job.cores or torch.get_num_threads(),
                    device=job.device, peers=job.peers, tolerance=job.tolerance, repeats=job.repeats,
                    cuda_graph=job.cuda_graph, say=job.say)
-    if on_inductor is not None and outcome.cost.kernel_choice is not None:  # what offering it cost
+    if on_inductor is not None:  # what offering it cost
         outcome.cost.kernel_choice["inductor_whole_graph"]["compile_seconds"] = round(
             on_inductor.kernels.compile_seconds, 1)
     return outcome

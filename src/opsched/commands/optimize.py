@@ -76,9 +76,16 @@ def signature_rows(plan) -> list[dict[str, Any]]:
     return rows
 
 
-def inductor_text(offer: dict[str, Any]) -> str:
-    """Whether ``auto`` ran the whole graph on Inductor beside the plans, and why, in words."""
-    return f"{'offered' if offer['offered'] else 'not offered'} Inductor for the whole graph: {offer['why']}"
+def kernel_choice_lines(refused: dict[str, str], inductor: dict[str, Any] | None) -> list[str]:
+    """What ``auto`` did not offer ONNX Runtime and why (``refused``: a unit's name, or a note such as
+    ``(every unit)``, to the reason), and whether it ran the whole graph on Inductor beside the plans and why
+    (``inductor``), in words: the lines ``opsched optimize`` and ``opsched show`` print."""
+    lines = [f"not offered ONNX Runtime: {'' if unit.startswith('(') else 'unit '}{unit} ({why})"
+             for unit, why in refused.items()]
+    if inductor:
+        lines.append(f"{'offered' if inductor['offered'] else 'not offered'} Inductor for the whole graph: "
+                     f"{inductor['why']}")
+    return lines
 
 
 def signature_text(row: dict[str, Any]) -> str:
@@ -184,10 +191,9 @@ def _print(result: dict[str, Any], schedules) -> None:
                   f"chosen in {choice['seconds']:.1f} s)")
         else:
             print(f"kernels    auto: {units or 'the default kernels'}")
-        for unit, why in choice.get("not_offered", {}).get("onnxruntime", {}).items():
-            print(f"{'':<10} not offered ONNX Runtime: {'' if unit.startswith('(') else 'unit '}{unit} ({why})")
-        if "inductor_whole_graph" in choice:
-            print(f"{'':<10} {inductor_text(choice['inductor_whole_graph'])}")
+        for line in kernel_choice_lines(choice.get("not_offered", {}).get("onnxruntime", {}),
+                                        choice.get("inductor_whole_graph")):
+            print(f"{'':<10} {line}")
     if "compile_seconds" in result:
         print(f"compiling  {result['compile_seconds']:.1f} s ({result['kernels']})")
     print(f"plan       {result['plan']}")

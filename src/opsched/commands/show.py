@@ -64,12 +64,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if "kernels" in result:
             print(f"kernels     {plan.run.kernels}: " + ", ".join(f"{count(n, 'unit')} {k}"
                                                           for k, n in result["kernels"].items()))
-        for unit, why in result.get("not_on_onnxruntime", {}).items():
-            print(f"{'':<11} not offered ONNX Runtime: unit {unit} ({why})")
-        if "inductor_whole_graph" in result:
-            from opsched.commands.optimize import inductor_text
+        from opsched.commands.optimize import kernel_choice_lines
 
-            print(f"{'':<11} {inductor_text(result['inductor_whole_graph'])}")
+        for line in kernel_choice_lines(result.get("not_on_onnxruntime", {}), result.get("inductor_whole_graph")):
+            print(f"{'':<11} {line}")
         names = result["devices"] if mapping else None
         for k, units in enumerate(streams):
             print(f"{'device ' + names[k] if names else f'stream {k}':<11} {count(len(units), 'unit')}")

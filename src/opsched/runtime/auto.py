@@ -205,8 +205,9 @@ def inductor_offered(cost: Any) -> tuple[bool, str]:
     units, it is the one to beat and Inductor did not: in a sweep of 43 models nobody here tuned for
     (docs/sweep_auto_untuned.md), torch.compile beat the plan on the 7 where the whole graph on ONNX Runtime
     ran at 0.88-1.80x the default kernels' units (attention, 3-D convolutions), and on none of the 35 below
-    0.85x. Compiling costs 20-90 s here where the cache is cold, so it is paid only at ``INDUCTOR_FROM`` and
-    above, where ONNX Runtime cannot run the whole graph, and where it is not installed.
+    0.85x. Compiling took 6-21 s a model here (DeiT-tiny 17.7 s with Inductor's cache cold, 7.2 s warm), so it
+    is paid only at ``INDUCTOR_FROM`` and above, where ONNX Runtime cannot run the whole graph, and where it is not
+    installed.
 
     >>> class Costed: kernel_choice = {"block_after_block_ms": {"default": 10.0}, "whole_graph_onnxruntime_ms": 5.0}
     >>> inductor_offered(Costed())
