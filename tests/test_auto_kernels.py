@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.small_models import build, recipes, unit_costed
+from support.small_models import build, check_inductor_region, recipes, unit_costed
 from torch import nn
 
 from opsched.cost.table import TableCost
@@ -442,3 +442,13 @@ def test_a_whole_graph_inductor_cannot_compile_is_dropped_with_why_and_the_other
     outcome = opsched.optimize(model, (x,), repeats=3, cache=False)
     assert "made up" in outcome.evaluation.dropped["sequential+regions+inductor"]
     assert outcome.plan() is not None and outcome.plan().measured.measured_as != "sequential+regions+inductor"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(recipe=recipes())
+def test_random_models_as_one_inductor_region_answer_as_the_model(recipe):
+    """Random models (views, in-place writes, pools, gates, several inputs and outputs, float32, float64 and
+    bfloat16) run as auto offers them to Inductor: each answers as the model, or Inductor refuses it in one line
+    (float64 convolutions), never a wrong answer."""
+    refused = check_inductor_region(recipe)
+    assert not refused or refused.startswith("inductor could not compile"), refused

@@ -139,6 +139,39 @@ def check_recipe(recipe: dict[str, Any]) -> int:
     return runs
 
 
+def check_inductor_region(recipe: dict[str, Any]) -> str:
+    """The recipe's model as ``--kernels auto`` offers it to Inductor (the sequential plan, every unit on
+    Inductor, run as compiled regions: one where the graph returns one value) against eager: "" where it
+    answered as the model, else why Inductor refused it (opsched's one-line error, as the optimize that offered
+    it drops that plan: Inductor's frozen convolutions take no float64). Raises AssertionError on a wrong
+    output; any other exception is a finding too."""
+    from opsched.errors import OpschedError
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.kernels import ChosenKernels
+    from opsched.schedule import RunSettings
+
+    model, inputs = build(recipe)
+    with torch.inference_mode():
+        want = model(*inputs)
+    graph = unit_costed(model, *inputs)
+    kernels = ChosenKernels({n.name: "inductor" for n in graph.nodes}, all_values(graph, list(inputs)).__getitem__,
+                            asked="auto")
+    plan = make_schedule("sequential", graph, TableCost(graph))
+    plan.run = RunSettings("auto", regions=True)
+    try:  # (compiled as the module is built)
+        module = OptimizedModule(graph, plan, 2, kernels)
+    except OpschedError as e:
+        return str(e)
+    try:
+        with torch.inference_mode():
+            got = call_with_deadline(module, inputs, 300.0)
+    finally:
+        module.close()
+    verdict = compare_outputs(got, want, TOLERANCE[inputs[0].dtype])
+    assert verdict.ok, f"{verdict.why} on {recipe}"
+    return ""
+
+
 def call_with_deadline(fn: Callable[..., Any], args: Sequence[Any], seconds: float = HANG_SECONDS) -> Any:
     """``fn(*args)`` on another thread; a call that has not returned after ``seconds`` is a hang."""
     box: dict[str, Any] = {}
