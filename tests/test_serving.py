@@ -27,7 +27,7 @@ pytest.importorskip("uvicorn")
 
 from opsched.compare import compare_outputs
 from opsched.errors import OpschedError
-from opsched.serving import serve
+from opsched.serving import protocol, serve
 from opsched.serving.batcher import Batcher, ModelEndpoint, Overloaded
 from opsched.serving.protocol import (
     DATATYPES,
@@ -148,6 +148,70 @@ def test_the_header_length_and_the_outputs_asked_for_are_checked():
     assert output_choice({"parameters": {"binary_data_output": True}}, ["y", "w"]) == {"y": True, "w": True}
     assert output_choice({"outputs": [{"name": "w", "parameters": {"binary_data": False}}],
                           "parameters": {"binary_data_output": True}}, ["y", "w"]) == {"w": False}
+
+
+@pytest.fixture(params=["orjson", "json"])
+def json_reader(request, monkeypatch):
+    """Each JSON library the protocol reads and writes with: orjson where installed, else the standard library."""
+    if request.param == "orjson":
+        pytest.importorskip("orjson")
+    else:
+        monkeypatch.setattr(protocol, "orjson", None)
+    return request.param
+
+
+def _read_body(body: bytes) -> dict[str, torch.Tensor]:
+    message, binary = split_body(body, None)
+    return read_inputs(message, binary)
+
+
+@pytest.mark.parametrize("body", [b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [NaN]}]}',
+                                  b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [-Infinity]}]}',
+                                  b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP64", "data": [1e400]}]}',
+                                  b'{"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": '
+                                  + b"[" * 5000 + b"1" + b"]" * 5000 + b"}]}"],
+                         ids=["NaN", "-Infinity", "1e400", "nested 5000 deep"])
+def test_json_is_strict_json_with_either_library(json_reader, body):
+    """NaN, infinity and numbers past a double's range are not strict JSON (they travel as binary data), and data
+    nested past what a parser takes is a bad request, not a server error: the same with either library."""
+    with pytest.raises(ProtocolError, match="not JSON|past a double's range|evenly nested"):
+        _read_body(body)
+
+
+_FINITE = st.floats(allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(st.tuples(st.just("FP64"), st.lists(_FINITE, max_size=12)),
+                 st.tuples(st.just("FP32"), st.lists(_FINITE | st.integers(-2**70, 2**70), max_size=12)),
+                 st.tuples(st.just("INT64"), st.lists(st.integers(-2**63, 2**63 - 1), max_size=12)),
+                 st.tuples(st.just("INT8"), st.lists(st.integers(-200, 200), max_size=12)),
+                 st.tuples(st.just("BOOL"), st.lists(st.booleans(), max_size=12))),
+       st.one_of(st.none(), st.text(max_size=8), st.integers(-2**60, 2**60)))
+def test_orjson_reads_and_writes_what_the_standard_library_does(case, request_id):
+    """Requests read with orjson give the tensors, or the refusal, that the standard library's reading gives, and
+    answers written with it read back as the same JSON."""
+    orjson = pytest.importorskip("orjson")
+    datatype, data = case
+    text = json.dumps({"id": request_id, "inputs": [{"name": "x", "shape": [len(data)], "datatype": datatype,
+                                                     "data": data}]}).encode()
+    results = []
+    for library in (orjson, None):
+        protocol.orjson = library
+        try:
+            try:
+                tensor = _read_body(text)["x"]
+                body, _ = write_response("m", "1", request_id, {"y": tensor}, {"y": False})
+                results.append((tensor, json.loads(body)))
+            except ProtocolError as e:
+                results.append(type(e))
+        finally:
+            protocol.orjson = orjson
+    with_orjson, with_json = results
+    if isinstance(with_json, tuple) and isinstance(with_orjson, tuple):
+        assert torch.equal(with_orjson[0], with_json[0]) and with_orjson[1] == with_json[1]
+    else:  # a huge integer reads as a float with orjson; where the standard library refuses it, it may be taken
+        assert with_json is ProtocolError and (with_orjson is ProtocolError or datatype == "FP32")
 
 
 # --- the batcher ---------------------------------------------------------------------------------------------------
