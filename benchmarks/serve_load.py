@@ -7,6 +7,7 @@ Each configuration is a server in a process of its own, on the local machine onl
   --no-fuse``): per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's ``@serve.batch`` do;
 - ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused);
 - ``opsched-ray``: the same in Ray Serve deployments on a local Ray (``--engine ray``, one replica);
+- ``opsched-nodelay``: ``opsched serve --max-delay-ms 0`` (a batch is what queued while the last call ran);
 - ``ceiling``: the same server with every model replaced by a copy of its output (a constant): what the protocol
   alone allows, reported beside every row.
 
@@ -21,6 +22,11 @@ versions, date and commit.
     python benchmarks/serve_load.py --workloads cnn16 --configs eager batched opsched ceiling --out docs/serve_load.jsonl
     python benchmarks/serve_load.py --workloads cnn16 --configs opsched --soak 600 --soak-rate 50   # the soak
     python benchmarks/serve_load.py --out docs/serve_load.jsonl --plot docs/serve_load.png           # the chart
+    python benchmarks/serve_load.py --workloads cnn16 --interleave 5 --seconds 6 --warmup 1 --out docs/serve_load_interleaved.jsonl
+
+With ``--interleave ROUNDS`` every configuration's server is started first and the loads take turns between them,
+round after round, so that the machine's slow and fast phases fall on all of them alike; ``--table`` then gives the
+medians over the rounds, and each ratio as the median of the rounds' own ratios with their range.
 
 Workloads: ``cnn16`` (16 small CNNs, 32 px), ``resnet18x16`` (16 ResNet-18, 64 px), ``mixed`` (SqueezeNet 1.1,
 MobileNetV3-small, ShuffleNet V2 x0.5, MNASNet 0.5; 64 px).
@@ -49,6 +55,7 @@ CONFIGS = {
     "batched": {"optimize": False, "fuse": False},
     "opsched": {},
     "opsched-ray": {"engine": "ray"},
+    "opsched-nodelay": {"max_delay_ms": 0.0},
     "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
 }
 
@@ -210,7 +217,9 @@ async def load(url: str, requests: dict, binary: bool, mode: str, level: float, 
             **({"memory_mb": memory} if pid else {})}
 
 
-def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
+def start_server(name: str, config: str, args: argparse.Namespace, append) -> tuple | None:
+    """``config``'s server of workload ``name`` in a process of its own, once ready: ``(process, url, seconds it
+    took)``; None (and a ``failed`` row) where it did not get ready in time."""
     import httpx
 
     port = _free_port()
@@ -219,23 +228,57 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
                               stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
+    while True:
+        try:
+            if httpx.get(f"{url}/v2/health/ready").status_code == 200:
+                return server, url, round(time.perf_counter() - started, 1)
+        except httpx.TransportError:
+            pass
+        if server.poll() is not None or time.perf_counter() - started > args.prepare_timeout:
+            append({"workload": name, "config": config, "failed": "not ready in time" if server.poll() is None
+                    else f"exit {server.returncode}: {server.stderr.read().strip().splitlines()[-1:]}"})
+            stop_server(server)
+            return None
+        time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.send_signal(signal.SIGTERM)
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/v2/health/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if server.poll() is not None or time.perf_counter() - started > args.prepare_timeout:
-                append({"workload": name, "config": config, "failed": "not ready in time" if server.poll() is None
-                        else f"exit {server.returncode}: {server.stderr.read().strip().splitlines()[-1:]}"})
-                return
-            time.sleep(0.5)
-        prepared = round(time.perf_counter() - started, 1)
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+def runs_of(args: argparse.Namespace) -> list[tuple[bool, str, float]]:
+    """Every (binary, closed or open loop, clients or rate) the arguments ask for."""
+    loads = [("closed", args.clients)] * (args.clients > 0) + [("open", rate) for rate in args.rates]
+    return [(t == "binary", mode, level) for t in args.tensors for mode, level in loads]
+
+
+def served_inputs(url: str, models: dict) -> dict[str, str]:
+    """Each model's input as the server names it (its forward's parameter)."""
+    import httpx
+
+    return {k: httpx.get(f"{url}/v2/models/{k}").json()["inputs"][0]["name"] for k in models}
+
+
+def run_row(name: str, config: str, models: dict, binary: bool, mode: str, level: float, row: dict,
+            args: argparse.Namespace, prepared: float) -> dict:
+    return {"workload": name, "models": len(models), "config": config, "tensors": "binary" if binary else "json",
+            "load": mode, ("clients" if mode == "closed" else "rate_per_s"): level, "max_batch": args.max_batch,
+            "max_delay_ms": args.max_delay_ms, "prepared_s": prepared, **row}
+
+
+def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
+    started = start_server(name, config, args, append)
+    if started is None:
+        return
+    server, url, prepared = started
+    try:
         models = workload(name)
         check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
-        # each model's input as the server names it (its forward's parameter)
-        inputs = {k: httpx.get(f"{url}/v2/models/{k}").json()["inputs"][0]["name"] for k in models}
+        inputs = served_inputs(url, models)
         if args.soak:
             row = asyncio.run(load(url, bodies(models, True, inputs), True, "open", args.soak_rate, args.soak, args.warmup, check,
                                    check_all=True, pid=server.pid))
@@ -245,24 +288,47 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
             print(json.dumps({k: row[k] for k in ("answered_per_s", "p99_ms", "errors", "wrong", "lost", "checked")}),
                   flush=True)
             return
-        for binary in [t == "binary" for t in args.tensors]:
-            requests = bodies(models, binary, inputs)
-            runs = [("closed", args.clients)] * (args.clients > 0) + [("open", rate) for rate in args.rates]
-            for mode, level in runs:
-                row = asyncio.run(load(url, requests, binary, mode, level, args.seconds, args.warmup, check))
-                row = append({"workload": name, "models": len(models), "config": config,
-                              "tensors": "binary" if binary else "json", "load": mode,
-                              ("clients" if mode == "closed" else "rate_per_s"): level,
-                              "max_batch": args.max_batch, "max_delay_ms": args.max_delay_ms,
-                              "prepared_s": prepared, **row})
-                print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "answered_per_s",
-                                                      "p50_ms", "p99_ms", "errors", "wrong")}), flush=True)
+        for binary, mode, level in runs_of(args):
+            row = asyncio.run(load(url, bodies(models, binary, inputs), binary, mode, level, args.seconds, args.warmup,
+                                   check))
+            row = append(run_row(name, config, models, binary, mode, level, row, args, prepared))
+            print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "answered_per_s",
+                                                  "p50_ms", "p99_ms", "errors", "wrong")}), flush=True)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
+
+
+def interleave(name: str, args: argparse.Namespace, append) -> None:
+    """Every configuration's server started at once and left idle between its turns; then for each load, ``args.
+    interleave`` rounds in which each configuration takes its turn (the order rotated from round to round), so
+    that the machine's slow and fast phases fall on all of them alike. Each turn is a row with its round and the
+    run's id; :func:`table` gives the medians over the rounds and each ratio as the median of the rounds' own."""
+    servers = {}
+    try:
+        for config in args.configs:
+            print(f"{name}: starting {config} ...", file=sys.stderr, flush=True)
+            started = start_server(name, config, args, append)
+            if started is not None:
+                servers[config] = started
+        models = workload(name)
+        inputs = {config: served_inputs(url, models) for config, (_, url, _) in servers.items()}
+        run = time.strftime("%Y-%m-%dT%H:%M:%S")
+        configs = list(servers)
+        for binary, mode, level in runs_of(args):
+            for round_ in range(args.interleave):
+                for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
+                    _, url, prepared = servers[config]
+                    check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
+                    row = asyncio.run(load(url, bodies(models, binary, inputs[config]), binary, mode, level,
+                                           args.seconds, args.warmup, check))
+                    row = append(run_row(name, config, models, binary, mode, level,
+                                         {**row, "run": run, "round": round_}, args, prepared))
+                    print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "round",
+                                                          "answered_per_s", "p50_ms", "p99_ms", "errors", "wrong")}),
+                          flush=True)
+    finally:
+        for server, _, _ in servers.values():
+            stop_server(server)
 
 
 def last_runs(path: str) -> dict[tuple, dict]:
@@ -271,7 +337,7 @@ def last_runs(path: str) -> dict[tuple, dict]:
     rows: dict[tuple, dict] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
-        if "failed" in row or row.get("load") == "soak":
+        if "failed" in row or row.get("load") == "soak" or "run" in row:
             continue
         level = row.get("clients") or row.get("rate_per_s")
         rows[(row["workload"], row["config"], row["tensors"], row["load"], level)] = row
@@ -301,6 +367,51 @@ def table(path: str) -> str:
                      f"{row['p50_ms']} | {row['p99_ms']} | {row['errors'] + row.get('lost', 0)} | {row['wrong']} "
                      f"({row['checked']}) | {ceiling if ceiling is not None else '-'} | {ratio(eager)} | "
                      f"{ratio(batched)} |")
+    return "\n".join(lines)
+
+
+def _median(by_round: dict[int, dict], field: str):
+    values = [r[field] for r in by_round.values() if r[field] is not None]
+    return round(statistics.median(values), 2) if values else "-"
+
+
+def _against(by_round: dict[int, dict], base: dict[int, dict] | None) -> str:
+    """The median of the rounds' ratios of answered requests/s to ``base``'s in the same round, and their range."""
+    ratios = [r["answered_per_s"] / base[k]["answered_per_s"] for k, r in by_round.items()
+              if base and base.get(k, {}).get("answered_per_s")]
+    if not ratios or by_round is base:
+        return "-"
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+
+
+def interleaved_table(path: str) -> str:
+    """The markdown table of each workload's last interleaved run in ``path``: per configuration and load, the
+    medians over the rounds, and its answered requests/s against the plain server's, per-model batching's and the
+    ceiling's as the median of the rounds' own ratios, [lowest, highest] beside it."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    rows = [r for r in rows if "run" in r]
+    last = {r["workload"]: r["run"] for r in rows}
+    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for r in rows:
+        if r["run"] == last[r["workload"]]:
+            key = (r["workload"], r["tensors"], r["load"], r.get("clients") or r.get("rate_per_s"))
+            groups.setdefault(key, {}).setdefault(r["config"], {})[r["round"]] = r
+    lines = [("| workload | tensors | load | configuration | rounds | answered/s | p50 ms | p99 ms | errors | wrong "
+              "(checked) | against eager | against batched | of the ceiling |"), "|" + "---|" * 13]
+    for (name, tensors, load_, level), by_config in groups.items():
+        what = f"{level} clients" if load_ == "closed" else f"Poisson {level:g}/s"
+        for config, by_round in by_config.items():
+            if config == "ceiling" and len(by_config) > 1:
+                continue
+            errors = sum(r["errors"] + r.get("lost", 0) for r in by_round.values())
+            wrong = sum(r["wrong"] for r in by_round.values())
+            checked = sum(r["checked"] for r in by_round.values())
+            lines.append(f"| {name} | {tensors} | {what} | {config} | {len(by_round)} | "
+                         f"{_median(by_round, 'answered_per_s')} | {_median(by_round, 'p50_ms')} | "
+                         f"{_median(by_round, 'p99_ms')} | {errors} | {wrong} ({checked}) | "
+                         f"{_against(by_round, by_config.get('eager'))} | "
+                         f"{_against(by_round, by_config.get('batched'))} | "
+                         f"{_against(by_round, by_config.get('ceiling'))} |")
     return "\n".join(lines)
 
 
@@ -355,6 +466,9 @@ def main() -> None:
                         help="instead: one open-loop run this long at --soak-rate on the first config, every answer "
                              "checked, the server's resident memory read every five seconds")
     parser.add_argument("--soak-rate", type=float, default=50.0)
+    parser.add_argument("--interleave", type=int, metavar="ROUNDS",
+                        help="start every configuration's server at once, then take turns: each load this many "
+                             "rounds, every configuration once a round (a row each, --seconds long)")
     parser.add_argument("--out", default="docs/serve_load.jsonl")
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out's rows and stop")
     parser.add_argument("--plot", metavar="PNG", help="draw throughput against latency from --out's rows and stop")
@@ -366,12 +480,18 @@ def main() -> None:
         return
     if args.table:
         print(table(args.out))
+        if any('"run": ' in line for line in Path(args.out).read_text().splitlines()):
+            print("\ninterleaved:\n")
+            print(interleaved_table(args.out))
         return
     if args.plot:
         plot(args.out, args.plot)
         return
     append = appender(args.out)
     for name in args.workloads:
+        if args.interleave:
+            interleave(name, args, append)
+            continue
         for config in args.configs:
             print(f"{name}: {config} ...", file=sys.stderr, flush=True)
             measure(name, config, args, append)
