@@ -31,7 +31,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,8 +41,7 @@ from opsched.runtime.kernels import Operator
 from opsched.runtime.lowered import Call, LoweredProgram, Record, Remaining, StreamFailed, UnitFailed, lower
 from opsched.runtime.program import StreamProgram
 
-__all__ = ["CPUExecutor", "StreamFailed", "ThreadedCall", "UnitFailed", "end_pool", "on_a_passing_thread",
-           "wait_until_gone"]
+__all__ = ["CPUExecutor", "StreamFailed", "ThreadedCall", "UnitFailed", "end_pool", "wait_until_gone"]
 
 
 class CPUExecutor:
@@ -275,29 +274,3 @@ def end_pool(pool: Any) -> None:
     ended = [t.native_id for t in list(pool._threads)]
     pool.shutdown(wait=True)
     wait_until_gone(ended)
-
-
-def on_a_passing_thread(function: Callable[[], Any]) -> Any:
-    """``function()`` run on a thread of its own, which has left the process when this returns (its result
-    returned, its exception raised here): whatever PyTorch's parallel operators it runs leaves no OpenMP pool
-    behind in the calling thread, which may live on beside the threads that do the work (see the module's
-    docstring).
-
-    >>> on_a_passing_thread(lambda: 6 * 7)
-    42
-    """
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = function()
-        except BaseException as error:  # noqa: BLE001 - raised again in the caller
-            outcome["error"] = error
-
-    thread = threading.Thread(target=run, name="opsched-passing")
-    thread.start()
-    thread.join()
-    wait_until_gone([thread.native_id])
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]

@@ -1,19 +1,12 @@
-"""The models one process serves: an endpoint per model (its signature and bounded queue), the batcher that runs
-their requests (one thread for all of them: see below), and their plans prepared in a background thread. ``opsched serve`` holds one in its own process (``--engine local``); with ``--engine ray`` each
+"""The models one process serves: an endpoint per model (its signature and bounded queue), the batchers that run
+their requests (one over all of them with a fused group, else one per model), and their plans prepared in a
+background thread. ``opsched serve`` holds one in its own process (``--engine local``); with ``--engine ray`` each
 Ray Serve replica holds one (:mod:`opsched.serving.ray_engine`).
 
 At startup every model's plans are prepared in the background, one model at a time, for the batch sizes its
 batcher forms (:meth:`~opsched.serving.batcher.ModelEndpoint.batch_sizes`), by ``opsched.optimize`` on a copy of
 the model, searched for one sample and made for the other sizes from that schedule (or read from a saved plan
 with ``opsched.load``); ``ready`` is set once they all are, and until then each model answers its requests itself.
-
-One thread runs every model's calls (the batcher's), and the models are checked on a thread that has ended before
-serving starts. With GNU OpenMP (PyTorch's CPU builds) every thread that runs a parallel operator keeps a pool of
-OpenMP threads for as long as it lives, and once the process's pools hold more threads than there are cores,
-libgomp stops spinning between parallel regions everywhere (see :mod:`opsched.runtime.cpu`): every operator then
-waits for sleeping threads to wake. Measured on this project's 2-core Xeon VM, MobileNetV3-small at 64 px took
-4.9-5.5 ms a call on one thread and 14.5-16.5 ms on a second thread while the first, which had run it, lived; a
-batcher thread per model, calls serialised by one lock anyway, put every server in that state.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from typing import Any
 
 from opsched.errors import first_line
 from opsched.models.sharing import sharing_copy
-from opsched.runtime.cpu import on_a_passing_thread
 
 
 class ServedModels:
@@ -43,30 +35,25 @@ class ServedModels:
         from opsched.serving.fused import FusedGroup
 
         lock = threading.Lock()  # one call at a time: each takes every intra-op thread of the process
-
-        def checked() -> tuple[dict, dict]:
-            endpoints = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=max_batch, queue_size=queue_size,
-                                             lock=lock) for name, (model, inputs) in models.items()}
-            for endpoint in endpoints.values():
-                if endpoint.note:
-                    say(f"{endpoint.name}: {endpoint.note}")
-            loaded = {}
-            for name, path in (plans or {}).items():
-                say(f"{name}: loading {path} ...")
-                loaded[name] = opsched.load(path, sharing_copy(endpoints[name].model),
-                                            max_plans=endpoints[name].max_batch + 1)
-            return endpoints, loaded
-
-        # each endpoint runs its model to check it, and a plan file is verified: on a passing thread, so that the
-        # caller's (which lives on) keeps no OpenMP pool beside the batcher's (see the module's docstring)
-        self.endpoints, loaded = on_a_passing_thread(checked)
+        self.endpoints = {name: ModelEndpoint(name, model, tuple(inputs), max_batch=max_batch, queue_size=queue_size,
+                                              lock=lock) for name, (model, inputs) in models.items()}
+        for endpoint in self.endpoints.values():
+            if endpoint.note:
+                say(f"{endpoint.name}: {endpoint.note}")
+        loaded = {}
+        for name, path in (plans or {}).items():
+            say(f"{name}: loading {path} ...")
+            loaded[name] = opsched.load(path, sharing_copy(self.endpoints[name].model),
+                                        max_plans=self.endpoints[name].max_batch + 1)
         # eager kernels unless asked: what opsched serve's --kernels defaults to, and what serving was measured with
         options = {"kernels": "eager", **(optimize_options or {})}
         self.group = None
         endpoints = list(self.endpoints.values())
         if optimize and fuse and sum(e.batchable for e in endpoints) > 1:
             self.group = FusedGroup(endpoints, options, say, max_rows=fuse_max_batch)
-        self.batcher = Batcher(endpoints, max_delay_ms / 1000, fused=self.group)  # one thread for every call
+            self.batchers = [Batcher(endpoints, max_delay_ms / 1000, fused=self.group)]
+        else:
+            self.batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints]
         self.ready, self._stopped = threading.Event(), threading.Event()
         self._preparing = threading.Thread(target=_prepare, args=(self.endpoints, self.group, optimize, options,
                                                                   loaded, self.ready, self._stopped, say),
@@ -80,7 +67,8 @@ class ServedModels:
             return
         self._stopped.set()
         self._preparing.join(30)  # a preparation under way ends before the process does (a plan made later is closed)
-        self.batcher.close()
+        for batcher in self.batchers:
+            batcher.close()
         for module in [e.module for e in self.endpoints.values()] + ([self.group] if self.group else []):
             if hasattr(module, "close"):
                 module.close()
