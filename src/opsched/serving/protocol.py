@@ -70,12 +70,14 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
         head, rest = body[:n], body[n:]
     try:
         request = json_loads(head)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError among them, and orjson's
         raise ProtocolError(f"the request is not JSON: {e}") from None
     except RecursionError:
         raise ProtocolError("the request is not JSON this server reads: it nests too deep") from None
     if not isinstance(request, dict):
         raise ProtocolError("the request is not a JSON object")
+    if not isinstance(request.get("id", ""), str):
+        raise ProtocolError("the request's id must be a string")
     return request, rest
 
 
@@ -83,12 +85,23 @@ def _no_constant(name: str) -> Any:
     raise json.JSONDecodeError(f"{name} is not JSON", name, 0)
 
 
+def _integer(text: str) -> int | float:
+    """A JSON integer as orjson reads it: an int within 64 bits (signed or unsigned), else a double; one past a
+    double's range refused."""
+    if len(text) <= 21 and -(1 << 63) <= (value := int(text)) < 1 << 64:
+        return value
+    number = float(text)
+    if math.isinf(number):
+        raise ValueError(f"the number {text[:24]}... is past a double's range")
+    return number
+
+
 def json_loads(text: bytes) -> Any:
-    """``text`` as strict JSON: ``NaN``, ``Infinity`` and ``-Infinity`` refused (json.JSONDecodeError), as orjson
-    refuses them."""
+    """``text`` (UTF-8) as strict JSON, read as orjson reads it: ``NaN``, ``Infinity`` and ``-Infinity`` refused,
+    integers past 64 bits read as doubles; a ValueError where it is not."""
     if orjson is not None:
         return orjson.loads(text)
-    return json.loads(text, parse_constant=_no_constant)
+    return json.loads(text.decode("utf-8"), parse_constant=_no_constant, parse_int=_integer)
 
 
 def json_dumps(value: Any) -> bytes:
