@@ -300,23 +300,26 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
 
 def interleave(name: str, args: argparse.Namespace, append) -> None:
     """Every configuration's server started at once and left idle between its turns; then for each load, ``args.
-    interleave`` rounds in which each configuration takes its turn (the order rotated from round to round), so
+    interleave`` rounds in which each configuration takes its turn (the order shuffled, seeded, each round), so
     that the machine's slow and fast phases fall on all of them alike. Each turn is a row with its round and the
     run's id; :func:`table` gives the medians over the rounds and each ratio as the median of the rounds' own."""
     servers = {}
+    run = time.strftime("%Y-%m-%dT%H:%M:%S")
     try:
         for config in args.configs:
             print(f"{name}: starting {config} ...", file=sys.stderr, flush=True)
-            started = start_server(name, config, args, append)
+            started = start_server(name, config, args, lambda row: append({**row, "run": run}))
             if started is not None:
                 servers[config] = started
+        if not servers:
+            return
         models = workload(name)
         inputs = {config: served_inputs(url, models) for config, (_, url, _) in servers.items()}
-        run = time.strftime("%Y-%m-%dT%H:%M:%S")
-        configs = list(servers)
         for binary, mode, level in runs_of(args):
             for round_ in range(args.interleave):
-                for config in configs[round_ % len(configs):] + configs[:round_ % len(configs)]:
+                order = list(servers)
+                random.Random(round_).shuffle(order)  # no configuration always follows the same one
+                for config in order:
                     _, url, prepared = servers[config]
                     check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
                     row = asyncio.run(load(url, bodies(models, binary, inputs[config]), binary, mode, level,
@@ -329,6 +332,10 @@ def interleave(name: str, args: argparse.Namespace, append) -> None:
     finally:
         for server, _, _ in servers.values():
             stop_server(server)
+    # the medians and ratios the table shows, kept in the record beside the rounds they come from
+    for summary in interleaved_summaries([json.loads(line) for line in Path(args.out).read_text().splitlines()]):
+        if summary["run"] == run:
+            append(summary)
 
 
 def last_runs(path: str) -> dict[tuple, dict]:
@@ -337,7 +344,7 @@ def last_runs(path: str) -> dict[tuple, dict]:
     rows: dict[tuple, dict] = {}
     for line in Path(path).read_text().splitlines():
         row = json.loads(line)
-        if "failed" in row or row.get("load") == "soak" or "run" in row:
+        if "failed" in row or row.get("load") == "soak" or "run" in row:  # interleaved: interleaved_table
             continue
         level = row.get("clients") or row.get("rate_per_s")
         rows[(row["workload"], row["config"], row["tensors"], row["load"], level)] = row
@@ -370,49 +377,72 @@ def table(path: str) -> str:
     return "\n".join(lines)
 
 
-def _median(by_round: dict[int, dict], field: str):
+def _median(by_round: dict[int, dict], field: str) -> float | None:
     values = [r[field] for r in by_round.values() if r[field] is not None]
-    return round(statistics.median(values), 2) if values else "-"
+    return round(statistics.median(values), 2) if values else None
 
 
-def _against(by_round: dict[int, dict], base: dict[int, dict] | None) -> str:
-    """The median of the rounds' ratios of answered requests/s to ``base``'s in the same round, and their range."""
+def _against(by_round: dict[int, dict], base: dict[int, dict] | None) -> list[float] | None:
+    """The median of the rounds' ratios of answered requests/s to ``base``'s in the same round, and their lowest and
+    highest."""
     ratios = [r["answered_per_s"] / base[k]["answered_per_s"] for k, r in by_round.items()
               if base and base.get(k, {}).get("answered_per_s")]
     if not ratios or by_round is base:
-        return "-"
-    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}, {max(ratios):.2f}]"
+        return None
+    return [round(statistics.median(ratios), 2), round(min(ratios), 2), round(max(ratios), 2)]
+
+
+def interleaved_summaries(rows: list[dict]) -> list[dict]:
+    """Of each workload's last interleaved run among ``rows``: per load and configuration, the medians over the
+    rounds, and its answered requests/s against the plain server's, per-model batching's and the ceiling's (the
+    median of the rounds' own ratios, with the lowest and highest); and a row for each server that did not start."""
+    rows = [r for r in rows if "run" in r and "summary" not in r]
+    last = {r["workload"]: r["run"] for r in rows}
+    rows = [r for r in rows if r["run"] == last[r["workload"]]]
+    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
+    for r in rows:
+        if "failed" not in r:
+            key = (r["workload"], r["tensors"], r["load"], r.get("clients") or r.get("rate_per_s"))
+            groups.setdefault(key, {}).setdefault(r["config"], {})[r["round"]] = r
+    summaries = [{"summary": True, "run": r["run"], "workload": r["workload"], "config": r["config"],
+                  "failed": r["failed"]} for r in rows if "failed" in r]
+    for (name, tensors, load_, level), by_config in groups.items():
+        for config, by_round in by_config.items():
+            summaries.append({
+                "summary": True, "run": last[name], "workload": name, "tensors": tensors, "load": load_,
+                "level": level, "config": config, "rounds": len(by_round),
+                **{field: _median(by_round, field) for field in ("answered_per_s", "p50_ms", "p99_ms")},
+                "errors": sum(r["errors"] + r.get("lost", 0) for r in by_round.values()),
+                "wrong": sum(r["wrong"] for r in by_round.values()),
+                "checked": sum(r["checked"] for r in by_round.values()),
+                **{f"against_{base}": _against(by_round, by_config.get(base))
+                   for base in ("eager", "batched", "ceiling")}})
+    return summaries
 
 
 def interleaved_table(path: str) -> str:
-    """The markdown table of each workload's last interleaved run in ``path``: per configuration and load, the
-    medians over the rounds, and its answered requests/s against the plain server's, per-model batching's and the
-    ceiling's as the median of the rounds' own ratios, [lowest, highest] beside it."""
+    """The markdown table of :func:`interleaved_summaries` of the rows in ``path``; each ratio as its median
+    [lowest, highest] over the rounds."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
-    rows = [r for r in rows if "run" in r]
-    last = {r["workload"]: r["run"] for r in rows}
-    groups: dict[tuple, dict[str, dict[int, dict]]] = {}
-    for r in rows:
-        if r["run"] == last[r["workload"]]:
-            key = (r["workload"], r["tensors"], r["load"], r.get("clients") or r.get("rate_per_s"))
-            groups.setdefault(key, {}).setdefault(r["config"], {})[r["round"]] = r
     lines = [("| workload | tensors | load | configuration | rounds | answered/s | p50 ms | p99 ms | errors | wrong "
               "(checked) | against eager | against batched | of the ceiling |"), "|" + "---|" * 13]
-    for (name, tensors, load_, level), by_config in groups.items():
-        what = f"{level} clients" if load_ == "closed" else f"Poisson {level:g}/s"
-        for config, by_round in by_config.items():
-            if config == "ceiling" and len(by_config) > 1:
-                continue
-            errors = sum(r["errors"] + r.get("lost", 0) for r in by_round.values())
-            wrong = sum(r["wrong"] for r in by_round.values())
-            checked = sum(r["checked"] for r in by_round.values())
-            lines.append(f"| {name} | {tensors} | {what} | {config} | {len(by_round)} | "
-                         f"{_median(by_round, 'answered_per_s')} | {_median(by_round, 'p50_ms')} | "
-                         f"{_median(by_round, 'p99_ms')} | {errors} | {wrong} ({checked}) | "
-                         f"{_against(by_round, by_config.get('eager'))} | "
-                         f"{_against(by_round, by_config.get('batched'))} | "
-                         f"{_against(by_round, by_config.get('ceiling'))} |")
-    return "\n".join(lines)
+    failed = []
+
+    def ratio(r: list[float] | None) -> str:
+        return f"{r[0]:.2f}x [{r[1]:.2f}, {r[2]:.2f}]" if r else "-"
+
+    for s in interleaved_summaries(rows):
+        if "failed" in s:
+            failed.append(f"{s['workload']}: {s['config']} did not start ({s['failed']})")
+            continue
+        if s["config"] == "ceiling":
+            continue
+        what = f"{s['level']} clients" if s["load"] == "closed" else f"Poisson {s['level']:g}/s"
+        lines.append(f"| {s['workload']} | {s['tensors']} | {what} | {s['config']} | {s['rounds']} | "
+                     f"{s['answered_per_s']} | {s['p50_ms']} | {s['p99_ms']} | {s['errors']} | {s['wrong']} "
+                     f"({s['checked']}) | {ratio(s['against_eager'])} | {ratio(s['against_batched'])} | "
+                     f"{ratio(s['against_ceiling'])} |")
+    return "\n".join(lines + failed)
 
 
 def plot(path: str, png: str) -> None:
