@@ -280,11 +280,9 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
         check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
         inputs = served_inputs(url, models)
         if args.soak:
-            row = asyncio.run(load(url, bodies(models, True, inputs), True, "open", args.soak_rate, args.soak, args.warmup, check,
-                                   check_all=True, pid=server.pid))
-            row = append({"workload": name, "models": len(models), "config": config, "tensors": "binary",
-                          "load": "soak", "rate_per_s": args.soak_rate, "max_batch": args.max_batch,
-                          "max_delay_ms": args.max_delay_ms, "prepared_s": prepared, **row})
+            row = asyncio.run(load(url, bodies(models, True, inputs), True, "open", args.soak_rate, args.soak,
+                                   args.warmup, check, check_all=True, pid=server.pid))
+            row = append(run_row(name, config, models, True, "soak", args.soak_rate, row, args, prepared))
             print(json.dumps({k: row[k] for k in ("answered_per_s", "p99_ms", "errors", "wrong", "lost", "checked")}),
                   flush=True)
             return

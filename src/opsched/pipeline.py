@@ -413,8 +413,8 @@ ON_INDUCTOR = "+inductor"  # the whole graph as one Inductor region, beside the 
 def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
     """The sequential plan of ``outcome``'s graph (which ``job`` asks for) with every unit on Inductor, run as one
     compiled region (its schedule named ``sequential+regions+inductor``), to be measured beside ``outcome``'s
-    plans: where ``--kernels auto`` offers it on the CPU (:func:`~opsched.runtime.auto.inductor_offered`: Inductor compiles for seconds
-    per graph, which a choice block by block cannot pay); else None. Why it was offered or not is recorded in
+    plans: where ``--kernels auto`` offers it on the CPU (:func:`~opsched.runtime.auto.inductor_offered`: Inductor
+    compiles for seconds per graph, which a choice block by block cannot pay); else None. Why it was offered or not is recorded in
     the cost model's ``kernel_choice`` and the schedules' stats, which ``opsched show`` prints."""
     from opsched.runtime.auto import inductor_offered
 

@@ -94,7 +94,8 @@ def _run_plan(args: argparse.Namespace, plan: Any, load: argparse.Namespace | No
     ran = chosen["name"] if chosen["name"] in ev.measured_ms else label
     result = {"model": loaded.name, "plan": args.plan, "method": plan.method, "batch": plan.batch, "kernels": kernels,
               "chosen": ran, "measured_ms": dict(ev.measured_ms), "eager_threads": ev.threads.get("eager"),
-              "predicted_ms": plan.predicted_latency if plan.costed else None, "max_error": ev.errors[ran], "max_abs_error": ev.abs_errors[ran],
+              "predicted_ms": plan.predicted_latency if plan.costed else None, "max_error": ev.errors[ran],
+              "max_abs_error": ev.abs_errors[ran],
               "tie": list(ev.tie), "noise": ev.noise(), "speedups": {"over": baseline, **ev.speedups(baseline)},
               "warnings": ev.warnings + outcome.notes, "engine": engine}
     if names is not None:  # each model's outputs under what ran, against its own forward, as opsched multi does
