@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -610,6 +612,25 @@ def test_curl_is_a_client_too(server):
     answer = subprocess.run(["curl", "-s", "-H", "Content-Type: application/json", "-d", body,
                              f"{server.url}/v2/models/sqrt/infer"], capture_output=True, text=True, check=True)
     assert json.loads(answer.stdout)["outputs"][0]["data"] == [2, 2, 2]
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_the_load_generator_checks_every_answer_and_reads_the_servers_cpu(server, binary, monkeypatch):
+    """benchmarks/serve_load.py's load (closed and open loop) against a served model: answers checked against the
+    model, nothing lost, the server's CPU time a request read (here the server runs in this process)."""
+    pytest.importorskip("aiohttp")
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import serve_load
+
+    models = {"cnn": (_small_cnn(), (torch.randn(1, 3, 16, 16),))}
+    requests = serve_load.bodies(models, binary, serve_load.served_inputs(server.url, models))
+    check = {"cnn": models["cnn"][0]}
+    for mode, level in (("closed", 4), ("open", 100)):
+        row = asyncio.run(serve_load.load(server.url, requests, binary, mode, level, 1.0, 0.2, check, check_all=True,
+                                          pid=os.getpid()))
+        assert row["answered_per_s"] > 0 and row["checked"] >= row["answered_per_s"]
+        assert row["wrong"] == row["errors"] == row["lost"] == 0
+        assert row["server_cpu_ms"] > 0 and row["client_cpu_ms"] > 0
 
 
 def test_readiness_waits_for_the_plans_while_the_model_already_answers():
