@@ -117,6 +117,8 @@ def test_a_malformed_request_is_one_protocol_error(request_, binary, message):
     ({"datatype": "INT32", "data": [True]}, "INT32 data must be integers"),
     ({"datatype": "BOOL", "data": [1]}, "BOOL data must be true or false"),
     ({"datatype": "FP16", "data": [1e6]}, "out of FP16's range"),
+    ({"datatype": "FP32", "data": [1e39]}, "out of FP32's range"),
+    ({"datatype": "BF16", "data": [-1e39]}, "out of BF16's range"),
     ({"datatype": "FP32", "data": [[1], [2, 3]]}, "evenly nested"),
     ({"datatype": "FP32", "data": [1], "parameters": ["x"]}, "parameters must be an object"),
     ({"datatype": "FP32", "parameters": {"shared_memory_region": "r"}}, "shared memory is not supported"),
@@ -128,6 +130,27 @@ def test_data_of_another_kind_is_refused_not_converted(entry, message):
         read_inputs({"inputs": [{"name": "x", "shape": [1], **entry}]}, binary)
     with pytest.raises(ProtocolError, match="too large|more than"):
         read_inputs({"inputs": [{"name": "x", "shape": [1 << 40, 1 << 40], "datatype": "FP32", "data": []}]}, b"")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(["FP16", "BF16", "FP32", "FP64"]),
+       st.lists(st.floats(allow_nan=False, allow_infinity=False, width=64) | st.integers(-(1 << 62), 1 << 62),
+                min_size=1, max_size=12))
+def test_json_numbers_become_what_torch_makes_of_them_or_are_refused(datatype, data):
+    """JSON numbers read (through NumPy) as torch converts the doubles, and refused exactly where torch's conversion
+    overflows."""
+    dtype = DATATYPES[datatype]
+    reference = torch.tensor([float(v) for v in data], dtype=torch.float64).to(dtype)
+    request = {"inputs": [{"name": "x", "shape": [len(data)], "datatype": datatype, "data": data}]}
+    if torch.isinf(reference).any():
+        with pytest.raises(ProtocolError, match="out of"):
+            read_inputs(request, b"")
+        return
+    tensor = read_inputs(request, b"")["x"]
+    assert tensor.dtype == dtype and torch.equal(tensor, reference)
+    as_json, _ = write_response("m", "1", None, {"y": tensor}, {"y": False})
+    expected = (reference.float() if dtype == torch.bfloat16 else reference).tolist()
+    assert json.loads(as_json)["outputs"][0]["data"] == expected
 
 
 def test_an_output_parameter_we_cannot_honour_is_refused_and_nan_needs_binary():

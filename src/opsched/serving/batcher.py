@@ -249,11 +249,12 @@ class ModelEndpoint(Signature):
         total = sum(r.batch for r in requests)
         if self.batchable and any(v.dim() == 0 or v.shape[0] < total for v in outputs.values()):
             raise OpschedError(f"model {self.name!r} gave fewer rows than the {total} samples it was given")
-        answers, start = [], 0
-        for request in requests:
-            rows = slice(start, start + request.batch)
-            answers.append({k: (v[rows] if self.batchable else v).clone() for k, v in outputs.items()})
-            start += request.batch
+        if self.batchable:  # one copy of each output and one split, not two torch calls a request and output
+            sizes = [r.batch for r in requests]
+            parts = {k: v[:total].clone().split(sizes) for k, v in outputs.items()}
+            answers = [{k: parts[k][n] for k in outputs} for n in range(len(requests))]
+        else:
+            answers = [{k: v.clone() for k, v in outputs.items()} for _ in requests]
         for request, answer in zip(requests, answers, strict=True):
             if not request.future.done():
                 request.future.set_result(answer)

@@ -189,14 +189,26 @@ def _from_json(name: str, data: Any, dtype: torch.dtype, datatype: str) -> torch
         if array.size and (array.min() < info.min or array.max() > info.max):
             raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range")
         return torch.from_numpy(array.astype(np.int64).reshape(-1)).to(dtype)
-    values = torch.from_numpy(array.astype(np.float64).reshape(-1))
-    if not bool(torch.isfinite(values).all()):  # strict JSON has no NaN nor infinity: a number past a double's range
+    values = array.astype(np.float64).reshape(-1)
+    if not np.isfinite(values).all():  # strict JSON has no NaN nor infinity: a number past a double's range
         raise ProtocolError(f"input {name!r}: a number is past a double's range; NaN and infinity travel as binary "
                             "data")
-    tensor = values.to(dtype)
-    if bool((torch.isinf(tensor) & torch.isfinite(values)).any()):
+    # in NumPy where it has the type: each torch call on the event loop lets go of the interpreter lock and waits to
+    # take it back from the thread running the models (half the time of reading a request of a small CNN)
+    numpy_type = _NUMPY_FLOATS.get(dtype)
+    if numpy_type is None:
+        tensor = torch.from_numpy(values).to(dtype)
+        out_of_range = bool(torch.isinf(tensor).any())
+    else:
+        with np.errstate(over="ignore"):
+            cast = values.astype(numpy_type)
+        tensor, out_of_range = torch.from_numpy(cast), bool(np.isinf(cast).any())
+    if out_of_range:  # (every value was finite as a double)
         raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range")
     return tensor
+
+
+_NUMPY_FLOATS = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
 
 
 def output_choice(request: dict[str, Any], names: list[str]) -> dict[str, bool]:
@@ -227,17 +239,25 @@ def write_response(model: str, version: str, request_id: Any, outputs: dict[str,
     when binary data follows it (else None)."""
     entries, blobs = [], []
     for name, binary in choice.items():
-        tensor = outputs[name].detach().cpu().contiguous()
+        tensor = outputs[name]
+        if tensor.requires_grad or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            tensor = tensor.detach().cpu().contiguous()
         entry: dict[str, Any] = {"name": name, "datatype": datatype_of(tensor.dtype), "shape": list(tensor.shape)}
+        # read through NumPy where it has the type, with no torch call on the event loop (see _from_json)
+        array = tensor.numpy() if tensor.dtype != torch.bfloat16 else None
         if binary:
-            blob = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            if array is None:
+                array = tensor.reshape(-1).view(torch.uint8).numpy()
+            blob = array.tobytes()
             entry["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if array is None:
+                array = tensor.float().numpy()
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
                 raise OpschedError(f"output {name!r} holds NaN or infinity, which JSON cannot carry: ask for it as "
                                    "binary data")
-            entry["data"] = _to_json(tensor)
+            entry["data"] = array.reshape(-1).tolist()
         entries.append(entry)
     response: dict[str, Any] = {"model_name": model, "model_version": version, "outputs": entries}
     if request_id is not None:
@@ -247,8 +267,3 @@ def write_response(model: str, version: str, request_id: Any, outputs: dict[str,
         return head, None
     return head + b"".join(blobs), len(head)
 
-
-def _to_json(tensor: torch.Tensor) -> list:
-    if tensor.dtype in (torch.float16, torch.bfloat16):
-        tensor = tensor.float()
-    return tensor.reshape(-1).tolist()
