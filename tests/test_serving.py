@@ -511,9 +511,22 @@ def test_errors_are_one_line_with_their_status_and_the_other_models_keep_answeri
     assert infer("sqrt", good).status_code == 200
 
 
-def test_requests_for_several_models_run_as_one_call_of_their_fused_graph():
+def test_requests_for_several_models_run_as_one_call_of_their_fused_graph(monkeypatch):
+    import opsched
+
     httpx = pytest.importorskip("httpx")
     models = {f"cnn{k}": (_small_cnn(seed=k), (torch.randn(1, 3, 16, 16),)) for k in range(3)}
+    # a fused call whatever the timings say (such tiny models may not beat running one after another): the fastest
+    # fused schedule taken as chosen
+    searched = opsched.optimize_batch
+
+    def optimize_batch(*args, **options):
+        result = searched(*args, **options)
+        ev = result.outcome.evaluation
+        ev.chosen = min((n for n in ev.measured_ms if ev.kinds[n] == "schedule"), key=ev.measured_ms.get)
+        return result
+
+    monkeypatch.setattr(opsched, "optimize_batch", optimize_batch)
     with serve(models, port=0, block=False, max_batch=4, max_delay_ms=20, fuse_max_batch=4,
                optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
         assert serving.wait_ready(300)
@@ -547,6 +560,32 @@ def test_the_fused_graph_is_prepared_for_small_batches_and_larger_ones_run_apart
     assert group.sizes == [1, 2] and FusedGroup(endpoints, max_rows=8).sizes == [1, 2, 4, 8]
     group.module, group.fused_ms, group.apart_ms = object(), 1.0, 1.0  # as if prepared, and fusion paid
     assert group.worth_it(2) and not group.worth_it(1)  # one model's batch: no fused call
+
+
+def test_a_fused_call_is_only_made_where_a_fused_plan_beat_the_models_one_after_another(monkeypatch):
+    """The fused group's search is held to what its module can run (a schedule, or the models one after another):
+    a peer with no module of its own (threads, vmap) is never chosen; where the models one after another win,
+    nothing is fused."""
+    import types
+
+    import opsched
+    from opsched.serving.batcher import ModelEndpoint
+    from opsched.serving.fused import FusedGroup
+
+    endpoints = [ModelEndpoint(f"m{k}", _small_cnn(seed=k), (torch.randn(1, 3, 8, 8),), max_batch=2) for k in range(2)]
+    asked, said, closed = [], [], []
+
+    def optimize_batch(models, inputs, **options):
+        asked.append(options["peers"])
+        module = types.SimpleNamespace(close=lambda: closed.append(True), prepare=lambda *a: None)
+        return types.SimpleNamespace(chosen="sequential_models", module=module)
+
+    monkeypatch.setattr(opsched, "optimize_batch", optimize_batch)
+    group = FusedGroup(endpoints, {"peers": ("threads", "vmap", "sequential_models")}, say=said.append)
+    group.prepare()
+    assert asked == [("sequential_models",)]
+    assert group.module is None and closed == [True] and not group.worth_it(2)
+    assert "run apart: no fused plan beat the models one after another" in said[-1]
 
 
 def test_a_busy_model_runs_apart_and_the_others_still_fuse():

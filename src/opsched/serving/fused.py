@@ -38,7 +38,10 @@ class FusedGroup:
         self.endpoints = sorted((e for e in endpoints if e.batchable), key=lambda e: e.name)
         # the sizes a fused call pads to: a batch holding more samples of a model runs each model apart
         self.sizes = sorted({b for e in self.endpoints for b in e.batch_sizes() if b <= max_rows}) or [1]
-        self.options = {"max_plans": len(self.sizes) + 1, **(options or {})}
+        # peers: the models one after another only, what a fused call must beat. A peer with no module of its own
+        # (threads, vmap) chosen would leave the fused module running the models one after another, and fusion
+        # judged by that peer's time (four small networks: "threads" chosen at 31 ms for all, where what ran took 41)
+        self.options = {"max_plans": len(self.sizes) + 1, **(options or {}), "peers": ("sequential_models",)}
         self.say = say
         self.module: Any = None  # the fused module, once made
         self.fused_ms = self.apart_ms = 0.0  # a fused call of all, and one model's call, as they were timed
@@ -61,13 +64,18 @@ class FusedGroup:
             result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
                                             separate_inputs=True, dynamic_dims=rows, **self.options)
             module = result.module
+            if result.chosen == "sequential_models":  # nothing beat the models one after another: no fused call pays
+                if hasattr(module, "close"):
+                    module.close()
+                self.say(f"{names} run apart: no fused plan beat the models one after another")
+                return
             for size in self.sizes[1:]:  # every size a call is padded to: made and verified now, not in a call
                 module.prepare(*self._padded({}, size))
+            # over the rounds both were timed in: the evaluation's race may have stopped timing one of them early
+            self.fused_ms, apart = result.outcome.evaluation.shared_medians(result.chosen, "sequential_models")
         except Exception as e:  # noqa: BLE001 - the models run apart
             self.say(f"{names} run apart: {first_line(e)}")
             return
-        # over the rounds both were timed in: the evaluation's race may have stopped timing one of them early
-        self.fused_ms, apart = result.outcome.evaluation.shared_medians(result.chosen, "sequential_models")
         self.apart_ms = apart / len(self.endpoints)
         if self.stopping:  # made as the server stopped: never used
             module.close()
