@@ -588,6 +588,25 @@ def test_a_fused_call_is_only_made_where_a_fused_plan_beat_the_models_one_after_
     assert "run apart: no fused plan beat the models one after another" in said[-1]
 
 
+def test_answers_are_copies_that_the_next_call_cannot_touch():
+    """A plan may hand out the same output buffers on its next call: each request's answer is its own rows, copied
+    (one copy a call, split), and what a replica sends is an answer's own storage, not the whole batch's."""
+    from opsched.serving.batcher import ModelEndpoint, Request
+    from opsched.serving.ray_engine import ModelGroup
+
+    endpoint = ModelEndpoint("m", _small_cnn(), (torch.randn(1, 3, 8, 8),), max_batch=8)
+    requests = [Request((torch.randn(b, 3, 8, 8),), b) for b in (2, 1, 3)]
+    buffer = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)  # 6 rows asked for, one of padding
+    endpoint.answer(requests, buffer)
+    expected = buffer.clone()
+    buffer.zero_()  # the next call writes over its buffer
+    answers = [r.future.result()["output_0"] for r in requests]
+    assert [a.shape[0] for a in answers] == [2, 1, 3]
+    assert torch.equal(torch.cat(answers), expected[:6])
+    compact = ModelGroup.own_storage(answers[1])
+    assert torch.equal(compact, answers[1]) and compact.untyped_storage().nbytes() == compact.nbytes
+
+
 def test_a_busy_model_runs_apart_and_the_others_still_fuse():
     """A model with more samples in a batch than the fused graph has plans for runs apart, and the other models of
     the batch still run as one fused call, each request answered with its own rows."""

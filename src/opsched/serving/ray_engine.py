@@ -76,7 +76,14 @@ class ModelGroup:
                 for name, e in self.served.endpoints.items()}
 
     async def infer(self, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
-        return await self.served.endpoints[name].infer(inputs, batch)
+        outputs = await self.served.endpoints[name].infer(inputs, batch)
+        return {k: self.own_storage(v) for k, v in outputs.items()}
+
+    @staticmethod
+    def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, copied where it is a view of a larger storage: an answer is its rows of its call's outputs,
+        and Ray would send the whole batch's storage with it."""
+        return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
 
     def __del__(self) -> None:  # Ray Serve stops a replica so: answer what it accepted, end its threads
         served = getattr(self, "served", None)
