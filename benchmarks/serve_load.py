@@ -296,6 +296,24 @@ def run_row(name: str, config: str, models: dict, binary: bool, mode: str, level
             "max_delay_ms": args.max_delay_ms, "prepared_s": prepared, **row}
 
 
+def answers_of(config: str, models: dict) -> dict | None:
+    """The models the answers of ``config``'s server are checked against (none for the ceiling's constants)."""
+    return None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
+
+
+def turn(name: str, config: str, started: tuple, models: dict, inputs: dict, binary: bool, mode: str, level: float,
+         args: argparse.Namespace, append, **extra) -> dict:
+    """One load on ``config``'s server (``started`` as :func:`start_server` gives it), its answers checked: the row,
+    with ``extra``'s fields, appended to the record and its main figures printed."""
+    server, url, prepared = started
+    row = asyncio.run(load(url, bodies(models, binary, inputs), binary, mode, level, args.seconds, args.warmup,
+                           answers_of(config, models), pid=server.pid))
+    row = append(run_row(name, config, models, binary, mode, level, {**row, **extra}, args, prepared))
+    print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", *extra, "answered_per_s", "p50_ms",
+                                          "p99_ms", "errors", "wrong")}), flush=True)
+    return row
+
+
 def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
     started = start_server(name, config, args, append)
     if started is None:
@@ -303,21 +321,17 @@ def measure(name: str, config: str, args: argparse.Namespace, append) -> None:
     server, url, prepared = started
     try:
         models = workload(name)
-        check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
         inputs = served_inputs(url, models)
         if args.soak:
             row = asyncio.run(load(url, bodies(models, True, inputs), True, "open", args.soak_rate, args.soak,
-                                   args.warmup, check, check_all=True, pid=server.pid, memory=True))
+                                   args.warmup, answers_of(config, models), check_all=True, pid=server.pid,
+                                   memory=True))
             row = append(run_row(name, config, models, True, "soak", args.soak_rate, row, args, prepared))
             print(json.dumps({k: row[k] for k in ("answered_per_s", "p99_ms", "errors", "wrong", "lost", "checked")}),
                   flush=True)
             return
         for binary, mode, level in runs_of(args):
-            row = asyncio.run(load(url, bodies(models, binary, inputs), binary, mode, level, args.seconds, args.warmup,
-                                   check, pid=server.pid))
-            row = append(run_row(name, config, models, binary, mode, level, row, args, prepared))
-            print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "answered_per_s",
-                                                  "p50_ms", "p99_ms", "errors", "wrong")}), flush=True)
+            turn(name, config, started, models, inputs, binary, mode, level, args, append)
     finally:
         stop_server(server)
 
@@ -344,15 +358,8 @@ def interleave(name: str, args: argparse.Namespace, append) -> None:
                 order = list(servers)
                 random.Random(round_).shuffle(order)  # no configuration always follows the same one
                 for config in order:
-                    server, url, prepared = servers[config]
-                    check = None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
-                    row = asyncio.run(load(url, bodies(models, binary, inputs[config]), binary, mode, level,
-                                           args.seconds, args.warmup, check, pid=server.pid))
-                    row = append(run_row(name, config, models, binary, mode, level,
-                                         {**row, "run": run, "round": round_}, args, prepared))
-                    print(json.dumps({k: row[k] for k in ("workload", "config", "tensors", "load", "round",
-                                                          "answered_per_s", "p50_ms", "p99_ms", "errors", "wrong")}),
-                          flush=True)
+                    turn(name, config, servers[config], models, inputs[config], binary, mode, level, args, append,
+                         run=run, round=round_)
     finally:
         for server, _, _ in servers.values():
             stop_server(server)

@@ -52,11 +52,12 @@ VERSION = "1"  # each model is served in one version
 INLINE_BYTES = 64 << 10
 
 
-def answer_size(outputs: dict[str, Any], binary: dict[str, bool], request_id: Any) -> int:
+def answer_size(outputs: dict[str, Any], binary: dict[str, bool], request_id: str | None) -> int:
     """About how many bytes an answer takes to write: each output's elements as binary data or as JSON text (some
-    20 characters a number), and the request's id, which the answer echoes (any JSON value a client sent)."""
+    20 characters a number), and the request's id (a string: split_body refuses any other), which the answer
+    echoes."""
     elements = sum(t.numel() * (t.element_size() if binary.get(name) else 20) for name, t in outputs.items())
-    return elements + (0 if request_id is None else len(repr(request_id)))
+    return elements + (0 if request_id is None else len(request_id))
 
 
 def _error(status: int, message: str) -> JSONResponse:
