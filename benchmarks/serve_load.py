@@ -2,21 +2,26 @@
 
 Each configuration is a server in a process of its own, on the local machine only, fed by this process:
 
-- ``eager``: every request on its own, the model itself (``--max-batch 1 --no-optimize``): a plain server;
+- ``eager``: every request on its own, the model itself (``--max-batch 1 --no-optimize``), in one process: a plain
+  server;
 - ``batched``: each model's requests batched across time, the models themselves, never fused (``--no-optimize
-  --no-fuse``): per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's ``@serve.batch`` do;
-- ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused);
+  --no-fuse``), in one process: per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's
+  ``@serve.batch`` do;
+- ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused, the models in a
+  process of their own);
+- ``opsched-local``: the same with the models in the server's process (``--engine local``);
 - ``opsched-ray``: the same in Ray Serve deployments on a local Ray (``--engine ray``, one replica);
 - ``opsched-nodelay``: ``opsched serve --max-delay-ms 0`` (a batch is what queued while the last call ran);
-- ``ceiling``: the same server with every model replaced by a copy of its output (a constant): what the protocol
-  alone allows, reported beside every row.
+- ``ceiling``: the same server with every model replaced by a copy of its output (a constant), in one process: what
+  the protocol alone allows, reported beside every row; ``ceiling-process``, the same with ``--engine process``.
+  Where both ran, each round's ratio is to the higher of the two.
 
 Load: closed-loop (``--clients`` clients, each sending its next request when its answer arrives) and open-loop
 (Poisson arrivals at each of ``--rates`` requests/s, whatever the answers), each for ``--seconds`` after a warm-up,
 spreading requests over the models at random, with JSON tensors and with Triton's binary tensors. Per run: the
 requests sent and answered a second within the measured window (the load generator shares this machine's two
 cores with the server: an open loop sends what it manages), p50 and p99 latency, errors, the CPU time the server's
-process and the load generator used per answered request, and the first answers of each model checked against the
+processes and the load generator used per answered request, and the first answers of each model checked against the
 model run here on the same input (``opsched.compare``). Every row goes to ``--out`` as a JSON line with the machine,
 versions, date and commit. The load generator is an aiohttp client (``pip install '.[serve,bench]'``).
 
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -54,12 +60,14 @@ import torch
 from sweep import appender
 
 CONFIGS = {
-    "eager": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
-    "batched": {"optimize": False, "fuse": False},
+    "eager": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0, "engine": "local"},
+    "batched": {"optimize": False, "fuse": False, "engine": "local"},
     "opsched": {},
+    "opsched-local": {"engine": "local"},
     "opsched-ray": {"engine": "ray"},
     "opsched-nodelay": {"max_delay_ms": 0.0},
-    "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0},
+    "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0, "engine": "local"},
+    "ceiling-process": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0, "engine": "process"},
 }
 
 
@@ -95,7 +103,7 @@ def run_server(name: str, config: str, port: int, max_batch: int, max_delay_ms: 
     import opsched
 
     models = workload(name)
-    if config == "ceiling":
+    if config.startswith("ceiling"):
         with torch.inference_mode():
             models = {k: (Constant(m(*x)), x) for k, (m, x) in models.items()}
     options = {"max_batch": max_batch, "max_delay_ms": max_delay_ms, **CONFIGS[config]}
@@ -143,9 +151,14 @@ def decoded(headers, content: bytes, binary: bool) -> torch.Tensor:
 
 
 def cpu_seconds(pid: int) -> float:
-    """The CPU time process ``pid`` has used (user and system), from /proc."""
+    """The CPU time process ``pid`` and the processes it started (``--engine process``'s models' process) have
+    used (user and system), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread or a child that has just ended
+            used += sum(cpu_seconds(int(child)) for child in (task / "children").read_text().split())
+    return used
 
 
 async def load(url: str, requests: dict, binary: bool, mode: str, level: float, seconds: float, warmup: float,
@@ -298,7 +311,7 @@ def run_row(name: str, config: str, models: dict, binary: bool, mode: str, level
 
 def answers_of(config: str, models: dict) -> dict | None:
     """The models the answers of ``config``'s server are checked against (none for the ceiling's constants)."""
-    return None if config == "ceiling" else {k: m for k, (m, _) in models.items()}
+    return None if config.startswith("ceiling") else {k: m for k, (m, _) in models.items()}
 
 
 def turn(name: str, config: str, started: tuple, models: dict, inputs: dict, binary: bool, mode: str, level: float,
@@ -423,6 +436,15 @@ def _against(by_round: dict[int, dict], base: dict[int, dict] | None) -> list[fl
     return [round(statistics.median(ratios), 2), round(min(ratios), 2), round(max(ratios), 2)]
 
 
+def _ceiling(by_config: dict[str, dict[int, dict]]) -> dict[int, dict] | None:
+    """Each round's ceiling: the higher of the ceiling servers' (``ceiling``, ``ceiling-process``) that ran."""
+    ceilings = [by_round for config, by_round in by_config.items() if config.startswith("ceiling")]
+    if not ceilings:
+        return None
+    rounds = {k for by_round in ceilings for k in by_round}
+    return {k: max((c[k] for c in ceilings if k in c), key=lambda r: r["answered_per_s"]) for k in rounds}
+
+
 def interleaved_summaries(rows: list[dict]) -> list[dict]:
     """Of each workload's last interleaved run among ``rows``: per load and configuration, the medians over the
     rounds, and its answered requests/s against the plain server's, per-model batching's and the ceiling's (the
@@ -447,7 +469,8 @@ def interleaved_summaries(rows: list[dict]) -> list[dict]:
                 "wrong": sum(r["wrong"] for r in by_round.values()),
                 "checked": sum(r["checked"] for r in by_round.values()),
                 **{f"against_{base}": _against(by_round, by_config.get(base))
-                   for base in ("eager", "batched", "ceiling")}})
+                   for base in ("eager", "batched")},
+                "against_ceiling": _against(by_round, _ceiling(by_config))})
     return summaries
 
 
@@ -466,8 +489,6 @@ def interleaved_table(path: str) -> str:
     for s in interleaved_summaries(rows):
         if "failed" in s:
             failed.append(f"{s['workload']}: {s['config']} did not start ({s['failed']})")
-            continue
-        if s["config"] == "ceiling":
             continue
         what = f"{s['level']} clients" if s["load"] == "closed" else f"Poisson {s['level']:g}/s"
         lines.append(f"| {s['workload']} | {s['tensors']} | {what} | {s['config']} | {s['rounds']} | "

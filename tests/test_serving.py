@@ -18,7 +18,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -39,6 +38,7 @@ from opsched.serving.protocol import (
     split_body,
     write_response,
 )
+from tests.support.served_models import client_answers_are_the_models
 
 
 class Rows(torch.nn.Module):
@@ -414,8 +414,8 @@ def server():
     """A CNN with its plans prepared (batch sizes 1, 2, 4), a model that fails on negative inputs and a slow one."""
     models = {"cnn": (_small_cnn(), (torch.randn(1, 3, 16, 16),)), "sqrt": (FailsOnNegative(), (torch.ones(1, 3),)),
               "slow": (Slow(0.1, whole=True), (torch.zeros(1, 2),))}
-    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=5, queue_size=8, max_body_mb=1,
-               optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
+    with serve(models, port=0, block=False, engine="local", max_batch=4, max_delay_ms=5, queue_size=8,
+               max_body_mb=1, optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
         assert serving.wait_ready(240)
         yield serving
 
@@ -430,17 +430,7 @@ def test_the_official_client_infers_with_json_and_binary_tensors(server):
     assert metadata["outputs"] == [{"name": "output_0", "datatype": "FP32", "shape": [-1, 4]}]
     model = server.endpoints["cnn"].model
     assert server.endpoints["cnn"].module is not model  # the optimized module answers
-    for batch in (1, 3, 4):
-        x = np.random.rand(batch, 3, 16, 16).astype(np.float32)
-        want = model(torch.from_numpy(x)).detach()
-        for binary in (False, True):
-            tensor = http.InferInput("input", list(x.shape), "FP32")
-            tensor.set_data_from_numpy(x, binary_data=binary)
-            result = client.infer("cnn", [tensor], outputs=[http.InferRequestedOutput("output_0", binary_data=binary)],
-                                  request_id="r7")
-            got = torch.from_numpy(result.as_numpy("output_0").copy())
-            assert result.get_response()["id"] == "r7"
-            assert compare_outputs(got, want).ok, (batch, binary)
+    client_answers_are_the_models(client, "cnn", "input", model, (1, 3, 4), request_id="r7")
 
 
 def test_the_plans_for_more_samples_come_from_the_schedule_searched_for_one(server):
@@ -527,7 +517,7 @@ def test_requests_for_several_models_run_as_one_call_of_their_fused_graph(monkey
         return result
 
     monkeypatch.setattr(opsched, "optimize_batch", optimize_batch)
-    with serve(models, port=0, block=False, max_batch=4, max_delay_ms=20, fuse_max_batch=4,
+    with serve(models, port=0, block=False, engine="local", max_batch=4, max_delay_ms=20, fuse_max_batch=4,
                optimize_options={"repeats": 3, "cache": False}, say=lambda text: None) as serving:
         assert serving.wait_ready(300)
         assert serving.fused.module is not None and serving.fused.fused_ms > 0  # prepared ahead, and timed
@@ -718,7 +708,7 @@ def test_readiness_waits_for_the_plans_while_the_model_already_answers():
     httpx = pytest.importorskip("httpx")
     release = threading.Event()
     models = {"rows": (Rows(), (torch.zeros(1, 5),))}
-    with serve(models, port=0, block=False, optimize=False, say=lambda text: None) as serving:
+    with serve(models, port=0, block=False, engine="local", optimize=False, say=lambda text: None) as serving:
         assert serving.wait_ready(10)
     endpoint_ready = []
 
@@ -726,7 +716,8 @@ def test_readiness_waits_for_the_plans_while_the_model_already_answers():
         if "preparing" in text:
             release.wait(30)  # preparation held here until the test has looked
 
-    with serve(models, port=0, block=False, optimize_options={"repeats": 3, "cache": False}, say=slow_say) as serving:
+    with serve(models, port=0, block=False, engine="local", optimize_options={"repeats": 3, "cache": False},
+               say=slow_say) as serving:
         assert httpx.get(f"{serving.url}/v2/health/ready").status_code == 400
         assert httpx.get(f"{serving.url}/v2/models/rows/ready").status_code == 400
         body = {"inputs": [{"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [1, 2, 3, 4, 5]}]}
@@ -745,7 +736,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path):
+@pytest.mark.parametrize("engine", ["local", "process"])
+def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path, engine):
     httpx = pytest.importorskip("httpx")
     factory = tmp_path / "slowmodel.py"
     factory.write_text("import time, torch\n"
@@ -757,7 +749,8 @@ def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path):
                        "    return Slow(), (torch.zeros(1, 2),)\n")
     port = _free_port()
     process = subprocess.Popen([sys.executable, "-m", "opsched", "serve", f"{factory}:make", "--port", str(port),
-                                "--no-optimize", "--max-batch", "1"], stderr=subprocess.PIPE, text=True)
+                                "--no-optimize", "--max-batch", "1", "--engine", engine], stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -771,7 +764,7 @@ def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path):
         with ThreadPoolExecutor(4) as pool:
             answers = [pool.submit(httpx.post, f"{url}/v2/models/make/infer", json=body, timeout=30) for _ in range(4)]
             time.sleep(0.15)  # all four accepted, the first one running
-            process.send_signal(signal.SIGTERM)
+            os.killpg(process.pid, signal.SIGTERM)  # as a supervisor stops a group: the models' process too
             codes = [a.result().status_code for a in answers]
         assert codes == [200] * 4
         assert process.wait(30) == 0

@@ -12,7 +12,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,21 +22,7 @@ pytest.importorskip("ray.serve")
 from opsched.compare import compare_outputs
 from opsched.serving import serve
 from opsched.serving.ray_engine import RemoteEndpoint
-
-
-class RefusesLarge(torch.nn.Module):
-    """A small CNN that raises on inputs above 100 (randn never gives one)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
-                                       torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 4))
-
-    def forward(self, x):
-        if (x > 100).any():
-            raise ValueError("input above 100")
-        return self.net(x)
+from tests.support.served_models import RefusesLarge, client_answers_are_the_models
 
 
 class OnlyHere(torch.nn.Module):
@@ -76,15 +61,7 @@ def test_ray_serve_deployments_answer_behind_the_same_front_end():
         assert not client.is_server_ready()  # one deployment did not start
         assert client.get_model_metadata("cnn")["inputs"] == [{"name": "x", "datatype": "FP32",
                                                                "shape": [-1, 3, 16, 16]}]
-        for batch in (1, 3):
-            x = np.random.rand(batch, 3, 16, 16).astype(np.float32)
-            want = cnn(torch.from_numpy(x)).detach()
-            for binary in (False, True):
-                tensor = http.InferInput("x", list(x.shape), "FP32")
-                tensor.set_data_from_numpy(x, binary_data=binary)
-                result = client.infer("cnn", [tensor],
-                                      outputs=[http.InferRequestedOutput("output_0", binary_data=binary)])
-                assert compare_outputs(torch.from_numpy(result.as_numpy("output_0").copy()), want).ok, (batch, binary)
+        client_answers_are_the_models(client, "cnn", "x", cnn, (1, 3))
 
         inputs = [torch.randn(1, 3, 16, 16) for _ in range(16)]
 

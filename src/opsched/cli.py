@@ -373,8 +373,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "default 2): a batch holding more of one model runs each model apart. Each size is a search "
                         "of all the models' fused graph: with 16 small CNNs on 2 cores, four sizes did not end "
                         "within 10 minutes")
-    p.add_argument("--engine", choices=["local", "ray"], default=None,
-                   help="where the models run: local (default) in this process; ray in Ray Serve deployments, one "
+    p.add_argument("--engine", choices=["local", "process", "ray"], default=None,
+                   help="where the models run: process (default) in a process of their own on this machine, "
+                        "so that the models' Python work and the protocol's each take a core and neither holds up "
+                        "the other (local where the models cannot be pickled, said once); local in the server's "
+                        "process; ray in Ray Serve deployments, one "
                         "per group of models batched together, behind the same front end, on a local Ray started "
                         "for the server or the cluster at --address (see docs/serving.md)")
     p.add_argument("--replicas", type=_positive, default=None, metavar="N",

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # SIGTERM ends with exit status 0: while uvicorn serves it takes the signal, drains, and raises it again once it
     # has stopped, to this handler; before (the models loading, the socket bound) the handler ends the command
-    engine = args.engine or ("ray" if args.address else "local")
+    engine = args.engine or ("ray" if args.address else None)
     if engine != "ray" and (args.address or args.replicas):
         raise OpschedError(f"{'--address' if args.address else '--replicas'} goes with --engine ray")
     if engine == "ray":  # a missing Ray Serve is said before the models load, not after

@@ -10,7 +10,8 @@ True
 
 Each model's plans are prepared at startup in the background (:mod:`opsched.serving.served`); the server is ready
 once they all are, and until then each model answers its requests itself. Progress goes to stderr, a line per
-model. With ``engine="ray"`` the models run in Ray Serve deployments behind the same front end
+model. The models run in a process of their own behind the front end (:mod:`opsched.serving.process_engine`),
+with ``engine="local"`` in the front end's process, with ``engine="ray"`` in Ray Serve deployments
 (:mod:`opsched.serving.ray_engine`).
 
 Needs the ``serve`` extra (``pip install 'opsched[serve]'``: Starlette and uvicorn), and for ``engine="ray"`` Ray
@@ -72,7 +73,7 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
           max_delay_ms: float = 2.0, max_batch: int = 8, queue_size: int = 64, max_body_mb: float = 64.0,
           optimize: bool = True, fuse: bool = True, fuse_max_batch: int = 2,
           optimize_options: Mapping[str, Any] | None = None,
-          plans: Mapping[str, str | Path] | None = None, engine: str = "local", replicas: int = 1,
+          plans: Mapping[str, str | Path] | None = None, engine: str | None = None, replicas: int = 1,
           address: str | None = None, block: bool = True, say: Callable[[str], Any] = _say) -> Serving | None:
     """Serve ``models`` (name -> ``(model, example_inputs)``) on ``host:port`` (0: a free port). Each model batches
     up to ``max_batch`` samples that arrive within ``max_delay_ms`` of the first; ``queue_size`` requests wait at
@@ -80,10 +81,14 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``fuse`` (with
     ``optimize``, for two models or more): requests for several models in one batch run as one call of their fused
     graph (:mod:`opsched.serving.fused`), all the models' fused module prepared ahead for batches of up to
-    ``fuse_max_batch`` samples of each model (larger ones run each model apart). ``engine``: ``local`` runs the
-    models in this process; ``ray`` in Ray Serve deployments (one per group of models batched together, each with
+    ``fuse_max_batch`` samples of each model (larger ones run each model apart). ``engine``: ``process`` runs the
+    models in a process of their own on this machine (:mod:`opsched.serving.process_engine`: the front end and the
+    models then each have a core and an interpreter lock); ``local`` in this process; ``ray`` in Ray Serve
+    deployments (one per group of models batched together, each with
     ``replicas`` replicas) on a local Ray started for the server, or on the cluster at ``address``
-    (:mod:`opsched.serving.ray_engine`). ``block``: serve until SIGTERM or Ctrl-C (returns None once every
+    (:mod:`opsched.serving.ray_engine`); None (the default): ``process``, or ``local`` (said once) where the
+    models cannot be sent to another process (cloudpickle missing, a model that does not pickle). ``block``: serve
+    until SIGTERM or Ctrl-C (returns None once every
     accepted request was answered); else return a :class:`Serving` running in a thread."""
     try:
         import uvicorn
@@ -93,11 +98,11 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
 
     if not models:
         raise OpschedError("give at least one model to serve")
-    if engine not in ("local", "ray"):
-        raise OpschedError(f"engine is local or ray, not {engine!r}")
+    if engine not in (None, "local", "process", "ray"):
+        raise OpschedError(f"engine is local, process or ray, not {engine!r}")
     if replicas < 1:
         raise OpschedError("replicas must be at least 1")
-    if engine == "local" and (replicas != 1 or address is not None):
+    if engine != "ray" and (replicas != 1 or address is not None):
         raise OpschedError("replicas and address go with engine='ray'")
     unknown = set(plans or {}) - set(models)
     if unknown:
@@ -112,14 +117,12 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
 
             served: Any = RayModels(models, options, replicas=replicas, address=address, say=say)
         else:
-            from opsched.serving.served import ServedModels
-
-            served = ServedModels(models, **options, say=say)
+            served = _served_here(models, options, engine, say)
     except BaseException:
         sock.close()
         raise
     app = application(served.endpoints, served.ready, max_body=int(max_body_mb * (1 << 20)),
-                      on_shutdown=served.close)
+                      on_startup=getattr(served, "start", None), on_shutdown=served.close)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     if not block:
         return Serving(server, sock, served.endpoints, served.ready, served.group)
@@ -128,6 +131,24 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
         + (" through Ray Serve" if engine == "ray" else ""))
     server.run(sockets=[sock])
     return None
+
+
+def _served_here(models: Mapping[str, tuple[Any, Sequence[Any]]], options: dict[str, Any], engine: str | None,
+                 say: Callable[[str], Any]) -> Any:
+    """The models served on this machine: in a process of their own (``engine`` process, or None where they can be
+    sent there), else in this process."""
+    from opsched.serving.served import ServedModels
+
+    if engine != "local":
+        from opsched.serving.process_engine import CannotSend, ProcessModels
+
+        try:
+            return ProcessModels(models, options, say=say)
+        except CannotSend as e:
+            if engine == "process":
+                raise
+            say(f"{e}; they run in this process (--engine local)")
+    return ServedModels(models, **options, say=say)
 
 
 def _bind(host: str, port: int) -> socket.socket:

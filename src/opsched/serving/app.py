@@ -21,7 +21,7 @@ import functools
 import os
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -65,9 +65,11 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, max_body: int = 64 << 20,
+                on_startup: Callable[[], Awaitable[Any]] | None = None,
                 on_shutdown: Callable[[], Any] = lambda: None) -> Starlette:
     """The ASGI application serving ``endpoints`` by name, ready (``/v2/health/ready``) once ``ready`` is set;
-    ``on_shutdown`` runs once uvicorn has stopped accepting and every request it accepted was answered."""
+    ``on_startup`` is awaited on the event loop before the first request; ``on_shutdown`` runs once uvicorn has
+    stopped accepting and every request it accepted was answered."""
     readers = anyio.CapacityLimiter(os.cpu_count() or 1)
 
     async def off_the_loop(size: int, function: Callable[..., Any], *args: Any) -> Any:
@@ -185,6 +187,8 @@ def application(endpoints: dict[str, ModelEndpoint], ready: threading.Event, *, 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        if on_startup is not None:
+            await on_startup()
         yield
         await asyncio.get_running_loop().run_in_executor(None, on_shutdown)
 

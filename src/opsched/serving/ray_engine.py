@@ -25,10 +25,8 @@ import contextlib
 import math
 import os
 import re
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +34,7 @@ import torch
 from opsched.errors import OpschedError, first_line
 from opsched.models.sharing import sharing_copy
 from opsched.serving.batcher import Overloaded, Signature
+from opsched.serving.pickling import user_code_by_value
 
 APP_PREFIX = "opsched-serve-"
 
@@ -89,28 +88,6 @@ class ModelGroup:
         served = getattr(self, "served", None)
         if served is not None:
             served.close()
-
-
-def _user_code_by_value(models: Sequence[torch.nn.Module]) -> None:
-    """Have the modules defining the models' classes that are the user's own code (not an installed package, nor
-    the standard library, nor opsched) pickled by value: a replica's process may not import them (a script's
-    module, a test file, a folder on the driver's path only), and torchvision's or timm's it imports itself."""
-    import sysconfig
-
-    from ray import cloudpickle
-
-    installed = {Path(p).resolve() for k, p in sysconfig.get_paths().items() if k in ("stdlib", "platstdlib",
-                                                                                     "purelib", "platlib")}
-    for model in models:
-        for name in {type(m).__module__ for m in model.modules()}:
-            module = sys.modules.get(name)
-            file = getattr(module, "__file__", None)
-            if module is None or file is None or name == "__main__" or name.split(".")[0] == "opsched":
-                continue
-            where = Path(file).resolve()
-            if not any(where.is_relative_to(root) for root in installed) and \
-                    not {"site-packages", "dist-packages"} & set(where.parts):
-                cloudpickle.register_pickle_by_value(module)
 
 
 class RemoteEndpoint(Signature):
@@ -205,7 +182,9 @@ class RayModels:
             with self._apps_lock:
                 self.apps.append(app)  # deleted on close, even while it starts
             try:
-                _user_code_by_value([models[n][0] for n in names])
+                from ray import cloudpickle
+
+                user_code_by_value(cloudpickle, [models[n][0] for n in names])
                 group = [ray.put({n: models[n] for n in names})]
                 running = self.serve.run(deployment.bind(group, options, max(1, int(share))), name=app,
                                          route_prefix=None)

@@ -1,0 +1,386 @@
+"""``opsched serve --engine process``: the models run in a process of their own on this machine, behind the same
+Open Inference Protocol front end (:mod:`opsched.serving.app`, in the server's process).
+
+Why a second process: in one process, the front end's event loop (reading requests, writing answers) and the thread
+that runs the models take turns at one interpreter lock. On small models the Python work between operators holds
+that lock as long as the kernels run, so the server's two halves do not overlap: with the local engine, 16 small
+CNNs kept the server's process at about one core of two. Each process has its own lock.
+
+The models' process holds the models as the local engine does (:class:`~opsched.serving.served.ServedModels`: the
+same endpoints, bounded queues, batcher, fused group and plans prepared in the background), and says what the local
+engine says, through the server's ``say``. It is the server's Python running this module (``python -m
+opsched.serving.process_engine FD``), not a fork (a fork of a process whose OpenMP threads have run may hang in
+its first parallel region) nor a multiprocessing spawn (which runs the user's script again, unguarded code and all).
+The models reach it through a socket pair, pickled with cloudpickle (the user's own classes by value); each request
+and answer crosses that socket as one message (a pickle of plain data after its length), every tensor as its dtype,
+shape and raw bytes. The server's end of the socket belongs to its event loop once it runs (an asyncio transport):
+a request is written without blocking the loop, and answers are read on it, with no thread between. In the models'
+process one thread reads requests into the models' queues, and the batcher's thread writes each answer as it is
+made.
+
+The front end checks every request against the signatures the models' process sends once its models are set up
+(the server's constructor waits for them, so that a model or plan file that cannot be served fails in one line);
+until each model's plans are prepared it answers itself, as with the local engine. Should the models' process end
+while the server runs, every request waiting and every later one is answered 500 saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import itertools
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from opsched.errors import OpschedError, first_line
+from opsched.serving.batcher import Signature
+
+WireTensor = tuple[str, tuple[int, ...], bytes]  # dtype's name, shape, the elements' bytes in row-major order
+HEADER = struct.Struct("!Q")  # a message's length, before it
+STARTUP_SECONDS = 600.0  # for the models' process to import torch, read its models and check their signatures
+
+
+def to_wire(tensor: torch.Tensor) -> WireTensor:
+    """``tensor`` as it crosses between the processes (every dtype: those NumPy lacks, bfloat16 among them, as
+    their bytes), through NumPy where it can: the front end makes no torch call on its event loop for it, a call
+    that would let go of the interpreter lock."""
+    tensor = tensor.detach()
+    if _numpy_dtype(tensor.dtype) is not None:
+        raw = tensor.numpy().tobytes()  # row-major, whatever the strides
+    else:
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), raw
+
+
+def from_wire(wire: WireTensor) -> torch.Tensor:
+    """The tensor :func:`to_wire` gave, in writable memory of its own."""
+    name, shape, raw = wire
+    dtype = getattr(torch, name)
+    numpy_dtype = _numpy_dtype(dtype)
+    if numpy_dtype is not None:
+        return torch.from_numpy(np.frombuffer(bytearray(raw), numpy_dtype).reshape(shape))
+    if not raw:  # no elements: nothing to view as the dtype
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(np.frombuffer(bytearray(raw), np.uint8)).view(dtype).reshape(shape)
+
+
+@functools.cache
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """NumPy's dtype for ``dtype``, or None where NumPy has none."""
+    try:
+        return torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
+class CannotSend(OpschedError):
+    """The models cannot be sent to a process of their own: cloudpickle is missing, or a model does not pickle."""
+
+
+def frame(*message: Any) -> bytes:
+    """A message (a tuple of plain data) as it crosses the socket: its pickle's length, then the pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(data)) + data
+
+
+class Channel:
+    """A blocking end of the socket: the models' process's (read by one thread, written by several, each message
+    whole under a lock), and the server's until its event loop takes it over (:meth:`ProcessModels.start`)."""
+
+    def __init__(self, sock: socket.socket):
+        self.socket = sock
+        self._reading = sock.makefile("rb")
+        self._sending = threading.Lock()
+
+    def send(self, *message: Any) -> None:
+        data = frame(*message)
+        with self._sending:
+            self.socket.sendall(data)
+
+    def receive(self) -> tuple:
+        """The next message; EOFError once the other end has closed."""
+        header = self._reading.read(HEADER.size)
+        if len(header) < HEADER.size:
+            raise EOFError
+        size = HEADER.unpack(header)[0]
+        data = self._reading.read(size)
+        if len(data) < size:
+            raise EOFError
+        return pickle.loads(data)
+
+
+class ProcessEndpoint(Signature):
+    """A model served by the models' process, as the front end sees it: its signature, ``ready`` once its plans
+    are prepared there, and :meth:`infer` through the socket."""
+
+    def __init__(self, signature: Signature, models: ProcessModels):
+        self.take(signature)
+        self.models = models
+        self.ready = threading.Event()
+
+    async def infer(self, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
+        return await self.models.infer(self.name, inputs, batch)
+
+
+class ProcessModels:
+    """``models`` (name -> ``(model, example_inputs)``) served by a process of their own (see the module docstring):
+    ``endpoints`` by name for the front end, ``ready`` once every plan is prepared there, ``group`` (None: the fused
+    group lives in the models' process), :meth:`start` (awaited on the server's event loop before the first
+    request) and :meth:`close`. ``options`` are :class:`~opsched.serving.served.ServedModels`'s."""
+
+    def __init__(self, models: Mapping[str, tuple[Any, Sequence[Any]]], options: dict[str, Any], *,
+                 say: Callable[[str], Any] = lambda text: None):
+        try:
+            import cloudpickle
+        except ImportError:
+            raise CannotSend("--engine process needs cloudpickle: pip install 'opsched[serve]'") from None
+        from opsched.serving.pickling import user_code_by_value
+
+        user_code_by_value(cloudpickle, [model for model, _ in models.values()])
+        try:
+            payload = cloudpickle.dumps((dict(models), options))
+        except Exception as e:  # noqa: BLE001 - what cannot be pickled, in one line
+            raise CannotSend(f"--engine process sends the models to their process, and they cannot be pickled: "
+                             f"{first_line(e)}") from None
+        self.say, self.group = say, None
+        self.ready = threading.Event()
+        self._ids = itertools.count()
+        self._waiting: dict[int, asyncio.Future] = {}  # touched on the event loop only
+        self._ended: str | None = None  # why the models' process no longer answers
+        self._closing = False
+        self._gone = threading.Event()  # the socket has closed
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._transport: asyncio.Transport | None = None
+        ours, theirs = socket.socketpair()
+        self.process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine",
+                                         str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+        theirs.close()
+        self.channel = Channel(ours)
+        try:
+            self.channel.socket.sendall(HEADER.pack(len(payload)) + payload)
+            signatures = self._started(say)
+        except BaseException:
+            self.process.kill()
+            self.process.wait()
+            ours.close()
+            raise
+        self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in signatures.items()}
+
+    def _started(self, say: Callable[[str], Any]) -> dict[str, Signature]:
+        """The models' signatures, once the models' process has set them up; otherwise the error it met there."""
+        waited = 0.0
+        while True:
+            readable, _, _ = select.select([self.channel.socket], [], [], 1.0)
+            if not readable:
+                waited += 1.0
+                if self.process.poll() is not None or waited > STARTUP_SECONDS:
+                    raise OpschedError(f"the models' process did not start (exit status {self.process.poll()})")
+                continue
+            try:
+                message = self.channel.receive()
+            except (EOFError, OSError):
+                raise OpschedError(f"the models' process ended as it started (exit status "
+                                   f"{self.process.wait()})") from None
+            if message[0] == "say":
+                say(message[1])
+            elif message[0] == "failed":  # what the local engine raises there
+                raise _rebuilt(*message[1:])
+            else:  # started
+                return message[1]
+
+    async def start(self) -> None:
+        """From now on the socket is the event loop's: each request written without blocking the loop (a blocking
+        write waits whenever the models' process is slow to read), each answer read on it (no thread between, and
+        no hand-off to the loop for each answer)."""
+        self._loop = asyncio.get_running_loop()
+        self.channel.socket.setblocking(False)
+        self._transport, _ = await self._loop.connect_accepted_socket(lambda: _Answers(self), self.channel.socket)
+
+    async def infer(self, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
+        """The request's outputs by name, from the models' process; its Overloaded, ProtocolError or the model's
+        error as the local engine raises them."""
+        if self._ended or self._transport is None:
+            raise OpschedError(self._ended or "the models' process is not connected yet")
+        key = next(self._ids)
+        future = self._loop.create_future()
+        self._waiting[key] = future
+        self._transport.write(frame("infer", key, name, [to_wire(t) for t in inputs], batch))
+        return await future
+
+    def received(self, message: tuple) -> None:
+        """A message of the models' process (on the event loop): an answer to its request's future, progress to
+        ``say``, readiness to the endpoints."""
+        kind = message[0]
+        if kind == "answer" or kind == "error":
+            future = self._waiting.pop(message[1], None)
+            if future is None or future.done():  # its request was cancelled meanwhile
+                return
+            if kind == "answer":
+                future.set_result({name: from_wire(wire) for name, wire in message[2].items()})
+            else:
+                future.set_exception(_rebuilt(*message[2:]))
+        elif kind == "say":
+            self.say(message[1])
+        elif kind == "model-ready":
+            self.endpoints[message[1]].ready.set()
+        elif kind == "ready":
+            self.ready.set()
+
+    def ended(self) -> None:
+        """The socket has closed (on the event loop): every request waiting, and every later one, gets why."""
+        if self._closing:
+            why = "the server is stopping"
+        else:
+            try:  # its socket closes as it dies, a moment before it can be waited for
+                status = self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                status = "unknown"
+            why = f"the models' process ended (exit status {status}); restart the server"
+            self.say(why)
+        self._ended = why
+        waiting, self._waiting = list(self._waiting.values()), {}
+        for future in waiting:
+            if not future.done():
+                future.set_exception(OpschedError(why))
+        self._gone.set()
+
+    def close(self) -> None:
+        """Have the models' process answer what it accepted, close its modules and end; once. From a thread other
+        than the event loop's, which still runs (uvicorn's shutdown), or before the loop took the socket."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._transport is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._transport.write, frame("close"))
+            self._gone.wait(60)
+        else:
+            with contextlib.suppress(OSError):
+                self.channel.send("close")
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.channel.socket.close()
+
+
+class _Answers(asyncio.Protocol):
+    """The server's end of the socket on its event loop: each whole message to :meth:`ProcessModels.received`."""
+
+    def __init__(self, models: ProcessModels):
+        self.models = models
+        self.buffer = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        start = 0
+        while len(self.buffer) - start >= HEADER.size:
+            size = HEADER.unpack_from(self.buffer, start)[0]
+            begin = start + HEADER.size
+            if len(self.buffer) - begin < size:
+                break
+            self.models.received(pickle.loads(memoryview(self.buffer)[begin:begin + size]))
+            start = begin + size
+        del self.buffer[:start]
+
+    def connection_lost(self, error: Exception | None) -> None:
+        self.models.ended()
+
+
+def _portable(error: BaseException) -> tuple[BaseException | None, str, str]:
+    """``error`` as it crosses to the server's process, which raises it as the local engine would (a full queue, a
+    request the model takes no batch of, the model's own error): itself where it pickles both ways, and its type's
+    name and message for the one the server's process makes where it does not (a class of the user's script that
+    came here by value, an exception holding a lock)."""
+    error = error.with_traceback(None)
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - pickle cannot rebuild it
+        return None, type(error).__name__, str(error)
+    return error, "", ""
+
+
+def _rebuilt(error: BaseException | None, kind: str, text: str) -> BaseException:
+    """What :func:`_portable` sent, as an exception: itself, or an OpschedError named as the original (the front
+    end's message gives the name, as it gives any error's)."""
+    return error if error is not None else type(kind, (OpschedError,), {})(text)
+
+
+def _answer(channel: Channel, key: int, future: Any) -> None:
+    """A request's answer sent back (in the thread that answered it: the models' batcher)."""
+    try:
+        error = future.exception()
+        if error is None:
+            channel.send("answer", key, {name: to_wire(t) for name, t in future.result().items()})
+        else:
+            channel.send("error", key, *_portable(error))
+    except OSError:  # the server's process is gone; the main thread ends this process
+        pass
+
+
+def _report_ready(channel: Channel, served: Any) -> None:
+    """Each model's readiness as its plans are prepared, then the server's."""
+    try:
+        for name, endpoint in served.endpoints.items():
+            endpoint.ready.wait()
+            channel.send("model-ready", name)
+        served.ready.wait()
+        channel.send("ready")
+    except OSError:  # the server's process is gone
+        pass
+
+
+def main(descriptor: int) -> int:
+    """The models' process: read the models and options, serve them as the local engine does, answer each request
+    the server's process sends, until it says close (or is gone)."""
+    # the server's process says when to stop (Ctrl-C reaches the whole process group, a supervisor's SIGTERM may):
+    # it drains its requests first, and this process ends with it, or when its socket closes
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    channel = Channel(socket.socket(fileno=descriptor))
+    try:
+        from opsched.serving.served import ServedModels
+
+        models, options = channel.receive()
+        served = ServedModels(models, **options, say=functools.partial(channel.send, "say"))
+    except Exception as e:  # noqa: BLE001 - the server's process says it in one line
+        channel.send("failed", *_portable(e))
+        return 1
+    channel.send("started", {name: e.signature() for name, e in served.endpoints.items()})
+    threading.Thread(target=_report_ready, args=(channel, served), name="opsched-serve-ready", daemon=True).start()
+    while True:
+        try:
+            message = channel.receive()
+        except (EOFError, OSError):
+            break
+        if message[0] == "close":
+            break
+        _, key, name, inputs, batch = message
+        try:
+            future = served.endpoints[name].submit(tuple(from_wire(w) for w in inputs), batch)
+        except Exception as e:  # noqa: BLE001 - a full queue, or a request the model takes no batch of
+            channel.send("error", key, *_portable(e))
+            continue
+        future.add_done_callback(functools.partial(_answer, channel, key))
+    served.close()
+    try:
+        channel.send("closed")
+    except OSError:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(int(sys.argv[1])))

@@ -1,0 +1,178 @@
+"""opsched serve --engine process: the models in a process of their own, behind the same Open Inference Protocol
+front end, driven by the official client; answers exactly the models', errors as the local engine gives them, the
+models' process gone once the server stops, and its death answered 500 rather than hung on. Skipped without the
+``serve`` extra."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("cloudpickle")
+
+from opsched.compare import compare_outputs
+from opsched.errors import OpschedError
+from opsched.serving import serve
+from opsched.serving.batcher import ModelEndpoint
+from opsched.serving.process_engine import ProcessEndpoint, from_wire, to_wire
+from opsched.serving.protocol import DATATYPES
+from tests.support.served_models import RefusesLarge, client_answers_are_the_models
+
+
+class Sleeps(torch.nn.Module):
+    """Sleeps ``seconds`` a call, then answers its input plus one and the process it ran in."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return x + 1, torch.full((x.shape[0], 1), os.getpid(), dtype=torch.int64)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(sorted(DATATYPES)), st.lists(st.integers(0, 3), max_size=3), st.booleans(), st.integers(0, 9))
+def test_every_datatype_and_shape_crosses_between_the_processes_unchanged(datatype, shape, transposed, seed):
+    dtype = DATATYPES[datatype]
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(shape, generator=generator, dtype=torch.float64) * 1000
+    tensor = values > 0 if dtype == torch.bool else values.to(dtype)
+    if transposed and tensor.dim() >= 2:  # a view that is not contiguous travels as its values
+        tensor = tensor.transpose(0, 1)
+    wire = to_wire(tensor)
+    back = from_wire(wire)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape and torch.equal(back, tensor)
+    before = tensor.clone()
+    back.fill_(0)  # writable, and its own memory
+    assert torch.equal(tensor, before)
+
+
+def test_the_models_process_answers_behind_the_same_front_end():
+    http = pytest.importorskip("tritonclient.http")
+    httpx = pytest.importorskip("httpx")
+    cnn, refuses = RefusesLarge().net.eval(), RefusesLarge().eval()  # the first with plans, the second answers itself
+    said = []
+    models = {"cnn": (cnn, (torch.randn(1, 3, 16, 16),)), "refuses": (refuses, (torch.randn(1, 3, 16, 16),)),
+              "sleeps": (Sleeps(0.3), (torch.zeros(1, 2),))}
+    with serve(models, port=0, block=False, engine="process", max_batch=4, max_delay_ms=5, queue_size=8,
+               optimize_options={"repeats": 3, "cache": False}, say=said.append) as serving:
+        assert serving.wait_ready(240)
+        assert all(isinstance(e, ProcessEndpoint) for e in serving.endpoints.values())
+        assert serving.endpoints["cnn"].batchable and serving.endpoints["cnn"].max_batch == 4
+        client = http.InferenceServerClient(serving.url.removeprefix("http://"))
+        assert client.is_server_ready() and client.is_model_ready("cnn")
+        assert client.get_model_metadata("refuses")["inputs"] == [{"name": "x", "datatype": "FP32",
+                                                                   "shape": [-1, 3, 16, 16]}]
+        client_answers_are_the_models(client, "cnn", "input", cnn, (1, 3, 4))
+
+        def infer(model, body):
+            return httpx.post(f"{serving.url}/v2/models/{model}/infer", content=body, timeout=60)
+
+        def body(data, shape=(1, 3, 16, 16), name="x"):
+            return json.dumps({"inputs": [{"name": name, "shape": list(shape), "datatype": "FP32", "data": data}]})
+
+        inputs = [torch.randn(1, 3, 16, 16) for _ in range(16)]
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(lambda x: infer("cnn", body(x.flatten().tolist(), name="input")), inputs))
+        for x, answer in zip(inputs, answers):
+            assert answer.status_code == 200, answer.text
+            got = torch.tensor(answer.json()["outputs"][0]["data"]).reshape(1, 4)
+            assert compare_outputs(got, cnn(x).detach()).ok
+
+        good = body([1] * 768)
+        failed = infer("refuses", body([500] + [1] * 767))
+        assert failed.status_code == 500 and failed.json() == {"error": "model 'refuses' failed: ValueError: input "
+                                                                        "above 100"}
+        failed = infer("refuses", body([-500] + [1] * 767))  # its name and message, as the local engine gives them
+        assert failed.status_code == 500 and failed.json() == {"error": "model 'refuses' failed: Unpicklable: input "
+                                                                        "below -100"}
+        assert infer("refuses", good.replace('"FP32"', '"INT64"')).json()["error"] == \
+            "input 'x' of 'refuses' is FP32, not INT64"
+        assert infer("nope", good).status_code == 404
+        assert infer("refuses", good).status_code == 200  # still serving
+
+        # the sleeping model (a call of up to 4 takes 0.3 s) queues 8: of 20 requests at once, some are refused at once
+        # with 503, and every accepted one is answered, by the models' process
+        with ThreadPoolExecutor(20) as pool:
+            answers = list(pool.map(lambda _: infer("sleeps", body([0, 0], (1, 2))), range(20)))
+        codes = [a.status_code for a in answers]
+        assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
+        assert all("has 8 requests waiting" in a.json()["error"] for a in answers if a.status_code == 503)
+        pids = {a.json()["outputs"][1]["data"][0] for a in answers if a.status_code == 200}
+        assert pids == {serving_pid(serving)}
+        assert serving_pid(serving) != os.getpid()
+    assert serving_process(serving).poll() == 0  # answered what it had and ended
+    assert {"cnn: ready", "ready"} <= set(said), "\n".join(said)  # what the local engine says, through its say
+
+
+def serving_process(serving):
+    return next(iter(serving.endpoints.values())).models.process
+
+
+def serving_pid(serving):
+    return serving_process(serving).pid
+
+
+def test_when_the_models_process_dies_every_request_is_answered_500_saying_so():
+    httpx = pytest.importorskip("httpx")
+    said = []
+    models = {"sleeps": (Sleeps(2.0), (torch.zeros(1, 2),))}
+    with serve(models, port=0, block=False, engine="process", optimize=False, say=said.append) as serving:
+        assert serving.wait_ready(120)
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 0]}]})
+        with ThreadPoolExecutor(2) as pool:
+            waiting = pool.submit(httpx.post, f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
+            time.sleep(0.5)  # accepted, and running there
+            os.kill(serving_pid(serving), signal.SIGKILL)
+            answer = waiting.result()
+        assert answer.status_code == 500 and "the models' process ended (exit status -9)" in answer.json()["error"]
+        later = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
+        assert later.status_code == 500 and "restart the server" in later.json()["error"]
+        assert httpx.get(f"{serving.url}/v2/health/live").status_code == 200
+    assert any("the models' process ended" in line for line in said)
+
+
+class HoldsALock(torch.nn.Module):
+    """Cannot be pickled."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+    def forward(self, x):
+        return x + 1
+
+
+def test_a_model_that_cannot_be_sent_or_set_up_is_one_line():
+    with pytest.raises(OpschedError, match="cannot be pickled") as raised:
+        serve({"m": (HoldsALock(), (torch.zeros(1, 2),))}, port=0, block=False, engine="process", optimize=False)
+    assert "\n" not in str(raised.value)
+    with pytest.raises(OpschedError, match="cannot read .*no_such_plan.json"):  # as the local engine raises it
+        serve({"m": (torch.nn.Linear(2, 2), (torch.zeros(1, 2),))}, port=0, block=False, engine="process",
+              plans={"m": "no_such_plan.json"})
+
+
+def test_by_default_the_models_run_in_their_own_process_or_here_where_they_cannot_be_sent():
+    httpx = pytest.importorskip("httpx")
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
+    for model, engine in ((Sleeps(0.0), ProcessEndpoint), (HoldsALock(), ModelEndpoint)):
+        said = []
+        with serve({"m": (model, (torch.zeros(1, 2),))}, port=0, block=False, optimize=False,
+                   say=said.append) as serving:
+            assert serving.wait_ready(120) and isinstance(serving.endpoints["m"], engine)
+            answer = httpx.post(f"{serving.url}/v2/models/m/infer", content=body, timeout=60)
+            assert answer.json()["outputs"][0]["data"] == [2, 3], answer.text
+        here = [line for line in said if "they run in this process (--engine local)" in line]
+        assert len(here) == (engine is ModelEndpoint), said
