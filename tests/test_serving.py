@@ -645,7 +645,7 @@ def test_small_bodies_are_read_on_the_event_loop_and_large_ones_on_worker_thread
         return read(*args)
 
     monkeypatch.setattr(app, "split_body", split_body)
-    long_id = "x" * (app.INLINE_BYTES + 1)
+    long_id = "x" * (protocol.INLINE_BYTES + 1)
     for request_id in ("short", long_id):
         answer = httpx.post(url, json={"id": request_id, "inputs": inputs}, timeout=60)
         assert answer.status_code == 200, answer.text

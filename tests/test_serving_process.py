@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from opsched.compare import compare_outputs
 from opsched.errors import OpschedError
 from opsched.serving import serve
 from opsched.serving.batcher import ModelEndpoint
-from opsched.serving.process_engine import ProcessEndpoint, from_wire, to_wire
+from opsched.serving.process_engine import Channel, ProcessEndpoint, frame, from_wire, to_wire
 from opsched.serving.protocol import DATATYPES
 from tests.support.served_models import RefusesLarge, client_answers_are_the_models
 
@@ -57,6 +58,17 @@ def test_every_datatype_and_shape_crosses_between_the_processes_unchanged(dataty
     before = tensor.clone()
     back.fill_(0)  # writable, and its own memory
     assert torch.equal(tensor, before)
+
+
+def test_the_blocking_end_reads_each_message_and_nothing_after_it():
+    """What follows the messages the server reads at startup is its event loop's: not one byte read ahead."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(frame("say", "preparing") + frame("started", {"m": 1}) + frame("ready"))
+        channel = Channel(ours)
+        assert channel.receive() == ("say", "preparing") and channel.receive() == ("started", {"m": 1})
+        ours.setblocking(False)
+        assert ours.recv(1 << 16) == frame("ready")  # left whole in the socket
 
 
 def test_the_models_process_answers_behind_the_same_front_end():
@@ -141,6 +153,9 @@ def test_when_the_models_process_dies_every_request_is_answered_500_saying_so():
         later = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
         assert later.status_code == 500 and "restart the server" in later.json()["error"]
         assert httpx.get(f"{serving.url}/v2/health/live").status_code == 200
+        # no longer ready: a load balancer sends it nothing more
+        assert httpx.get(f"{serving.url}/v2/health/ready").status_code == 400
+        assert httpx.get(f"{serving.url}/v2/models/sleeps/ready").status_code == 400
     assert any("the models' process ended" in line for line in said)
 
 

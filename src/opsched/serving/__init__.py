@@ -42,12 +42,12 @@ class Serving:
     ``endpoints`` by name, ``fused`` (the :class:`~opsched.serving.fused.FusedGroup`, if any, with the local
     engine) and :meth:`stop`; a context manager that stops it on leaving."""
 
-    def __init__(self, server: Any, sock: socket.socket, endpoints: dict, ready: threading.Event, fused: Any = None):
-        self.server, self.endpoints, self.ready, self.fused = server, endpoints, ready, fused
+    def __init__(self, server: Any, sock: socket.socket, served: Any):
+        self.server, self.endpoints, self.ready, self.fused = server, served.endpoints, served.ready, served.group
         host, port = sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         self.port = port
-        self.thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="opsched-serve-http",
+        self.thread = threading.Thread(target=_run, args=(server, sock, served), name="opsched-serve-http",
                                        daemon=True)
         self.thread.start()
 
@@ -125,12 +125,21 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
                       on_startup=getattr(served, "start", None), on_shutdown=served.close)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     if not block:
-        return Serving(server, sock, served.endpoints, served.ready, served.group)
+        return Serving(server, sock, served)
     host_, port_ = sock.getsockname()[:2]
     say(f"serving {', '.join(served.endpoints)} on http://{host_}:{port_} (Open Inference Protocol, /v2)"
         + (" through Ray Serve" if engine == "ray" else ""))
-    server.run(sockets=[sock])
+    _run(server, sock, served)
     return None
+
+
+def _run(server: Any, sock: socket.socket, served: Any) -> None:
+    """uvicorn serving on ``sock`` until it stops; ``served`` closed after, also where uvicorn's shutdown did not
+    close it (a failed startup, a second Ctrl-C)."""
+    try:
+        server.run(sockets=[sock])
+    finally:
+        served.close()
 
 
 def _served_here(models: Mapping[str, tuple[Any, Sequence[Any]]], options: dict[str, Any], engine: str | None,

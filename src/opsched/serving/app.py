@@ -36,6 +36,7 @@ from opsched.errors import OpschedError, first_line
 from opsched.serving.batcher import ModelEndpoint, Overloaded
 from opsched.serving.protocol import (
     HEADER_LENGTH,
+    INLINE_BYTES,
     ProtocolError,
     output_choice,
     read_inputs,
@@ -44,12 +45,6 @@ from opsched.serving.protocol import (
 )
 
 VERSION = "1"  # each model is served in one version
-# A body or an answer of at most this many bytes (an answer as answer_size counts it) is read or written
-# on the event loop: a hand-off to a worker thread and back costs more than reading it (a 12 KB binary request of a
-# small CNN, or a 60 KB JSON one). Larger ones go to worker threads, as many at a time as the machine has cores:
-# reading holds the interpreter lock, and more threads at it only take it from the thread running the models (under
-# an overload of JSON requests, 40 threads parsing left the models' thread a fraction of its turns).
-INLINE_BYTES = 64 << 10
 
 
 def answer_size(outputs: dict[str, Any], binary: dict[str, bool], request_id: str | None) -> int:

@@ -30,14 +30,15 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import pickle
-import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ import torch
 
 from opsched.errors import OpschedError, first_line
 from opsched.serving.batcher import Signature
+from opsched.serving.protocol import INLINE_BYTES
 
 WireTensor = tuple[str, tuple[int, ...], bytes]  # dtype's name, shape, the elements' bytes in row-major order
 HEADER = struct.Struct("!Q")  # a message's length, before it
@@ -54,9 +56,11 @@ STARTUP_SECONDS = 600.0  # for the models' process to import torch, read its mod
 
 def to_wire(tensor: torch.Tensor) -> WireTensor:
     """``tensor`` as it crosses between the processes (every dtype: those NumPy lacks, bfloat16 among them, as
-    their bytes), through NumPy where it can: the front end makes no torch call on its event loop for it, a call
-    that would let go of the interpreter lock."""
+    their bytes), through NumPy where it can (on the front end's event loop, no torch call that would let go of
+    the interpreter lock). A tensor on another device, or a lazily conjugated or negated view, is copied first."""
     tensor = tensor.detach()
+    if tensor.device.type != "cpu" or tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.cpu().resolve_conj().resolve_neg()
     if _numpy_dtype(tensor.dtype) is not None:
         raw = tensor.numpy().tobytes()  # row-major, whatever the strides
     else:
@@ -97,11 +101,14 @@ def frame(*message: Any) -> bytes:
 
 class Channel:
     """A blocking end of the socket: the models' process's (read by one thread, written by several, each message
-    whole under a lock), and the server's until its event loop takes it over (:meth:`ProcessModels.start`)."""
+    whole under a lock), and the server's until its event loop takes it over (:meth:`ProcessModels.start`). It
+    reads exactly the bytes of each message, never ahead: what follows is the event loop's to read.
+    ``waiting``, called whenever a read has waited ``poll`` seconds, may raise to give up."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, waiting: Callable[[], None] | None = None, poll: float = 1.0):
         self.socket = sock
-        self._reading = sock.makefile("rb")
+        self._waiting = waiting
+        sock.settimeout(poll if waiting is not None else None)
         self._sending = threading.Lock()
 
     def send(self, *message: Any) -> None:
@@ -111,14 +118,21 @@ class Channel:
 
     def receive(self) -> tuple:
         """The next message; EOFError once the other end has closed."""
-        header = self._reading.read(HEADER.size)
-        if len(header) < HEADER.size:
-            raise EOFError
-        size = HEADER.unpack(header)[0]
-        data = self._reading.read(size)
-        if len(data) < size:
-            raise EOFError
-        return pickle.loads(data)
+        return pickle.loads(self._exactly(HEADER.unpack(self._exactly(HEADER.size))[0]))
+
+    def _exactly(self, size: int) -> bytearray:
+        data = bytearray(size)
+        view, got = memoryview(data), 0
+        while got < size:
+            try:
+                n = self.socket.recv_into(view[got:])
+            except TimeoutError:
+                self._waiting()
+                continue
+            if n == 0:
+                raise EOFError
+            got += n
+        return data
 
 
 class ProcessEndpoint(Signature):
@@ -163,14 +177,29 @@ class ProcessModels:
         self._gone = threading.Event()  # the socket has closed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
+        if os.name != "posix":  # the socket is handed down as an inherited descriptor
+            raise CannotSend("--engine process needs a POSIX system")
         ours, theirs = socket.socketpair()
-        self.process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine",
-                                         str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
-        theirs.close()
-        self.channel = Channel(ours)
         try:
-            self.channel.socket.sendall(HEADER.pack(len(payload)) + payload)
-            signatures = self._started(say)
+            self.process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine",
+                                             str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                                            stdin=subprocess.DEVNULL)
+        except OSError as e:
+            ours.close()
+            raise CannotSend(f"--engine process cannot start {sys.executable}: {e}") from None
+        finally:
+            theirs.close()
+        started = time.monotonic()
+
+        def waiting() -> None:
+            if self.process.poll() is not None:
+                raise EOFError
+            if time.monotonic() - started > STARTUP_SECONDS:
+                raise OpschedError(f"the models' process did not start within {STARTUP_SECONDS:.0f} s")
+
+        self.channel = Channel(ours, waiting)
+        try:
+            signatures = self._started(payload, say)
         except BaseException:
             self.process.kill()
             self.process.wait()
@@ -178,34 +207,32 @@ class ProcessModels:
             raise
         self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in signatures.items()}
 
-    def _started(self, say: Callable[[str], Any]) -> dict[str, Signature]:
-        """The models' signatures, once the models' process has set them up; otherwise the error it met there."""
-        waited = 0.0
-        while True:
-            readable, _, _ = select.select([self.channel.socket], [], [], 1.0)
-            if not readable:
-                waited += 1.0
-                if self.process.poll() is not None or waited > STARTUP_SECONDS:
-                    raise OpschedError(f"the models' process did not start (exit status {self.process.poll()})")
-                continue
-            try:
+    def _started(self, payload: bytes, say: Callable[[str], Any]) -> dict[str, Signature]:
+        """The models sent, and their signatures once the models' process has set them up; otherwise the error it
+        met there (CannotSend where it could not read the models)."""
+        try:
+            self.channel.socket.sendall(HEADER.pack(len(payload)))
+            self.channel.socket.sendall(payload)
+            while True:
                 message = self.channel.receive()
-            except (EOFError, OSError):
-                raise OpschedError(f"the models' process ended as it started (exit status "
-                                   f"{self.process.wait()})") from None
-            if message[0] == "say":
-                say(message[1])
-            elif message[0] == "failed":  # what the local engine raises there
-                raise _rebuilt(*message[1:])
-            else:  # started
-                return message[1]
+                if message[0] == "say":
+                    say(message[1])
+                elif message[0] == "unreadable":
+                    raise CannotSend(f"the models' process cannot read the models: {message[1]}")
+                elif message[0] == "failed":  # what the local engine raises there
+                    raise _rebuilt(*message[1:])
+                else:  # started
+                    return message[1]
+        except (EOFError, OSError):
+            raise OpschedError(f"the models' process ended as it started (exit status "
+                               f"{self.process.wait()})") from None
 
     async def start(self) -> None:
         """From now on the socket is the event loop's: each request written without blocking the loop (a blocking
         write waits whenever the models' process is slow to read), each answer read on it (no thread between, and
         no hand-off to the loop for each answer)."""
         self._loop = asyncio.get_running_loop()
-        self.channel.socket.setblocking(False)
+        self.channel.socket.setblocking(False)  # (no timeout either)
         self._transport, _ = await self._loop.connect_accepted_socket(lambda: _Answers(self), self.channel.socket)
 
     async def infer(self, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
@@ -216,21 +243,37 @@ class ProcessModels:
         key = next(self._ids)
         future = self._loop.create_future()
         self._waiting[key] = future
-        self._transport.write(frame("infer", key, name, [to_wire(t) for t in inputs], batch))
+        message = functools.partial(_request, key, name, inputs, batch)
+        # copying a large request takes a while: off the event loop, which answers health probes meanwhile
+        framed = message() if sum(t.nbytes for t in inputs) <= INLINE_BYTES else \
+            await self._loop.run_in_executor(None, message)
+        if self._ended:  # (while it was framed)
+            self._waiting.pop(key, None)
+            raise OpschedError(self._ended)
+        self._transport.writelines(framed)
         return await future
 
-    def received(self, message: tuple) -> None:
+    def received(self, data: memoryview) -> None:
         """A message of the models' process (on the event loop): an answer to its request's future, progress to
-        ``say``, readiness to the endpoints."""
+        ``say``, readiness to the endpoints. One that cannot be read here fails its request alone (an error
+        whose class only the models' process imports), or is said."""
+        try:
+            message = pickle.loads(data)
+        except Exception as e:  # noqa: BLE001 - which request it answered cannot be known: said, and it waits on
+            self.say(f"a message of the models' process could not be read: {first_line(e)}")
+            return
         kind = message[0]
         if kind == "answer" or kind == "error":
             future = self._waiting.pop(message[1], None)
             if future is None or future.done():  # its request was cancelled meanwhile
                 return
-            if kind == "answer":
-                future.set_result({name: from_wire(wire) for name, wire in message[2].items()})
-            else:
-                future.set_exception(_rebuilt(*message[2:]))
+            try:
+                if kind == "answer":
+                    future.set_result({name: from_wire(wire) for name, wire in message[2].items()})
+                else:
+                    future.set_exception(_rebuilt(*message[2:]))
+            except Exception as e:  # noqa: BLE001 - an answer that cannot be made here fails alone
+                future.set_exception(OpschedError(f"its answer could not be read: {first_line(e)}"))
         elif kind == "say":
             self.say(message[1])
         elif kind == "model-ready":
@@ -239,21 +282,25 @@ class ProcessModels:
             self.ready.set()
 
     def ended(self) -> None:
-        """The socket has closed (on the event loop): every request waiting, and every later one, gets why."""
-        if self._closing:
-            why = "the server is stopping"
-        else:
-            try:  # its socket closes as it dies, a moment before it can be waited for
-                status = self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                status = "unknown"
-            why = f"the models' process ended (exit status {status}); restart the server"
-            self.say(why)
-        self._ended = why
+        """The socket has closed (on the event loop): the server is no longer ready, and every request waiting, and
+        every later one, gets why."""
+        self._ended = "the server is stopping" if self._closing else \
+            "the models' process ended; restart the server"
+        if not self._closing:
+            self.ready.clear()
+            for endpoint in self.endpoints.values():
+                endpoint.ready.clear()
+        self._loop.create_task(self._fail_waiting())
+
+    async def _fail_waiting(self) -> None:
+        if not self._closing:  # its socket closes as it dies, a moment before it can be waited for: off the loop
+            status = await self._loop.run_in_executor(None, _exit_status, self.process)
+            self._ended = f"the models' process ended (exit status {status}); restart the server"
+            self.say(self._ended)
         waiting, self._waiting = list(self._waiting.values()), {}
         for future in waiting:
             if not future.done():
-                future.set_exception(OpschedError(why))
+                future.set_exception(OpschedError(self._ended))
         self._gone.set()
 
     def close(self) -> None:
@@ -262,12 +309,11 @@ class ProcessModels:
         if self._closing:
             return
         self._closing = True
-        if self._transport is not None and not self._loop.is_closed():
+        if self._transport is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._transport.write, frame("close"))
             self._gone.wait(60)
-        else:
-            with contextlib.suppress(OSError):
-                self.channel.send("close")
+        else:  # the event loop never took the socket, or has stopped: closing it tells the models' process to end
+            self.channel.socket.close()
         try:
             self.process.wait(30)
         except subprocess.TimeoutExpired:
@@ -291,7 +337,7 @@ class _Answers(asyncio.Protocol):
             begin = start + HEADER.size
             if len(self.buffer) - begin < size:
                 break
-            self.models.received(pickle.loads(memoryview(self.buffer)[begin:begin + size]))
+            self.models.received(memoryview(self.buffer)[begin:begin + size])
             start = begin + size
         del self.buffer[:start]
 
@@ -315,7 +361,25 @@ def _portable(error: BaseException) -> tuple[BaseException | None, str, str]:
 def _rebuilt(error: BaseException | None, kind: str, text: str) -> BaseException:
     """What :func:`_portable` sent, as an exception: itself, or an OpschedError named as the original (the front
     end's message gives the name, as it gives any error's)."""
-    return error if error is not None else type(kind, (OpschedError,), {})(text)
+    return error if error is not None else _named_error(kind)(text)
+
+
+@functools.cache
+def _named_error(name: str) -> type[OpschedError]:
+    return type(name, (OpschedError,), {})
+
+
+def _request(key: int, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> list[bytes]:
+    """A request's message, as the parts to write (its header, its pickle): no copy of the two joined."""
+    data = pickle.dumps(("infer", key, name, [to_wire(t) for t in inputs], batch), protocol=pickle.HIGHEST_PROTOCOL)
+    return [HEADER.pack(len(data)), data]
+
+
+def _exit_status(process: subprocess.Popen) -> int | str:
+    try:
+        return process.wait(5)
+    except subprocess.TimeoutExpired:
+        return "unknown"
 
 
 def _answer(channel: Channel, key: int, future: Any) -> None:
@@ -328,6 +392,9 @@ def _answer(channel: Channel, key: int, future: Any) -> None:
             channel.send("error", key, *_portable(error))
     except OSError:  # the server's process is gone; the main thread ends this process
         pass
+    except Exception as e:  # noqa: BLE001 - an answer that cannot be sent: its error instead, never a silent wait
+        with contextlib.suppress(OSError):
+            channel.send("error", key, *_portable(e))
 
 
 def _report_ready(channel: Channel, served: Any) -> None:
@@ -349,11 +416,16 @@ def main(descriptor: int) -> int:
     # it drains its requests first, and this process ends with it, or when its socket closes
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.set_inheritable(descriptor, False)  # what the models start does not keep the socket open after this process
     channel = Channel(socket.socket(fileno=descriptor))
+    try:
+        models, options = channel.receive()
+    except Exception as e:  # noqa: BLE001 - a class this process cannot import: the server may serve them itself
+        channel.send("unreadable", first_line(e))
+        return 1
     try:
         from opsched.serving.served import ServedModels
 
-        models, options = channel.receive()
         served = ServedModels(models, **options, say=functools.partial(channel.send, "say"))
     except Exception as e:  # noqa: BLE001 - the server's process says it in one line
         channel.send("failed", *_portable(e))

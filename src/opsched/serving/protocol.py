@@ -37,6 +37,14 @@ import torch
 
 from opsched.errors import OpschedError
 
+# A body or an answer of at most this many bytes (an answer as answer_size counts it), or a request's tensors as they
+# cross to the models' process (opsched.serving.process_engine), is read, written or framed on the event loop: a
+# hand-off to a worker thread and back costs more than reading it (a 12 KB binary request of a small CNN, or a 60 KB
+# JSON one). Larger ones go to worker threads, as many at a time as the machine has cores: reading holds the
+# interpreter lock, and more threads at it only take it from the thread running the models (under an overload of JSON
+# requests, 40 threads parsing left the models' thread a fraction of its turns).
+INLINE_BYTES = 64 << 10
+
 DATATYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16, "INT32": torch.int32,
     "INT64": torch.int64, "FP16": torch.float16, "BF16": torch.bfloat16, "FP32": torch.float32,

@@ -227,7 +227,9 @@ class RayModels:
 
     def close(self) -> None:
         """Delete the server's applications (their replicas answer what they accepted; one still starting too), and
-        a local Ray with them; no deployment starts after."""
+        a local Ray with them; no deployment starts after. Once."""
+        if self._closing.is_set():
+            return
         self._closing.set()
         self._starting.join(60)
         with self._apps_lock:
