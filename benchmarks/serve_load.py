@@ -150,15 +150,35 @@ def decoded(headers, content: bytes, binary: bool) -> torch.Tensor:
     return torch.tensor(out["data"]).reshape(out["shape"])
 
 
+def processes(pid: int) -> list[int]:
+    """``pid`` and the processes it started, theirs too (``--engine process``'s models' process), from /proc."""
+    found = [pid]
+    with contextlib.suppress(OSError):  # a process that has just ended
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that has just ended
+                for child in (task / "children").read_text().split():
+                    found += processes(int(child))
+    return found
+
+
 def cpu_seconds(pid: int) -> float:
-    """The CPU time process ``pid`` and the processes it started (``--engine process``'s models' process) have
-    used (user and system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    used = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread or a child that has just ended
-            used += sum(cpu_seconds(int(child)) for child in (task / "children").read_text().split())
+    """The CPU time process ``pid`` and the processes it started have used (user and system), from /proc."""
+    used = 0.0
+    for process in processes(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{process}/stat").read_text().rsplit(")", 1)[1].split()
+            used += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return used
+
+
+def resident_mb(pid: int) -> float:
+    """The resident memory of process ``pid`` and the processes it started, in MB, from /proc."""
+    kb = 0
+    for process in processes(pid):
+        with contextlib.suppress(OSError, StopIteration):
+            lines = Path(f"/proc/{process}/status").read_text().splitlines()
+            kb += next(int(line.split()[1]) for line in lines if line.startswith("VmRSS"))
+    return kb / 1024
 
 
 async def load(url: str, requests: dict, binary: bool, mode: str, level: float, seconds: float, warmup: float,
@@ -167,8 +187,9 @@ async def load(url: str, requests: dict, binary: bool, mode: str, level: float, 
     ``warmup``: answered requests/s, latencies, errors, and answers checked against ``check`` (model by name): the
     first three of each model, or with ``check_all`` every one. With ``pid`` (the server's process), the CPU time
     it used in the measured window per answered request, and with ``memory`` its resident memory every five
-    seconds. The client is aiohttp's: at 0.2 ms of CPU a request it leaves the cores to the server (httpx's took
-    3.3 ms, more than the server's own work, and its rate was the client's)."""
+    seconds (both with the processes it started: the models' own process). The client is aiohttp's: at 0.2 ms of
+    CPU a request it leaves the cores to the server (httpx's took 3.3 ms, more than the server's own work, and its
+    rate was the client's)."""
     import aiohttp
 
     from opsched.compare import compare_outputs
@@ -217,9 +238,7 @@ async def load(url: str, requests: dict, binary: bool, mode: str, level: float, 
         cpu["client"] = time.process_time()
         while (now := time.perf_counter()) < ending:
             if memory:
-                status = Path(f"/proc/{pid}/status")
-                kb = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("VmRSS"))
-                resident.append((round(now - started, 1), round(kb / 1024, 1)))
+                resident.append((round(now - started, 1), round(resident_mb(pid), 1)))
             await asyncio.sleep(min(5.0, ending - now))
         if pid:
             cpu["server"] = cpu_seconds(pid) - cpu["server"]
@@ -469,7 +488,7 @@ def interleaved_summaries(rows: list[dict]) -> list[dict]:
                 "wrong": sum(r["wrong"] for r in by_round.values()),
                 "checked": sum(r["checked"] for r in by_round.values()),
                 **{f"against_{base}": _against(by_round, by_config.get(base))
-                   for base in ("eager", "batched")},
+                   for base in ("eager", "batched", "opsched-local") if base in by_config},
                 "against_ceiling": _against(by_round, _ceiling(by_config))})
     return summaries
 
@@ -494,7 +513,7 @@ def interleaved_table(path: str) -> str:
         lines.append(f"| {s['workload']} | {s['tensors']} | {what} | {s['config']} | {s['rounds']} | "
                      f"{s['answered_per_s']} | {s['p50_ms']} | {s['p99_ms']} | {s.get('server_cpu_ms') or '-'} | "
                      f"{s['errors']} | {s['wrong']} "
-                     f"({s['checked']}) | {ratio(s['against_eager'])} | {ratio(s['against_batched'])} | "
+                     f"({s['checked']}) | {ratio(s.get('against_eager'))} | {ratio(s.get('against_batched'))} | "
                      f"{ratio(s['against_ceiling'])} |")
     return "\n".join(lines + failed)
 
@@ -548,7 +567,7 @@ def main() -> None:
     parser.add_argument("--prepare-timeout", type=float, default=900.0, help="seconds for a server to be ready")
     parser.add_argument("--soak", type=float, metavar="SECONDS",
                         help="instead: one open-loop run this long at --soak-rate on the first config, every answer "
-                             "checked, the server's resident memory read every five seconds")
+                             "checked, the server's resident memory (its processes') read every five seconds")
     parser.add_argument("--soak-rate", type=float, default=50.0)
     parser.add_argument("--interleave", type=int, metavar="ROUNDS",
                         help="start every configuration's server at once, then take turns: each load this many "

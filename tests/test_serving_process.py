@@ -32,14 +32,16 @@ from tests.support.served_models import RefusesLarge, client_answers_are_the_mod
 
 
 class Sleeps(torch.nn.Module):
-    """Sleeps ``seconds`` a call, then answers its input plus one and the process it ran in."""
+    """Sleeps ``seconds`` a call of inputs holding a 1 or more (startup's calls, on zeros and the batching check's
+    second sample made from them, do not wait), then answers its input plus one and the process it ran in."""
 
     def __init__(self, seconds: float):
         super().__init__()
         self.seconds = seconds
 
     def forward(self, x):
-        time.sleep(self.seconds)
+        if (x >= 1).any():
+            time.sleep(self.seconds)
         return x + 1, torch.full((x.shape[0], 1), os.getpid(), dtype=torch.int64)
 
 
@@ -118,7 +120,7 @@ def test_the_models_process_answers_behind_the_same_front_end():
         # the sleeping model (a call of up to 4 takes 0.3 s) queues 8: of 20 requests at once, some are refused at once
         # with 503, and every accepted one is answered, by the models' process
         with ThreadPoolExecutor(20) as pool:
-            answers = list(pool.map(lambda _: infer("sleeps", body([0, 0], (1, 2))), range(20)))
+            answers = list(pool.map(lambda _: infer("sleeps", body([1, 1], (1, 2))), range(20)))
         codes = [a.status_code for a in answers]
         assert set(codes) == {200, 503} and codes.count(200) >= 3, codes
         assert all("has 8 requests waiting" in a.json()["error"] for a in answers if a.status_code == 503)
@@ -143,7 +145,7 @@ def test_when_the_models_process_dies_every_request_is_answered_500_saying_so():
     models = {"sleeps": (Sleeps(2.0), (torch.zeros(1, 2),))}
     with serve(models, port=0, block=False, engine="process", optimize=False, say=said.append) as serving:
         assert serving.wait_ready(120)
-        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [0, 0]}]})
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 1]}]})
         with ThreadPoolExecutor(2) as pool:
             waiting = pool.submit(httpx.post, f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
             time.sleep(0.5)  # accepted, and running there

@@ -309,8 +309,10 @@ class ProcessModels:
         if self._closing:
             return
         self._closing = True
-        if self._transport is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._transport.write, frame("close"))
+        if self._gone.is_set():  # the socket closed already (the models' process died)
+            pass
+        elif self._transport is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._close_on_the_loop)
             self._gone.wait(60)
         else:  # the event loop never took the socket, or has stopped: closing it tells the models' process to end
             self.channel.socket.close()
@@ -320,6 +322,11 @@ class ProcessModels:
             self.process.kill()
             self.process.wait()
         self.channel.socket.close()
+
+
+    def _close_on_the_loop(self) -> None:
+        if self._ended is None:  # (the socket may have closed meanwhile)
+            self._transport.write(frame("close"))
 
 
 class _Answers(asyncio.Protocol):
