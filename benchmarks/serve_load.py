@@ -10,6 +10,7 @@ Each configuration is a server in a process of its own, on the local machine onl
 - ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused, the models in a
   process of their own);
 - ``opsched-local``: the same with the models in the server's process (``--engine local``);
+- ``opsched-onnxruntime``: the same with the plans' units run as ONNX Runtime kernels (``--kernels onnxruntime``);
 - ``opsched-ray``: the same in Ray Serve deployments on a local Ray (``--engine ray``, one replica);
 - ``opsched-nodelay``: ``opsched serve --max-delay-ms 0`` (a batch is what queued while the last call ran);
 - ``ceiling``: the same server with every model replaced by a copy of its output (a constant), in one process: what
@@ -64,6 +65,7 @@ CONFIGS = {
     "batched": {"optimize": False, "fuse": False, "engine": "local"},
     "opsched": {},
     "opsched-local": {"engine": "local"},
+    "opsched-onnxruntime": {"optimize_options": {"kernels": "onnxruntime"}},
     "opsched-ray": {"engine": "ray"},
     "opsched-nodelay": {"max_delay_ms": 0.0},
     "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0, "engine": "local"},
