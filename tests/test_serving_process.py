@@ -139,6 +139,22 @@ def serving_pid(serving):
     return serving_process(serving).pid
 
 
+def test_models_larger_than_the_sockets_buffer_reach_their_process():
+    """21 MB of weights: the models' process reads them only once it has imported torch, long after the socket's
+    buffer is full."""
+    torch.manual_seed(0)
+    big = torch.nn.Linear(2048, 2560)
+    with serve({"big": (big, (torch.zeros(1, 2048),))}, port=0, block=False, engine="process", optimize=False,
+               say=lambda text: None) as serving:
+        assert serving.wait_ready(120)
+        x = torch.randn(1, 2048)
+        client = pytest.importorskip("httpx")
+        body = {"inputs": [{"name": "input", "shape": [1, 2048], "datatype": "FP32", "data": x.flatten().tolist()}]}
+        answer = client.post(f"{serving.url}/v2/models/big/infer", json=body, timeout=60)
+        got = torch.tensor(answer.json()["outputs"][0]["data"]).reshape(1, 2560)
+        assert compare_outputs(got, big(x).detach()).ok
+
+
 def test_when_the_models_process_dies_every_request_is_answered_500_saying_so():
     httpx = pytest.importorskip("httpx")
     said = []

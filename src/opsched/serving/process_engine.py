@@ -108,7 +108,8 @@ class Channel:
     def __init__(self, sock: socket.socket, waiting: Callable[[], None] | None = None, poll: float = 1.0):
         self.socket = sock
         self._waiting = waiting
-        sock.settimeout(poll if waiting is not None else None)
+        self.poll = poll if waiting is not None else None
+        sock.settimeout(self.poll)
         self._sending = threading.Lock()
 
     def send(self, *message: Any) -> None:
@@ -211,8 +212,10 @@ class ProcessModels:
         """The models sent, and their signatures once the models' process has set them up; otherwise the error it
         met there (CannotSend where it could not read the models)."""
         try:
+            self.channel.socket.settimeout(None)  # the models' process reads them once it has imported torch
             self.channel.socket.sendall(HEADER.pack(len(payload)))
             self.channel.socket.sendall(payload)
+            self.channel.socket.settimeout(self.channel.poll)
             while True:
                 message = self.channel.receive()
                 if message[0] == "say":
@@ -225,7 +228,7 @@ class ProcessModels:
                     return message[1]
         except (EOFError, OSError):
             raise OpschedError(f"the models' process ended as it started (exit status "
-                               f"{self.process.wait()})") from None
+                               f"{_exit_status(self.process)})") from None
 
     async def start(self) -> None:
         """From now on the socket is the event loop's: each request written without blocking the loop (a blocking
