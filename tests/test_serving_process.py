@@ -26,9 +26,17 @@ from opsched.compare import compare_outputs
 from opsched.errors import OpschedError
 from opsched.serving import serve
 from opsched.serving.batcher import ModelEndpoint
-from opsched.serving.process_engine import Channel, ProcessEndpoint, frame, from_wire, to_wire
+from opsched.serving.process_engine import (
+    Channel,
+    ProcessEndpoint,
+    _portable,
+    _rebuilt,
+    frame,
+    from_wire,
+    to_wire,
+)
 from opsched.serving.protocol import DATATYPES
-from tests.support.served_models import RefusesLarge, client_answers_are_the_models
+from tests.support.served_models import RefusesLarge, Unpicklable, client_answers_are_the_models
 
 
 class Sleeps(torch.nn.Module):
@@ -60,6 +68,14 @@ def test_every_datatype_and_shape_crosses_between_the_processes_unchanged(dataty
     before = tensor.clone()
     back.fill_(0)  # writable, and its own memory
     assert torch.equal(tensor, before)
+
+
+def test_an_error_crosses_as_itself_or_by_its_name_and_message():
+    assert repr(_rebuilt(*_portable(ValueError("v")))) == repr(ValueError("v"))
+    cannot_pickle = _rebuilt(*_portable(Unpicklable("held")))
+    unreadable_here = _rebuilt(b"a class this process cannot import", "ModelError", "went wrong")
+    for error, name, text in ((cannot_pickle, "Unpicklable", "held"), (unreadable_here, "ModelError", "went wrong")):
+        assert isinstance(error, OpschedError) and type(error).__name__ == name and str(error) == text
 
 
 def test_the_blocking_end_reads_each_message_and_nothing_after_it():

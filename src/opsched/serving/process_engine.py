@@ -250,19 +250,22 @@ class ProcessModels:
         # copying a large request takes a while: off the event loop, which answers health probes meanwhile
         framed = message() if sum(t.nbytes for t in inputs) <= INLINE_BYTES else \
             await self._loop.run_in_executor(None, message)
-        if self._ended:  # (while it was framed)
+        if self._ended:  # (while it was framed; the future may have been failed meanwhile)
             self._waiting.pop(key, None)
+            if future.done():
+                future.exception()  # retrieved: asyncio would log it as never retrieved
             raise OpschedError(self._ended)
         self._transport.writelines(framed)
         return await future
 
     def received(self, data: memoryview) -> None:
         """A message of the models' process (on the event loop): an answer to its request's future, progress to
-        ``say``, readiness to the endpoints. One that cannot be read here fails its request alone (an error
-        whose class only the models' process imports), or is said."""
+        ``say``, readiness to the endpoints. (A message is plain data, an error's pickle a message of its own
+        inside it: an error whose class cannot be imported here fails its request by its name and message, see
+        :func:`_rebuilt`; an answer that cannot be made here fails its request alone.)"""
         try:
             message = pickle.loads(data)
-        except Exception as e:  # noqa: BLE001 - which request it answered cannot be known: said, and it waits on
+        except Exception as e:  # noqa: BLE001 - not one of ours (which request it answered cannot be known): said
             self.say(f"a message of the models' process could not be read: {first_line(e)}")
             return
         kind = message[0]
@@ -326,7 +329,6 @@ class ProcessModels:
             self.process.wait()
         self.channel.socket.close()
 
-
     def _close_on_the_loop(self) -> None:
         if self._ended is None:  # (the socket may have closed meanwhile)
             self._transport.write(frame("close"))
@@ -355,23 +357,29 @@ class _Answers(asyncio.Protocol):
         self.models.ended()
 
 
-def _portable(error: BaseException) -> tuple[BaseException | None, str, str]:
+def _portable(error: BaseException) -> tuple[bytes | None, str, str]:
     """``error`` as it crosses to the server's process, which raises it as the local engine would (a full queue, a
-    request the model takes no batch of, the model's own error): itself where it pickles both ways, and its type's
-    name and message for the one the server's process makes where it does not (a class of the user's script that
-    came here by value, an exception holding a lock)."""
+    request the model takes no batch of, the model's own error): its pickle where it pickles both ways here, and
+    always its type's name and message, for the server's process to make one of where it cannot read the pickle
+    (a class of the user's script that came here by value, an exception holding a lock, a module only this process
+    imports). The pickle is a message of its own inside the message: one the server cannot read fails its request
+    alone."""
     error = error.with_traceback(None)
     try:
-        pickle.loads(pickle.dumps(error))
+        blob = pickle.dumps(error)
+        pickle.loads(blob)
     except Exception:  # noqa: BLE001 - pickle cannot rebuild it
-        return None, type(error).__name__, str(error)
-    return error, "", ""
+        blob = None
+    return blob, type(error).__name__, str(error)
 
 
-def _rebuilt(error: BaseException | None, kind: str, text: str) -> BaseException:
+def _rebuilt(blob: bytes | None, kind: str, text: str) -> BaseException:
     """What :func:`_portable` sent, as an exception: itself, or an OpschedError named as the original (the front
     end's message gives the name, as it gives any error's)."""
-    return error if error is not None else _named_error(kind)(text)
+    if blob is not None:
+        with contextlib.suppress(Exception):  # its class cannot be imported here
+            return pickle.loads(blob)
+    return _named_error(kind)(text)
 
 
 @functools.cache
