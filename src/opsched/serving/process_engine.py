@@ -93,10 +93,15 @@ class CannotSend(OpschedError):
     """The models cannot be sent to a process of their own: cloudpickle is missing, or a model does not pickle."""
 
 
+def framed(data: bytes) -> list[bytes]:
+    """``data`` as it crosses the socket, as the parts to write: its length, then itself (not joined: no copy)."""
+    return [HEADER.pack(len(data)), data]
+
+
 def frame(*message: Any) -> bytes:
-    """A message (a tuple of plain data) as it crosses the socket: its pickle's length, then the pickle."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return HEADER.pack(len(data)) + data
+    """A message (a tuple of plain data) as it crosses the socket, in one piece: its pickle's length, then the
+    pickle."""
+    return b"".join(framed(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)))
 
 
 class Channel:
@@ -213,8 +218,8 @@ class ProcessModels:
         met there (CannotSend where it could not read the models)."""
         try:
             self.channel.socket.settimeout(None)  # the models' process reads them once it has imported torch
-            self.channel.socket.sendall(HEADER.pack(len(payload)))
-            self.channel.socket.sendall(payload)
+            for part in framed(payload):
+                self.channel.socket.sendall(part)
             self.channel.socket.settimeout(self.channel.poll)
             while True:
                 message = self.channel.receive()
@@ -315,9 +320,7 @@ class ProcessModels:
         if self._closing:
             return
         self._closing = True
-        if self._gone.is_set():  # the socket closed already (the models' process died)
-            pass
-        elif self._transport is not None and self._loop.is_running():
+        if self._transport is not None and self._loop.is_running():  # (nothing is written if the socket closed)
             self._loop.call_soon_threadsafe(self._close_on_the_loop)
             self._gone.wait(60)
         else:  # the event loop never took the socket, or has stopped: closing it tells the models' process to end
@@ -388,9 +391,9 @@ def _named_error(name: str) -> type[OpschedError]:
 
 
 def _request(key: int, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> list[bytes]:
-    """A request's message, as the parts to write (its header, its pickle): no copy of the two joined."""
-    data = pickle.dumps(("infer", key, name, [to_wire(t) for t in inputs], batch), protocol=pickle.HIGHEST_PROTOCOL)
-    return [HEADER.pack(len(data)), data]
+    """A request's message, as the parts to write."""
+    return framed(pickle.dumps(("infer", key, name, [to_wire(t) for t in inputs], batch),
+                               protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _exit_status(process: subprocess.Popen) -> int | str:
