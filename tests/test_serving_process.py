@@ -214,14 +214,33 @@ def test_a_model_that_cannot_be_sent_or_set_up_is_one_line():
 
 
 def test_by_default_the_models_run_in_their_own_process_or_here_where_they_cannot_be_sent():
-    httpx = pytest.importorskip("httpx")
-    body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
-    for model, engine in ((Sleeps(0.0), ProcessEndpoint), (HoldsALock(), ModelEndpoint)):
+    """The command line's default (serve blocking): the models' own process, or this one where they cannot be sent
+    there (said once)."""
+    from opsched.serving import _served_here
+    from opsched.serving.process_engine import ProcessModels
+    from opsched.serving.served import ServedModels
+
+    options = {"optimize": False}
+    for model, engine in ((Sleeps(0.0), ProcessModels), (HoldsALock(), ServedModels)):
         said = []
-        with serve({"m": (model, (torch.zeros(1, 2),))}, port=0, block=False, optimize=False,
-                   say=said.append) as serving:
-            assert serving.wait_ready(120) and isinstance(serving.endpoints["m"], engine)
-            answer = httpx.post(f"{serving.url}/v2/models/m/infer", content=body, timeout=60)
-            assert answer.json()["outputs"][0]["data"] == [2, 3], answer.text
+        served = _served_here({"m": (model, (torch.zeros(1, 2),))}, options, None, said.append)
+        try:
+            assert isinstance(served, engine)
+        finally:
+            served.close()
         here = [line for line in said if "they run in this process (--engine local)" in line]
-        assert len(here) == (engine is ModelEndpoint), said
+        assert len(here) == (engine is ServedModels), said
+
+
+def test_a_server_that_does_not_block_serves_the_callers_objects_whose_weight_changes_it_follows():
+    httpx = pytest.importorskip("httpx")
+    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
+    model = torch.nn.Linear(2, 1)
+    with serve({"m": (model, (torch.zeros(1, 2),))}, port=0, block=False, optimize=False,
+               say=lambda text: None) as serving:
+        assert serving.wait_ready(120) and isinstance(serving.endpoints["m"], ModelEndpoint)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+            model.bias.fill_(0.5)
+        answer = httpx.post(f"{serving.url}/v2/models/m/infer", content=body, timeout=60)
+        assert answer.json()["outputs"][0]["data"] == [3.5], answer.text

@@ -86,8 +86,10 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
     models then each have a core and an interpreter lock); ``local`` in this process; ``ray`` in Ray Serve
     deployments (one per group of models batched together, each with
     ``replicas`` replicas) on a local Ray started for the server, or on the cluster at ``address``
-    (:mod:`opsched.serving.ray_engine`); None (the default): ``process``, or ``local`` (said once) where the
-    models cannot be sent to another process (cloudpickle missing, a model that does not pickle). ``block``: serve
+    (:mod:`opsched.serving.ray_engine`). None (the default): with ``block`` (the command line), ``process``, or
+    ``local`` (said once) where the models cannot be sent to another process; without it, ``local``: the caller
+    keeps its model objects and may change their weights, which the local engine's plans notice and the models'
+    own process, holding a copy, would not. ``block``: serve
     until SIGTERM or Ctrl-C (returns None once every
     accepted request was answered); else return a :class:`Serving` running in a thread."""
     try:
@@ -98,6 +100,8 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
 
     if not models:
         raise OpschedError("give at least one model to serve")
+    if engine is None and not block:  # the caller's objects stay in its hands: served where their changes show
+        engine = "local"
     if engine not in (None, "local", "process", "ray"):
         raise OpschedError(f"engine is local, process or ray, not {engine!r}")
     if replicas < 1:
