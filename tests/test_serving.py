@@ -740,9 +740,12 @@ def _free_port() -> int:
 def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path, engine):
     httpx = pytest.importorskip("httpx")
     factory = tmp_path / "slowmodel.py"
+    started = tmp_path / "started"  # the model writes a line here as each call begins
+    started.touch()
     factory.write_text("import time, torch\n"
                        "class Slow(torch.nn.Module):\n"
                        "    def forward(self, x):\n"
+                       f"        open({str(started)!r}, 'a').write('call\\n')\n"
                        "        time.sleep(0.3)\n"
                        "        return x + 1\n"
                        "def make():\n"
@@ -753,17 +756,28 @@ def test_sigterm_answers_what_was_accepted_and_exits_0(tmp_path, engine):
                                text=True, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        # Two interpreters import torch before the server is ready: on a loaded 2-core machine that has taken
+        # over 30 s, so wait long, and say why if it never became ready
+        deadline = time.monotonic() + 240
+        while True:
+            assert process.poll() is None, f"the server exited with {process.returncode}: {process.stderr.read()}"
             try:
                 if httpx.get(f"{url}/v2/health/ready").status_code == 200:
                     break
             except httpx.TransportError:
                 pass
+            assert time.monotonic() < deadline, "the server was not ready within 240 s"
             time.sleep(0.1)
         body = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
-        with ThreadPoolExecutor(4) as pool:
-            answers = [pool.submit(httpx.post, f"{url}/v2/models/make/infer", json=body, timeout=30) for _ in range(4)]
-            time.sleep(0.15)  # all four accepted, the first one running
+        calls_before = len(started.read_text().splitlines())
+        with httpx.Client(timeout=60) as client, ThreadPoolExecutor(4) as pool:
+            answers = [pool.submit(client.post, f"{url}/v2/models/make/infer", json=body) for _ in range(4)]
+            # One request answered and the next one running: the four were sent together, so by now all are
+            # accepted (a fixed sleep here once sent the signal before the last ones had connected)
+            deadline = time.monotonic() + 60
+            while len(started.read_text().splitlines()) < calls_before + 2:
+                assert time.monotonic() < deadline, "the model was not called twice within 60 s"
+                time.sleep(0.01)
             os.killpg(process.pid, signal.SIGTERM)  # as a supervisor stops a group: the models' process too
             codes = [a.result().status_code for a in answers]
         assert codes == [200] * 4
