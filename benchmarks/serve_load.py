@@ -7,10 +7,11 @@ Each configuration is a server in a process of its own, on the local machine onl
 - ``batched``: each model's requests batched across time, the models themselves, never fused (``--no-optimize
   --no-fuse``), in one process: per-model dynamic batching, as Triton's dynamic batcher or Ray Serve's
   ``@serve.batch`` do;
-- ``opsched``: ``opsched serve`` as it comes (each model's plans, requests of several models fused, the models in a
-  process of their own);
+- ``opsched``: ``opsched serve`` as it comes (each model's plans, each block on the kernels that measured faster,
+  requests of several models fused, the models in a process of their own);
 - ``opsched-local``: the same with the models in the server's process (``--engine local``);
 - ``opsched-onnxruntime``: the same with the plans' units run as ONNX Runtime kernels (``--kernels onnxruntime``);
+  ``opsched-eager`` on eager kernels (``--kernels eager``, the default before ``auto``);
 - ``opsched-ray``: the same in Ray Serve deployments on a local Ray (``--engine ray``, one replica);
 - ``opsched-nodelay``: ``opsched serve --max-delay-ms 0`` (a batch is what queued while the last call ran);
 - ``ceiling``: the same server with every model replaced by a copy of its output (a constant), in one process: what
@@ -66,6 +67,7 @@ CONFIGS = {
     "opsched": {},
     "opsched-local": {"engine": "local"},
     "opsched-onnxruntime": {"optimize_options": {"kernels": "onnxruntime"}},
+    "opsched-eager": {"optimize_options": {"kernels": "eager"}},
     "opsched-ray": {"engine": "ray"},
     "opsched-nodelay": {"max_delay_ms": 0.0},
     "ceiling": {"optimize": False, "fuse": False, "max_batch": 1, "max_delay_ms": 0.0, "engine": "local"},
@@ -490,7 +492,7 @@ def interleaved_summaries(rows: list[dict]) -> list[dict]:
                 "wrong": sum(r["wrong"] for r in by_round.values()),
                 "checked": sum(r["checked"] for r in by_round.values()),
                 **{f"against_{base}": _against(by_round, by_config.get(base))
-                   for base in ("eager", "batched", "opsched-local") if base in by_config},
+                   for base in ("eager", "batched", "opsched-local", "opsched-eager") if base in by_config},
                 "against_ceiling": _against(by_round, _ceiling(by_config))})
     return summaries
 

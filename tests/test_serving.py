@@ -443,6 +443,9 @@ def test_the_plans_for_more_samples_come_from_the_schedule_searched_for_one(serv
     assert module.dynamic == ({0: (1, 4)},)
     for size in set(plans) - {1}:
         assert "the schedule made for" in plans[size].note, plans[size].note
+    # each block on the kernels that measured faster (opsched optimize's default), the same choice at every size
+    assert {plan.schedule.run.kernels for plan in plans.values()} == {"auto"}
+    assert all(plan.schedule.unit_kernels == plans[1].schedule.unit_kernels for plan in plans.values())
 
 
 def test_requests_from_many_clients_are_batched_and_each_gets_its_own_answer(server):

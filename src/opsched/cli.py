@@ -386,8 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the Ray cluster to serve on (HOST:PORT of its head, or auto; implies --engine ray)")
     p.add_argument("--repeats", type=_positive, default=15, metavar="N",
                    help="interleaved timing rounds when each plan is prepared (default 15)")
-    p.add_argument("--kernels", default="eager", choices=["eager", "inductor", "onnxruntime"],
-                   help="how the plans' units run (default eager; see opsched optimize)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "eager", "inductor", "onnxruntime"],
+                   help="how the plans' units run (default auto: each block of units on ONNX Runtime or on eager "
+                        "kernels, whichever measured faster; see opsched optimize)")
     p.add_argument("--no-cache", action="store_true", help="measure everything afresh; read and write no cache")
     p.set_defaults(json=False)
 

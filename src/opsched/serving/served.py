@@ -45,8 +45,9 @@ class ServedModels:
             say(f"{name}: loading {path} ...")
             loaded[name] = opsched.load(path, sharing_copy(self.endpoints[name].model),
                                         max_plans=self.endpoints[name].max_batch + 1)
-        # eager kernels unless asked: what opsched serve's --kernels defaults to, and what serving was measured with
-        options = {"kernels": "eager", **(optimize_options or {})}
+        # each block on the kernels that measured faster unless asked (opsched serve's --kernels default, as
+        # optimize's): 1.04-1.92x the answers a second of eager kernels under load (docs/serving.md)
+        options = {"kernels": "auto", **(optimize_options or {})}
         self.group = None
         endpoints = list(self.endpoints.values())
         if optimize and fuse and sum(e.batchable for e in endpoints) > 1:
