@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from opsched.errors import first_line
 from opsched.models.sharing import sharing_copy
 from opsched.serving.batcher import ModelEndpoint, Request
+from opsched.serving.memory import kernels_that_fit
 
 
 class FusedGroup:
@@ -61,8 +62,11 @@ class FusedGroup:
             # every input's first dimension is the rows a call is padded to: the plans for more rows are made from
             # the first plan's schedule (no search; each verified and timed: BatchBuilder.resize)
             rows = tuple({0: (1, max(self.sizes))} for _ in pytree.tree_leaves(inputs))
+            options, note = kernels_that_fit(self.options, [e.model for e in self.endpoints], f"fusing {names}")
+            if note:
+                self.say(note)
             result = opsched.optimize_batch([sharing_copy(e.model) for e in self.endpoints], inputs,
-                                            separate_inputs=True, dynamic_dims=rows, **self.options)
+                                            separate_inputs=True, dynamic_dims=rows, **options)
             module = result.module
             if result.chosen == "sequential_models":  # nothing beat the models one after another: no fused call pays
                 if hasattr(module, "close"):

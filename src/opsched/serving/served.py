@@ -18,6 +18,7 @@ from typing import Any
 
 from opsched.errors import first_line
 from opsched.models.sharing import sharing_copy
+from opsched.serving.memory import kernels_that_fit, release_freed_memory
 
 
 class ServedModels:
@@ -104,9 +105,11 @@ def _prepare(endpoints: dict, group: Any, optimize: bool, options: dict, loaded:
                 module.close()
             return
         endpoint.use(module)
+        release_freed_memory()
         say(f"{name}: ready")
     if group is not None and not stopped.is_set():
         group.prepare()
+        release_freed_memory()
     ready.set()
     say("ready")
 
@@ -121,6 +124,9 @@ def _optimized(endpoint: Any, sizes: list[int], options: dict, say: Callable[[st
     from opsched.errors import CaptureError
 
     inputs = endpoint.example_batch(1) if endpoint.batchable else endpoint.examples
+    options, note = kernels_that_fit(options, [endpoint.model], endpoint.name)
+    if note:
+        say(note)
     # a plan for every batch size the batcher forms is kept: fewer would be dropped and made again, over and over
     options = {"max_plans": endpoint.max_batch + 1, **options, "batch_sizes": [b for b in sizes if b != 1]}
     if len(sizes) > 1:
@@ -133,3 +139,4 @@ def _optimized(endpoint: Any, sizes: list[int], options: dict, say: Callable[[st
         except CaptureError as e:
             say(f"{endpoint.name}: a search for each batch size ({first_line(e)})")
     return opsched.optimize(sharing_copy(endpoint.model), inputs, **options).module
+
