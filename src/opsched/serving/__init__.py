@@ -77,9 +77,9 @@ def serve(models: Mapping[str, tuple[Any, Sequence[Any]]], *, host: str = "127.0
           address: str | None = None, block: bool = True, say: Callable[[str], Any] = _say) -> Serving | None:
     """Serve ``models`` (name -> ``(model, example_inputs)``) on ``host:port`` (0: a free port). Each model batches
     up to ``max_batch`` samples that arrive within ``max_delay_ms`` of the first; ``queue_size`` requests wait at
-    most (then 503). ``optimize``: prepare its plans with ``opsched.optimize(**optimize_options)`` (``kernels="auto"`` unless
-    given; or, for a name
-    in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers itself. ``fuse`` (with
+    most (then 503). ``optimize``: prepare its plans with ``opsched.optimize(**optimize_options)``, ``kernels="auto"``
+    unless given (or, for a name in ``plans``, ``opsched.load`` of that plan file); otherwise each model answers
+    itself. ``fuse`` (with
     ``optimize``, for two models or more): requests for several models in one batch run as one call of their fused
     graph (:mod:`opsched.serving.fused`), all the models' fused module prepared ahead for batches of up to
     ``fuse_max_batch`` samples of each model (larger ones run each model apart). ``engine``: ``process`` runs the

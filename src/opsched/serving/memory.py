@@ -17,7 +17,6 @@ the system reports available.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -74,7 +73,8 @@ def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing). Choosing kernels
     makes and drops about a hundred ONNX Runtime sessions a ResNet-18, whose freed memory glibc keeps: four
     ResNet-18 held 4.4 GB once ready, and 3.0 GB trimmed after each model (2.0 GB on eager kernels)."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols already loaded: libc's, on Linux
+    except (AttributeError, OSError, TypeError):
+        return
+    trim(0)
