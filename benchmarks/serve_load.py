@@ -523,15 +523,22 @@ def interleaved_table(path: str) -> str:
 
 
 def plot(path: str, png: str) -> None:
-    """Throughput against latency from the last run's rows in ``path``: for each workload and tensor encoding,
-    each run as a point of answered requests/s against p99 milliseconds, coloured by configuration, shaped by load
-    (closed loop, or the open loop's rate), written to ``png``."""
+    """Throughput against latency from the last run's rows in ``path`` (of an interleaved run, each
+    configuration's medians over the rounds): for each workload and tensor encoding, each run as a point of answered
+    requests/s against p99 milliseconds (filled) and p50 (hollow), coloured by configuration, shaped by load (closed
+    loop, or the open loop's rate), written to ``png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = list(last_runs(path).values())
+    if not rows:  # an interleaved run: its medians, with the level named as a single run's row names it
+        every = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        first = next(r for r in every if "run" in r and "summary" not in r)
+        rows = [{**s, "machine": first["machine"], "date": first["date"],
+                 ("clients" if s["load"] == "closed" else "rate_per_s"): s["level"]}
+                for s in interleaved_summaries(every) if "failed" not in s]
     panels = sorted({(r["workload"], r["tensors"]) for r in rows})
     configs = list(dict.fromkeys(r["config"] for r in rows))
     loads = list(dict.fromkeys(f"{r['clients']} clients" if r["load"] == "closed" else f"Poisson {r['rate_per_s']:g}/s"
@@ -542,10 +549,11 @@ def plot(path: str, png: str) -> None:
             if (r["workload"], r["tensors"]) != (name, tensors):
                 continue
             load_ = f"{r['clients']} clients" if r["load"] == "closed" else f"Poisson {r['rate_per_s']:g}/s"
-            ax.scatter(r["answered_per_s"], r["p99_ms"], color=f"C{configs.index(r['config'])}",
-                       marker="os^vD"[loads.index(load_) % 5], s=40)
-        ax.set(title=f"{name}, {tensors} tensors", xlabel="answered requests/s", ylabel="p99 latency (ms)",
-               yscale="log")
+            color, marker = f"C{configs.index(r['config'])}", "os^vD"[loads.index(load_) % 5]
+            ax.scatter(r["answered_per_s"], r["p99_ms"], color=color, marker=marker, s=40)
+            ax.scatter(r["answered_per_s"], r["p50_ms"], facecolors="none", edgecolors=color, marker=marker, s=40)
+        ax.set(title=f"{name}, {tensors} tensors", xlabel="answered requests/s",
+               ylabel="latency (ms): p99 filled, p50 hollow", yscale="log")
         ax.grid(alpha=0.3)
     handles = [plt.Line2D([], [], color=f"C{k}", marker="o", linestyle="", label=c) for k, c in enumerate(configs)]
     handles += [plt.Line2D([], [], color="grey", marker="os^vD"[k % 5], linestyle="", label=w)
