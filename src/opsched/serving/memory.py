@@ -49,10 +49,9 @@ def available_bytes() -> int | None:
         return None
 
 
-def fits_kernel_choice(weights: int, available: int | None = None) -> bool:
-    """Whether choosing kernels for a graph of ``weights`` bytes fits in ``available`` bytes (default: what the
-    system reports now; where it reports nothing, it is assumed to fit)."""
-    available = available_bytes() if available is None else available
+def fits_kernel_choice(weights: int, available: int | None) -> bool:
+    """Whether choosing kernels for a graph of ``weights`` bytes fits in ``available`` bytes (None: unknown, assumed
+    to fit)."""
     return available is None or CHOICE_FACTOR * weights <= available
 
 
