@@ -289,6 +289,7 @@ def test_ctrl_c_during_profiling_exits_130_with_one_line_and_a_readable_cache(tm
     assert not result["hung"], result
     assert result["exit"] == 130 and result["stderr"] == ["opsched: interrupted"], result
     assert result["seeded_rows_unchanged"] and result["rows_after"] >= 1, result
+    assert result["cache_reopens_cleanly"], result
 
 
 
@@ -299,6 +300,9 @@ def test_ctrl_c_while_pytorch_is_importing_exits_130_with_one_line(tmp_path, del
     result = fault_trials.interrupt_trial(tmp_path, delay=delay, seed_rows=False)
     assert not result["hung"], result
     assert (result["exit"], result["stderr"]) == (130, ["opsched: interrupted"]), result
+    # wherever the interrupt fell (even between sqlite creating the file and the schema's commit), the next
+    # run takes the cache as it is
+    assert result["cache_reopens_cleanly"], result
 
 
 def test_an_interrupt_held_during_an_import_is_raised_when_the_import_is_over(tmp_path, monkeypatch):

@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -101,10 +102,24 @@ MODEL_FILE = textwrap.dedent('''
 
 
 def cache_rows(path: Path) -> list[tuple]:
-    """Every row of the cache file, read with plain sqlite (raises if it is not readable)."""
+    """Every row of the cache file, read with plain sqlite (raises if it is not readable). A file with no
+    table at all holds no rows: a run stopped between sqlite creating the file and its first commit."""
     with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
         assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        if not db.execute("SELECT name FROM sqlite_master").fetchall():
+            return []
         return sorted(db.execute("SELECT * FROM latency").fetchall())
+
+
+def cache_reopens_cleanly(path: Path) -> bool:
+    """The next run takes the cache file as it is: no warning, not moved aside, kept on disk."""
+    from opsched.cost.cache import LatencyCache
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reopened = LatencyCache(path)
+    reopened.close()
+    return not reopened.in_memory
 
 
 def interrupt_trial(workdir: Path, delay: float | None, seed_rows: bool = True) -> dict[str, Any]:
@@ -145,10 +160,12 @@ def interrupt_trial(workdir: Path, delay: float | None, seed_rows: bool = True) 
         out, err = proc.communicate()
         return {"delay": delay, "hung": True, "stderr": err[-500:]}
     rows = cache_rows(path) if path.exists() else []  # interrupted before the cache was made
+    reopens = cache_reopens_cleanly(path)
     lines = [line for line in err.splitlines() if line.strip()]
     return {"delay": delay, "signal_after_s": round(sent_after, 2), "exit": proc.returncode,
             "stderr_lines": len(lines), "stderr": lines[:3], "hung": False, "rows_after": len(rows),
-            "seeded_rows_unchanged": all(r in rows for r in before), "stdout_json": is_json(out)}
+            "seeded_rows_unchanged": all(r in rows for r in before), "stdout_json": is_json(out),
+            "cache_reopens_cleanly": reopens}
 
 
 def _rows_or_empty(path: Path) -> list[tuple]:
