@@ -1,7 +1,7 @@
 """opsched serve --engine process: the models in a process of their own, behind the same Open Inference Protocol
 front end, driven by the official client; answers exactly the models', errors as the local engine gives them, the
-models' process gone once the server stops, and its death answered 500 rather than hung on. Skipped without the
-``serve`` extra."""
+models' process gone once the server stops, and on its death its requests answered 500 rather than hung on and a new
+process started (within limits). Skipped without the ``serve`` extra."""
 
 from __future__ import annotations
 
@@ -171,26 +171,96 @@ def test_models_larger_than_the_sockets_buffer_reach_their_process():
         assert compare_outputs(got, big(x).detach()).ok
 
 
-def test_when_the_models_process_dies_every_request_is_answered_500_saying_so():
+def _models_processes() -> list[int]:
+    """The pids of this process's children that run a models' process (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat, open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+                command = cmdline.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == os.getpid() and b"opsched.serving.process_engine" in command:
+            found.append(int(entry))
+    return found
+
+
+SLEEPS_BODY = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 1]}]})
+
+
+def _killed_with_a_request_in_it(serving, httpx):
+    """SIGKILL the models' process while it runs a request; that request's answer."""
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{serving.url}/v2/models/sleeps/infer", content=SLEEPS_BODY, timeout=60)
+        time.sleep(0.5)  # accepted, and running there
+        os.kill(serving_pid(serving), signal.SIGKILL)
+        return waiting.result()
+
+
+def test_when_the_models_process_dies_its_requests_get_500_and_it_is_started_again():
     httpx = pytest.importorskip("httpx")
+    said = []
+    models = {"sleeps": (Sleeps(0.8), (torch.zeros(1, 2),))}
+    with serve(models, port=0, block=False, engine="process", optimize=False, say=said.append) as serving:
+        assert serving.wait_ready(120)
+        first = serving_pid(serving)
+        answer = _killed_with_a_request_in_it(serving, httpx)
+        assert answer.status_code == 500 and "the models' process ended (exit status -9)" in answer.json()["error"]
+        # starting it again takes at least an import of torch: meanwhile 503 at once, and not ready
+        meanwhile = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=SLEEPS_BODY, timeout=60)
+        assert meanwhile.status_code == 503 and "being started again" in meanwhile.json()["error"]
+        assert httpx.get(f"{serving.url}/v2/health/live").status_code == 200
+        assert httpx.get(f"{serving.url}/v2/health/ready").status_code == 400  # a load balancer sends it nothing
+        assert serving.wait_ready(120)
+        assert httpx.get(f"{serving.url}/v2/models/sleeps/ready").status_code == 200
+        again = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=SLEEPS_BODY, timeout=60).json()
+        assert again["outputs"][0]["data"] == [2, 2]
+        assert again["outputs"][1]["data"][0] == serving_pid(serving) != first
+        assert _models_processes() == [serving_pid(serving)]
+    assert _models_processes() == []
+    assert any("exit status -9); it is being started again" in line for line in said)
+    assert any("was started again" in line for line in said)
+
+
+def test_a_models_process_that_keeps_ending_is_not_started_again(monkeypatch):
+    from opsched.serving import process_engine
+
+    httpx = pytest.importorskip("httpx")
+    monkeypatch.setattr(process_engine, "RESTARTS", 1)
     said = []
     models = {"sleeps": (Sleeps(2.0), (torch.zeros(1, 2),))}
     with serve(models, port=0, block=False, engine="process", optimize=False, say=said.append) as serving:
         assert serving.wait_ready(120)
-        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 1]}]})
-        with ThreadPoolExecutor(2) as pool:
-            waiting = pool.submit(httpx.post, f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
-            time.sleep(0.5)  # accepted, and running there
-            os.kill(serving_pid(serving), signal.SIGKILL)
-            answer = waiting.result()
+        assert _killed_with_a_request_in_it(serving, httpx).status_code == 500
+        assert serving.wait_ready(120)  # started again once
+        answer = _killed_with_a_request_in_it(serving, httpx)
         assert answer.status_code == 500 and "the models' process ended (exit status -9)" in answer.json()["error"]
-        later = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=body, timeout=60)
-        assert later.status_code == 500 and "restart the server" in later.json()["error"]
-        assert httpx.get(f"{serving.url}/v2/health/live").status_code == 200
-        # no longer ready: a load balancer sends it nothing more
+        later = httpx.post(f"{serving.url}/v2/models/sleeps/infer", content=SLEEPS_BODY, timeout=60)
+        assert later.status_code == 500 and "not started again: restart the server" in later.json()["error"]
         assert httpx.get(f"{serving.url}/v2/health/ready").status_code == 400
         assert httpx.get(f"{serving.url}/v2/models/sleeps/ready").status_code == 400
-    assert any("the models' process ended" in line for line in said)
+        assert _models_processes() == []
+    assert any("(exit status -9), 2 times within 600 s; it is not started again" in line for line in said), said
+
+
+def test_a_server_stopped_while_its_models_process_starts_again_leaves_no_process_behind():
+    httpx = pytest.importorskip("httpx")
+    said = []
+    models = {"sleeps": (Sleeps(2.0), (torch.zeros(1, 2),))}
+    serving = serve(models, port=0, block=False, engine="process", optimize=False, say=said.append)
+    try:
+        assert serving.wait_ready(120)
+        assert _killed_with_a_request_in_it(serving, httpx).status_code == 500
+    finally:
+        started = time.monotonic()
+        serving.stop(90)
+    assert not serving.thread.is_alive() and time.monotonic() - started < 60
+    assert _models_processes() == []
+    # stopped during the start (an import of torch, at least), not after it
+    assert any("being started again" in line for line in said) and not any("was started again" in line for line in said)
 
 
 class HoldsALock(torch.nn.Module):

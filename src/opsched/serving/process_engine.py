@@ -21,7 +21,11 @@ made.
 The front end checks every request against the signatures the models' process sends once its models are set up
 (the server's constructor waits for them, so that a model or plan file that cannot be served fails in one line);
 until each model's plans are prepared it answers itself, as with the local engine. Should the models' process end
-while the server runs, every request waiting and every later one is answered 500 saying so.
+while the server runs (killed for memory, a crash in a kernel), each request it held is answered 500 saying so, and
+the server starts it again, sending it the models it holds: meanwhile requests are answered 503 and the
+server is not ready; once the new process has its models, they answer (themselves until their plans are prepared
+again, as at startup). A process that ends more than :data:`RESTARTS` times within :data:`RESTART_WINDOW` seconds
+(a request that crashes it, sent again and again) is not started again: every later request is answered 500.
 """
 
 from __future__ import annotations
@@ -46,12 +50,14 @@ import numpy as np
 import torch
 
 from opsched.errors import OpschedError, first_line
-from opsched.serving.batcher import Signature
+from opsched.serving.batcher import Overloaded, Signature
 from opsched.serving.protocol import INLINE_BYTES
 
 WireTensor = tuple[str, tuple[int, ...], bytes]  # dtype's name, shape, the elements' bytes in row-major order
 HEADER = struct.Struct("!Q")  # a message's length, before it
 STARTUP_SECONDS = 600.0  # for the models' process to import torch, read its models and check their signatures
+RESTARTS = 3  # times the models' process is started again within RESTART_WINDOW seconds, before the server gives up
+RESTART_WINDOW = 600.0
 
 
 def to_wire(tensor: torch.Tensor) -> WireTensor:
@@ -91,6 +97,10 @@ def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
 
 class CannotSend(OpschedError):
     """The models cannot be sent to a process of their own: cloudpickle is missing, or a model does not pickle."""
+
+
+class Restarting(Overloaded):
+    """The models' process ended and is being started again: answered 503 at once."""
 
 
 def framed(data: bytes) -> list[bytes]:
@@ -169,27 +179,44 @@ class ProcessModels:
         from opsched.serving.pickling import user_code_by_value
 
         user_code_by_value(cloudpickle, [model for model, _ in models.values()])
-        try:
-            payload = cloudpickle.dumps((dict(models), options))
-        except Exception as e:  # noqa: BLE001 - what cannot be pickled, in one line
-            raise CannotSend(f"--engine process sends the models to their process, and they cannot be pickled: "
-                             f"{first_line(e)}") from None
+        # pickled again for each start of the models' process rather than kept as bytes: a second copy of every
+        # weight in the server's memory otherwise (the server holds the models themselves anyway)
+        self._pickle_models = functools.partial(cloudpickle.dumps, (dict(models), options))
+        payload = self._pickled()
+        if os.name != "posix":  # the socket is handed down as an inherited descriptor
+            raise CannotSend("--engine process needs a POSIX system")
         self.say, self.group = say, None
         self.ready = threading.Event()
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future] = {}  # touched on the event loop only
-        self._ended: str | None = None  # why the models' process no longer answers
+        self._ended: str | None = None  # why the models' process does not answer now
+        self._restarting = False  # (then requests are answered 503)
+        self._restarts: list[float] = []  # when it was started again (time.monotonic)
+        self._restarter: asyncio.Task | None = None  # (a reference: the loop keeps none to a task)
+        self._connection = 0  # which socket the event loop reads: a closed one's end is not the current one's
         self._closing = False
-        self._gone = threading.Event()  # the socket has closed
+        self._gone = threading.Event()  # the socket has closed, and the models' process will not be started again
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
-        if os.name != "posix":  # the socket is handed down as an inherited descriptor
-            raise CannotSend("--engine process needs a POSIX system")
+        self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in self._spawn(payload).items()}
+
+    def _pickled(self) -> bytes:
+        try:
+            return self._pickle_models()
+        except Exception as e:  # noqa: BLE001 - what cannot be pickled, in one line
+            raise CannotSend(f"--engine process sends the models to their process, and they cannot be pickled: "
+                             f"{first_line(e)}") from None
+
+    def _spawn(self, payload: bytes | None = None) -> dict[str, Signature]:
+        """Start the models' process (``process``, ``channel``) and send it the models (``payload``, or pickled
+        now); their signatures once it has set them up, otherwise the error it met there (CannotSend where it could
+        not read the models). Gives up once the server is closing."""
+        if payload is None:
+            payload = self._pickled()
         ours, theirs = socket.socketpair()
         try:
-            self.process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine",
-                                             str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                                            stdin=subprocess.DEVNULL)
+            process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine", str(theirs.fileno())],
+                                       pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         except OSError as e:
             ours.close()
             raise CannotSend(f"--engine process cannot start {sys.executable}: {e}") from None
@@ -198,33 +225,36 @@ class ProcessModels:
         started = time.monotonic()
 
         def waiting() -> None:
-            if self.process.poll() is not None:
+            if process.poll() is not None:
                 raise EOFError
+            if self._closing:
+                raise OpschedError("the server is stopping")
             if time.monotonic() - started > STARTUP_SECONDS:
                 raise OpschedError(f"the models' process did not start within {STARTUP_SECONDS:.0f} s")
 
-        self.channel = Channel(ours, waiting)
+        channel = Channel(ours, waiting)
         try:
-            signatures = self._started(payload, say)
+            signatures = self._started(channel, process, payload)
+            if self._closing:  # since it was started: nobody would end this process
+                raise OpschedError("the server is stopping")
         except BaseException:
-            self.process.kill()
-            self.process.wait()
+            process.kill()
+            process.wait()
             ours.close()
             raise
-        self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in signatures.items()}
+        self.process, self.channel = process, channel
+        return signatures
 
-    def _started(self, payload: bytes, say: Callable[[str], Any]) -> dict[str, Signature]:
-        """The models sent, and their signatures once the models' process has set them up; otherwise the error it
-        met there (CannotSend where it could not read the models)."""
+    def _started(self, channel: Channel, process: subprocess.Popen, payload: bytes) -> dict[str, Signature]:
         try:
-            self.channel.socket.settimeout(None)  # the models' process reads them once it has imported torch
+            channel.socket.settimeout(None)  # the models' process reads them once it has imported torch
             for part in framed(payload):
-                self.channel.socket.sendall(part)
-            self.channel.socket.settimeout(self.channel.poll)
+                channel.socket.sendall(part)
+            channel.socket.settimeout(channel.poll)
             while True:
-                message = self.channel.receive()
+                message = channel.receive()
                 if message[0] == "say":
-                    say(message[1])
+                    self.say(message[1])
                 elif message[0] == "unreadable":
                     raise CannotSend(f"the models' process cannot read the models: {message[1]}")
                 elif message[0] == "failed":  # what the local engine raises there
@@ -233,21 +263,26 @@ class ProcessModels:
                     return message[1]
         except (EOFError, OSError):
             raise OpschedError(f"the models' process ended as it started (exit status "
-                               f"{_exit_status(self.process)})") from None
+                               f"{_exit_status(process)})") from None
 
     async def start(self) -> None:
         """From now on the socket is the event loop's: each request written without blocking the loop (a blocking
         write waits whenever the models' process is slow to read), each answer read on it (no thread between, and
         no hand-off to the loop for each answer)."""
         self._loop = asyncio.get_running_loop()
+        await self._connect()
+
+    async def _connect(self) -> None:
+        self._connection += 1
         self.channel.socket.setblocking(False)  # (no timeout either)
-        self._transport, _ = await self._loop.connect_accepted_socket(lambda: _Answers(self), self.channel.socket)
+        self._transport, _ = await self._loop.connect_accepted_socket(
+            functools.partial(_Answers, self, self._connection), self.channel.socket)
 
     async def infer(self, name: str, inputs: tuple[torch.Tensor, ...], batch: int) -> dict[str, torch.Tensor]:
         """The request's outputs by name, from the models' process; its Overloaded, ProtocolError or the model's
         error as the local engine raises them."""
         if self._ended or self._transport is None:
-            raise OpschedError(self._ended or "the models' process is not connected yet")
+            raise self._refusal()
         key = next(self._ids)
         future = self._loop.create_future()
         self._waiting[key] = future
@@ -255,11 +290,11 @@ class ProcessModels:
         # copying a large request takes a while: off the event loop, which answers health probes meanwhile
         framed = message() if sum(t.nbytes for t in inputs) <= INLINE_BYTES else \
             await self._loop.run_in_executor(None, message)
-        if self._ended:  # (while it was framed; the future may have been failed meanwhile)
+        if future.done():  # failed while it was framed: the process that was to run it ended
+            return future.result()
+        if self._ended or self._transport is None:
             self._waiting.pop(key, None)
-            if future.done():
-                future.exception()  # retrieved: asyncio would log it as never retrieved
-            raise OpschedError(self._ended)
+            raise self._refusal()
         self._transport.writelines(framed)
         return await future
 
@@ -292,27 +327,80 @@ class ProcessModels:
         elif kind == "ready":
             self.ready.set()
 
-    def ended(self) -> None:
-        """The socket has closed (on the event loop): the server is no longer ready, and every request waiting, and
-        every later one, gets why."""
-        self._ended = "the server is stopping" if self._closing else \
-            "the models' process ended; restart the server"
-        if not self._closing:
-            self.ready.clear()
-            for endpoint in self.endpoints.values():
-                endpoint.ready.clear()
-        self._loop.create_task(self._fail_waiting())
+    def _refusal(self) -> OpschedError:
+        """Why a request cannot be sent now: 503 while the models' process is started again, else 500."""
+        if self._restarting:
+            return Restarting(self._ended)
+        return OpschedError(self._ended or "the models' process is not connected yet")
 
-    async def _fail_waiting(self) -> None:
-        if not self._closing:  # its socket closes as it dies, a moment before it can be waited for: off the loop
+    def ended(self, connection: int) -> None:
+        """The socket ``connection`` has closed (on the event loop): the server is no longer ready, every request
+        waiting gets why, and the models' process is started again unless it ended too often (see the module
+        docstring)."""
+        if connection != self._connection:
+            return
+        self._transport = None
+        if self._closing:
+            self._ended = "the server is stopping"
+            self._fail_waiting()
+            self._gone.set()
+            return
+        self.ready.clear()
+        for endpoint in self.endpoints.values():
+            endpoint.ready.clear()
+        now = time.monotonic()
+        self._restarts = [at for at in self._restarts if now - at < RESTART_WINDOW]
+        if len(self._restarts) >= RESTARTS:
+            self._ended = (f"the models' process ended, {RESTARTS + 1} times within {RESTART_WINDOW:.0f} s; it is "
+                           "not started again: restart the server")
+        else:
+            self._ended, self._restarting = "the models' process ended; it is being started again", True
+            self._restarts.append(now)
+        self._restarter = self._loop.create_task(self._restart())
+
+    async def _restart(self) -> None:
+        try:
+            # its socket closes as it dies, a moment before it can be waited for: off the loop
             status = await self._loop.run_in_executor(None, _exit_status, self.process)
-            self._ended = f"the models' process ended (exit status {status}); restart the server"
+            self._ended = self._ended.replace("ended", f"ended (exit status {status})", 1)
+            self._fail_waiting()
+            if self._closing:  # meanwhile: the stop goes on without a new process
+                return
             self.say(self._ended)
+            if not self._restarting:
+                return
+            try:
+                await self._loop.run_in_executor(None, self._spawn)
+            except Exception as e:  # noqa: BLE001 - said, and every later request answered 500 with it
+                if not self._closing:
+                    self._ended = self._ended.replace("; it is being started again",
+                                                      f", and could not be started again ({first_line(e)}): restart "
+                                                      "the server")
+                    self.say(self._ended)
+                return
+            await self._connect()
+            self._ended = None
+            if self._closing:  # while it started (close() found a restart under way): answers what it has, ends
+                self._transport.write(frame("close"))
+                return
+            self.say("the models' process was started again; its models answer, themselves until their plans are "
+                     "prepared again")
+        except BaseException as e:
+            if self._transport is None:  # (a say that raised, a socket that could not be taken over, cancelled)
+                self._ended = "the server is stopping" if self._closing else \
+                    f"the models' process could not be started again ({first_line(e)}): restart the server"
+                self._fail_waiting()
+            raise
+        finally:
+            self._restarting = False
+            if self._transport is None:
+                self._gone.set()
+
+    def _fail_waiting(self) -> None:
         waiting, self._waiting = list(self._waiting.values()), {}
         for future in waiting:
             if not future.done():
                 future.set_exception(OpschedError(self._ended))
-        self._gone.set()
 
     def close(self) -> None:
         """Have the models' process answer what it accepted, close its modules and end; once. From a thread other
@@ -320,7 +408,7 @@ class ProcessModels:
         if self._closing:
             return
         self._closing = True
-        if self._transport is not None and self._loop.is_running():  # (nothing is written if the socket closed)
+        if self._loop is not None and self._loop.is_running():
             self._loop.call_soon_threadsafe(self._close_on_the_loop)
             self._gone.wait(60)
         else:  # the event loop never took the socket, or has stopped: closing it tells the models' process to end
@@ -333,15 +421,19 @@ class ProcessModels:
         self.channel.socket.close()
 
     def _close_on_the_loop(self) -> None:
-        if self._ended is None:  # (the socket may have closed meanwhile)
+        if self._transport is not None:  # the models' process answers what it accepted, then closes its end
             self._transport.write(frame("close"))
+        elif not self._restarting:  # never connected, or not started again: nothing comes back to wait for
+            self.channel.socket.close()
+            self._gone.set()
+        # (else the restart under way sees that the server is closing, and ends)
 
 
 class _Answers(asyncio.Protocol):
     """The server's end of the socket on its event loop: each whole message to :meth:`ProcessModels.received`."""
 
-    def __init__(self, models: ProcessModels):
-        self.models = models
+    def __init__(self, models: ProcessModels, connection: int):
+        self.models, self.connection = models, connection
         self.buffer = bytearray()
 
     def data_received(self, data: bytes) -> None:
@@ -357,7 +449,7 @@ class _Answers(asyncio.Protocol):
         del self.buffer[:start]
 
     def connection_lost(self, error: Exception | None) -> None:
-        self.models.ended()
+        self.models.ended(self.connection)
 
 
 def _portable(error: BaseException) -> tuple[bytes | None, str, str]:
