@@ -123,3 +123,48 @@ def test_a_race_keeps_the_choice_of_timing_every_round(speeds, spread, slowed_ro
     timed_through = [n for n, s in zip(names, raced) if len(s) == 15]
     chosen = choose(dict(zip(names, raced)), timed_through, floor)
     assert chosen[0] == everything[0], (everything, chosen)
+
+
+def test_a_lead_in_repeats_a_short_call_until_it_lasts_the_time_asked_at_most_fifty_calls():
+    for lead_in, per_sample in ((0.0, 1), (1.0, 50)):
+        calls = [0]
+        interleaved_samples([_counted(0.0, calls, 0)], repeats=4, warmup=1, lead_in_seconds=lead_in)
+        assert calls[0] == 1 + 4 * (per_sample + 1)  # the warm-up, then each round's lead-in and sample
+
+
+class _Wake:
+    """Two configurations where the second runs slow in the wake of the first: ``slow`` seconds a call until
+    ``lasting`` seconds have passed since the first's last call, ``fast`` after."""
+
+    def __init__(self, lasting: float, fast: float, slow: float, other: float):
+        self.lasting, self.fast, self.slow, self.other = lasting, fast, slow, other
+        self.other_ended = -1e9
+
+    def other_run(self):
+        time.sleep(self.other)
+        self.other_ended = time.perf_counter()
+
+    def run(self):
+        time.sleep(self.slow if time.perf_counter() - self.other_ended < self.lasting else self.fast)
+
+
+def test_an_evaluation_times_a_short_configuration_past_the_wake_of_the_one_before_it():
+    # a wake of 10 ms: with one lead-in call (2 ms) the fast configuration was timed in it, slower than the other
+    import torch
+
+    from opsched.evaluation import LEAD_IN_SECONDS, Candidate, evaluate
+
+    assert LEAD_IN_SECONDS >= 0.02
+    wake = _Wake(lasting=0.010, fast=0.0005, slow=0.002, other=0.001)
+    x = torch.ones(2)
+
+    def answer(run):
+        def call():
+            run()
+            return x
+        return call
+
+    ev = evaluate([Candidate("other", answer(wake.other_run), "peer"), Candidate("plan", answer(wake.run))], x,
+                  repeats=5)
+    assert ev.measured_ms["plan"] < 0.8 * ev.measured_ms["other"], ev.measured_ms
+    assert ev.chosen == "plan"

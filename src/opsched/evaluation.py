@@ -136,6 +136,11 @@ UNSTEADY_SPREAD = 2.0     # a median more than this times the fastest sample is 
 UNEXPECTED_FACTOR = 3.0   # a median more than this times the prediction is re-measured
 MAX_RETIMINGS = 2
 RACE_AFTER = 5  # rounds before a configuration plainly slower than the fastest stops being timed (timing.RACE_MARGIN)
+# each sample's untimed lead-in lasts this long (at most 50 calls): one call of a short configuration did not clear
+# the wake of the one before it. Measured here (2 cores, 16 small CNNs fused, six searches each, interleaved): a
+# 0.29 ms plan timed at 0.55-0.63 ms after the batched graph's plans in three searches of six with one lead-in call,
+# and at 0.29-0.31 ms in all six with 20 ms of lead-in (5 ms: five of six)
+LEAD_IN_SECONDS = 0.02
 
 
 def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float | None = None, repeats: int = 15,
@@ -148,9 +153,11 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     Candidates with the same ``program`` are timed once. One candidate (the one with the lowest ``expected_ms``,
     else the first verified) is timed twice, the second time as a control: how far its two medians land apart is
     the run's noise floor, and no configuration is chosen over a simpler one for a gain below it or below the
-    bootstrap interval of the ratio. A configuration whose every sample after RACE_AFTER rounds is slower by
-    RACE_MARGIN (10%) than every sample of the fastest is timed no more, a margin that widens to three times the
-    control's spread in a noisier run (:func:`opsched.timing.race_leavers`): its median is of the rounds it ran.
+    bootstrap interval of the ratio. Each sample is led in by LEAD_IN_SECONDS of untimed calls of the same
+    configuration (:func:`opsched.timing.interleaved_samples`). A configuration whose every sample after RACE_AFTER
+    rounds is slower by RACE_MARGIN (10%) than every sample of the fastest is timed no more, a margin that widens to
+    three times the control's spread in a noisier run (:func:`opsched.timing.race_leavers`): its median is of the
+    rounds it ran.
 
     Before timing, glibc's allocator thresholds are fixed for the process (:func:`opsched.timing.steady_allocator`),
     so that no configuration pays page faults for what another allocated before it.
@@ -215,11 +222,13 @@ def evaluate(candidates: Sequence[Candidate], reference: Any, tolerance: float |
     around = [(c.prepare, c.settle) for c in timed] + [(timed[twice].prepare, timed[twice].settle)]
     # the control and the configuration it repeats run every round (the noise floor compares them)
     race = {"race_after": RACE_AFTER, "control": (twice, len(runners) - 1)}
-    samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around, **race)
+    samples = interleaved_samples(runners, repeats, warmup=2, after_each=progress, around=around,
+                                  lead_in_seconds=LEAD_IN_SECONDS, **race)
     for _ in range(MAX_RETIMINGS):
         if not _suspect(timed, samples):
             break
-        samples = interleaved_samples(runners, repeats, warmup=1, after_each=progress, around=around, **race)
+        samples = interleaved_samples(runners, repeats, warmup=1, after_each=progress, around=around,
+                                      lead_in_seconds=LEAD_IN_SECONDS, **race)
     *samples, again = samples
     for c, s in zip(timed, samples):
         if unsteady(s, UNSTEADY_SPREAD):

@@ -4,9 +4,9 @@ A burst of load from a neighbour lasts longer than one run. Timing configuration
 ten times lets such a burst land on one of them only; running A, B, A, B, ... spreads it over both, and
 the median of each then ignores the runs it hit.
 
-Each sample is led in by one untimed call of the same configuration, so that it is timed in its own steady
-state (a model called again and again, as it is deployed), not in the wake of the configuration before it. What
-that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the ``cpu2`` platform's two one-thread
+Each sample is led in by untimed calls of the same configuration (one, or as many as last ``lead_in_seconds``), so
+that it is timed in its own steady state (a model called again and again, as it is deployed), not in the wake of
+the configuration before it. What that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the ``cpu2`` platform's two one-thread
 devices, medians of 30 calls): 9.4-9.6 ms called back to back, 14.0-14.3 ms right after eager on 2 threads,
 10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for a while after a parallel region
 before they sleep; eager's 2-thread regions left one spinning on the core the plan's second stream needed.
@@ -19,6 +19,7 @@ True
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -70,11 +71,13 @@ def interleaved_medians(runners: Sequence[Callable[[], Any]], repeats: int, warm
 def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warmup: int = 1,
                         min_sample_seconds: float = 0.0, after_each: Callable[[], Any] | None = None,
                         around: Sequence[tuple[Callable[[], Any] | None, Callable[[], Any] | None]] | None = None,
-                        race_after: int | None = None, control: tuple[int, int] | None = None
-                        ) -> list[list[float]]:
+                        race_after: int | None = None, control: tuple[int, int] | None = None,
+                        lead_in_seconds: float = 0.0) -> list[list[float]]:
     """Milliseconds per call of each runner in each of ``repeats`` interleaved rounds, after ``warmup``
-    calls each, each sample after an untimed lead-in call. A sample repeats a short call until it lasts ``min_sample_seconds`` (at most 50 calls), so
-    that the clock's resolution does not matter. ``after_each`` is called after every sample (say, to
+    calls each, each sample after an untimed lead-in: one call, repeated until it lasts ``lead_in_seconds`` (at most
+    50 calls), so that a short call is not timed in the wake of the configuration before it. A sample repeats a
+    short call until it lasts ``min_sample_seconds`` (at most 50 calls), so that the clock's resolution does not
+    matter. ``after_each`` is called after every sample (say, to
     advance a progress bar; a runner left out calls it for the samples it skips); ``around[i]``, when given, is
     (prepare, settle), called before and after each call of runner i, untimed (either may be None).
 
@@ -103,16 +106,17 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
                 settle()
         return spent
 
-    inner = []
+    inner, lead = [], []
     for i in range(len(runners)):
         for _ in range(max(1, warmup)):
             once = calls(i, 1)
         inner.append(max(1, min(MAX_INNER, int(min_sample_seconds / max(once, 1e-7)))))
+        lead.append(max(1, min(MAX_INNER, math.ceil(lead_in_seconds / max(once, 1e-7)))))
     samples: list[list[float]] = [[] for _ in runners]
     running = list(range(len(runners)))
     for round_ in range(1, repeats + 1):
         for i in running:
-            calls(i, 1)  # the lead-in (see the module docstring), untimed
+            calls(i, lead[i])  # the lead-in (see the module docstring), untimed
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:
                 after_each()
