@@ -6,9 +6,9 @@ the median of each then ignores the runs it hit.
 
 Each sample is led in by untimed calls of the same configuration (one, or as many as last ``lead_in_seconds``), so
 that it is timed in its own steady state (a model called again and again, as it is deployed), not in the wake of
-the configuration before it. What that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the ``cpu2`` platform's two one-thread
-devices, medians of 30 calls): 9.4-9.6 ms called back to back, 14.0-14.3 ms right after eager on 2 threads,
-10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for a while after a parallel region
+the configuration before it. What that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the
+``cpu2`` platform's two one-thread devices, medians of 30 calls): 9.4-9.6 ms called back to back, 14.0-14.3 ms
+right after eager on 2 threads, 10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for a while after a parallel region
 before they sleep; eager's 2-thread regions left one spinning on the core the plan's second stream needed.
 
 >>> import time
