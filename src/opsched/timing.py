@@ -8,8 +8,9 @@ Each sample is led in by untimed calls of the same configuration (one, or as man
 that it is timed in its own steady state (a model called again and again, as it is deployed), not in the wake of
 the configuration before it. What that wake costs, measured here (2 cores, GoogLeNet 64 px mapped onto the
 ``cpu2`` platform's two one-thread devices, medians of 30 calls): 9.4-9.6 ms called back to back, 14.0-14.3 ms
-right after eager on 2 threads, 10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for a while after a parallel region
-before they sleep; eager's 2-thread regions left one spinning on the core the plan's second stream needed.
+right after eager on 2 threads, 10.0-10.2 ms when 5 ms pass after eager in between. GNU OpenMP's threads spin for
+a while after a parallel region before they sleep; eager's 2-thread regions left one spinning on the core the plan's
+second stream needed.
 
 >>> import time
 >>> fast, slow = interleaved_medians([lambda: None, lambda: time.sleep(0.002)], repeats=3)
