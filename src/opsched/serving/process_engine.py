@@ -182,7 +182,6 @@ class ProcessModels:
         # pickled again for each start of the models' process rather than kept as bytes: a second copy of every
         # weight in the server's memory otherwise (the server holds the models themselves anyway)
         self._pickle_models = functools.partial(cloudpickle.dumps, (dict(models), options))
-        payload = self._pickled()
         if os.name != "posix":  # the socket is handed down as an inherited descriptor
             raise CannotSend("--engine process needs a POSIX system")
         self.say, self.group = say, None
@@ -198,21 +197,17 @@ class ProcessModels:
         self._gone = threading.Event()  # the socket has closed, and the models' process will not be started again
         self._loop: asyncio.AbstractEventLoop | None = None
         self._transport: asyncio.Transport | None = None
-        self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in self._spawn(payload).items()}
+        self.endpoints = {name: ProcessEndpoint(signature, self) for name, signature in self._spawn().items()}
 
-    def _pickled(self) -> bytes:
+    def _spawn(self) -> dict[str, Signature]:
+        """Start the models' process (``process``, ``channel``) and send it the models, pickled now; their
+        signatures once it has set them up, otherwise the error it met there (CannotSend where the models cannot
+        be pickled here or read there). Gives up once the server is closing."""
         try:
-            return self._pickle_models()
+            payload = self._pickle_models()
         except Exception as e:  # noqa: BLE001 - what cannot be pickled, in one line
             raise CannotSend(f"--engine process sends the models to their process, and they cannot be pickled: "
                              f"{first_line(e)}") from None
-
-    def _spawn(self, payload: bytes | None = None) -> dict[str, Signature]:
-        """Start the models' process (``process``, ``channel``) and send it the models (``payload``, or pickled
-        now); their signatures once it has set them up, otherwise the error it met there (CannotSend where it could
-        not read the models). Gives up once the server is closing."""
-        if payload is None:
-            payload = self._pickled()
         ours, theirs = socket.socketpair()
         try:
             process = subprocess.Popen([sys.executable, "-m", "opsched.serving.process_engine", str(theirs.fileno())],
