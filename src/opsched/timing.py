@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from opsched.exiting import stop_point
+
 MAX_INNER = 50
 # how much slower than the fastest runner's slowest sample a runner's fastest sample must be for a race to leave it
 # out (interleaved_samples): well above the same-program spread of a quiet run here (1-3%), so that a runner as
@@ -117,6 +119,7 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
     running = list(range(len(runners)))
     for round_ in range(1, repeats + 1):
         for i in running:
+            stop_point()  # a build in the background, the interpreter exiting
             calls(i, lead[i])  # the lead-in (see the module docstring), untimed
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:

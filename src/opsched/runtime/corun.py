@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from opsched.exiting import stop_point
 from opsched.graph.interpret import all_values
 from opsched.graph.ir import Graph
 from opsched.runtime.cpu import wait_until_gone
@@ -84,6 +85,7 @@ def _factor(run: Any, units: Sequence[int], threads: int, others: Sequence[tuple
         with torch.inference_mode():
             run(units)
             for _ in range(repeats):
+                stop_point()  # a build in the background, the interpreter exiting
                 for samples, others_busy in ((alone, False), (together, True)):
                     if others_busy:
                         busy.set()

@@ -27,6 +27,7 @@ copied no new plan is made (the model answers those calls).
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
+from opsched.exiting import start_background, stop_point
 from opsched.graph.fold import forget_folds
 from opsched.graph.tracing import TRACING
 from opsched.models.sharing import build_copy
@@ -293,9 +295,8 @@ class GuardedModule(torch.nn.Module):
             if signature in self._pending:
                 return
             if self._builder is None:
-                self._builder = threading.Thread(target=_build_loop, args=(weakref.ref(self), self._jobs),
-                                                 daemon=True, name="opsched-build")
-                self._builder.start()
+                self._builder = start_background(_build_loop, (weakref.ref(self), self._jobs), "opsched-build",
+                                                 wake=functools.partial(self._jobs.put, None))
                 weakref.finalize(self, self._jobs.put, None)  # the module collected: its builder ends
             self.say(f"{why}: the model answers while a plan for {describe(signature)} is built in the background")
             future: Future = Future()
@@ -304,6 +305,7 @@ class GuardedModule(torch.nn.Module):
 
     def _background(self, signature: tuple, inputs: tuple, generation: int, like: Plan | None) -> None:
         try:
+            stop_point()  # the interpreter exits: the builds still queued are not started
             self.say(self._made(self._make(signature, inputs, generation, like)))
         finally:
             with self._lock:

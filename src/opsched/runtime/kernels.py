@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from opsched.errors import OpschedError, first_line
+from opsched.exiting import stop_point
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.graph.onnxops import exportable_batch_norms
@@ -99,6 +100,7 @@ class CompiledOperator:
         key = (tuple(n.run for n in nodes), threads)
         with self._lock:
             if key not in self.compiled:
+                stop_point()  # a build in the background, the interpreter exiting: not one more compilation
                 self.compiled[key] = self._compile(nodes, threads)
         return self.compiled[key]
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from opsched.exiting import stop_point
 from opsched.graph.ir import Graph, Node
 from opsched.runtime import make_executor
 from opsched.runtime.kernels import ChosenKernels, unit_operator
@@ -91,6 +92,7 @@ class InPlaceRuns:
                     host_seconds[k] = time.perf_counter() - began
                     bar.update(1)
                 for _ in range(self.repeats):
+                    stop_point()  # a build in the background, the interpreter exiting
                     for k, executor in enumerate(executors):
                         if self.replayed:
                             hold_for(current_api(), host_seconds[k])

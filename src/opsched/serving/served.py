@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opsched.errors import first_line
+from opsched.exiting import start_background
 from opsched.models.sharing import sharing_copy
 from opsched.serving.memory import kernels_that_fit, release_freed_memory
 
@@ -57,10 +58,8 @@ class ServedModels:
         else:
             self.batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints]
         self.ready, self._stopped = threading.Event(), threading.Event()
-        self._preparing = threading.Thread(target=_prepare, args=(self.endpoints, self.group, optimize, options,
-                                                                  loaded, self.ready, self._stopped, say),
-                                           name="opsched-serve-prepare", daemon=True)
-        self._preparing.start()
+        self._preparing = start_background(_prepare, (self.endpoints, self.group, optimize, options, loaded,
+                                                      self.ready, self._stopped, say), "opsched-serve-prepare")
 
     def close(self) -> None:
         """Stop preparing, answer every accepted request, close the modules; once (a Ray Serve replica is closed
