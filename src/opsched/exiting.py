@@ -19,6 +19,11 @@ False
 
 from __future__ import annotations
 
+# Imported first so that their exit hooks are registered before this module's: threading runs them last registered
+# first, and a pool shut down before a build stopped would fail the build with an ordinary error ("cannot schedule
+# new futures after interpreter shutdown"), which a cost model may record as a failed region.
+import concurrent.futures.process
+import concurrent.futures.thread  # noqa: F401
 import os
 import sys
 import threading
@@ -37,12 +42,20 @@ class Stopped(BaseException):
 _exiting = threading.Event()
 _running: dict[threading.Thread, Callable[[], Any] | None] = {}  # each thread and what wakes it from a wait
 _running_lock = threading.Lock()
+_local = threading.local()  # .background: this thread was started by start_background
+
+
+def exiting() -> bool:
+    """Whether the interpreter has begun to exit (background work is being stopped): work asked for from now on
+    is done in the caller's thread, or not at all."""
+    return _exiting.is_set()
 
 
 def stop_point() -> None:
-    """Raise :class:`Stopped` in a background thread once the interpreter exits; nothing otherwise. Called
-    between measurements and before compilations, so that a stopping build ends within one of them."""
-    if _exiting.is_set() and threading.current_thread() is not threading.main_thread():
+    """Raise :class:`Stopped` in a thread :func:`start_background` started once the interpreter exits; nothing
+    otherwise (a user's own threads, which the interpreter waits for, are never stopped). Called between
+    measurements and before compilations, so that a stopping build ends within one of them."""
+    if _exiting.is_set() and getattr(_local, "background", False):
         raise Stopped("the interpreter is exiting")
 
 
@@ -53,6 +66,7 @@ def start_background(target: Callable[..., Any], args: tuple, name: str,
     ends the thread quietly."""
 
     def run() -> None:
+        _local.background = True
         try:
             target(*args)
         except Stopped:
@@ -64,7 +78,12 @@ def start_background(target: Callable[..., Any], args: tuple, name: str,
     thread = threading.Thread(target=run, name=name, daemon=True)
     with _running_lock:
         _running[thread] = wake
-    thread.start()
+    try:
+        thread.start()
+    except BaseException:
+        with _running_lock:
+            _running.pop(thread, None)
+        raise
     return thread
 
 
@@ -81,8 +100,8 @@ def _stop_and_wait() -> None:
         for thread, _ in running:
             thread.join(QUIET_WAIT_SECONDS)
             if thread.is_alive():
-                print(f"opsched: exiting: waiting for {thread.name} to stop (it stops at its next measurement; "
-                      "Ctrl-C exits at once)", file=sys.stderr, flush=True)
+                print(f"opsched: exiting: waiting for {thread.name} to stop (it stops at its next measurement or "
+                      "compilation; Ctrl-C exits at once)", file=sys.stderr, flush=True)
                 thread.join()
     except KeyboardInterrupt:
         for stream in (sys.stdout, sys.stderr):

@@ -16,6 +16,8 @@ import sys
 import threading
 from typing import Any, Self
 
+from opsched.exiting import Stopped, stop_point
+
 
 class CtrlC:
     """SIGINT over one run of a command: raise KeyboardInterrupt as Python's own handler does, and remember
@@ -117,8 +119,9 @@ def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
 
     threading.Thread(target=work, name="opsched-cp-sat", daemon=True).start()
     try:
-        done.wait()
-    except KeyboardInterrupt:
+        while not done.wait(0.1):
+            stop_point()  # a build in the background, the interpreter exiting: the search stops as on Ctrl-C
+    except (KeyboardInterrupt, Stopped):
         # asked again until the worker returns: a stop asked before Solve began its search is not heard, and the
         # search then ran to its time limit (once in the suite: 59 s after Ctrl-C)
         solver.StopSearch()

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from opsched.errors import OpschedError, SignatureMismatch, first_line
-from opsched.exiting import start_background, stop_point
+from opsched.exiting import exiting, start_background, stop_point
 from opsched.graph.fold import forget_folds
 from opsched.graph.tracing import TRACING
 from opsched.models.sharing import build_copy
@@ -180,7 +180,7 @@ class GuardedModule(torch.nn.Module):
         if plan is None and like is None and self.strict:
             raise SignatureMismatch(f"{why}; pass batch_sizes=[...] or dynamic_shapes to opsched.optimize, or "
                                     "strict=False")
-        if self.wait or self.strict:
+        if self.wait or self.strict or exiting():  # no background builds once the interpreter exits
             self._build_now(signature, inputs, like)
             return self.forward(*inputs)
         self._build_later(signature, inputs, why, like)
