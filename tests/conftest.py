@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-import opsched.evaluation
 from opsched.graph.ir import Graph, Node
 
 
@@ -61,18 +60,6 @@ def zoo_captured():
 def private_cache(tmp_path, monkeypatch):
     """Measurements in tests go to a fresh cache, never the user's."""
     monkeypatch.setenv("OPSCHED_CACHE_DIR", str(tmp_path / "cache"))
-
-
-# the evaluation's lead-in as a user gets it (tests of the lead-in itself ask for it by this name)
-LEAD_IN_SECONDS = opsched.evaluation.LEAD_IN_SECONDS
-
-
-@pytest.fixture(autouse=True)
-def no_evaluation_lead_in(monkeypatch):
-    """Evaluations in this process lead each sample in with one call rather than 20 ms of calls: the lead-in
-    changes which plan a noisy machine times fastest, never what a plan answers, and it cost the suite about a
-    sixth of its time. tests/test_timing.py tests the lead-in itself with the default."""
-    monkeypatch.setattr(opsched.evaluation, "LEAD_IN_SECONDS", 0.0)
 
 
 @contextlib.contextmanager

@@ -148,16 +148,13 @@ class _Wake:
         time.sleep(self.slow if time.perf_counter() - self.other_ended < self.lasting else self.fast)
 
 
-def test_an_evaluation_times_a_short_configuration_past_the_wake_of_the_one_before_it(monkeypatch):
+def test_an_evaluation_times_a_short_configuration_past_the_wake_of_the_one_before_it():
     # a wake of 10 ms: with one lead-in call (2 ms) the fast configuration was timed in it, slower than the other
     import torch
-    from conftest import LEAD_IN_SECONDS
 
-    import opsched.evaluation
-    from opsched.evaluation import Candidate, evaluate
+    from opsched.evaluation import LEAD_IN_SECONDS, Candidate, evaluate
 
     assert LEAD_IN_SECONDS >= 0.02
-    monkeypatch.setattr(opsched.evaluation, "LEAD_IN_SECONDS", LEAD_IN_SECONDS)  # the default, as users get it
     wake = _Wake(lasting=0.010, fast=0.0005, slow=0.002, other=0.001)
     x = torch.ones(2)
 
