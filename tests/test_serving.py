@@ -731,6 +731,28 @@ def test_readiness_waits_for_the_plans_while_the_model_already_answers():
     assert endpoint_ready == [True]
 
 
+def test_a_server_stopped_while_it_prepares_stops_the_preparation_at_its_next_measurement():
+    # it waited up to 30 s for the search to end, and then left it measuring on a daemon thread (the command line
+    # took 24-33 s to exit on SIGTERM while it prepared ResNet-18)
+    preparing = threading.Event()
+
+    def say(text):
+        if "preparing" in text:
+            preparing.set()
+
+    models = {"rows": (Rows(), (torch.zeros(1, 5),))}
+    # measured without end but for the stop: 100,000 rounds of every timing
+    with serve(models, port=0, block=False, engine="local", optimize_options={"repeats": 100_000, "cache": False},
+               say=say) as serving:
+        assert preparing.wait(60)
+        time.sleep(1.0)  # into the measurements
+        began = time.perf_counter()
+        serving.stop()
+        stopped_in = time.perf_counter() - began
+    assert stopped_in < 15, stopped_in
+    assert not any(t.name == "opsched-serve-prepare" and t.is_alive() for t in threading.enumerate())
+
+
 # --- the command line ----------------------------------------------------------------------------------------------
 
 def _free_port() -> int:

@@ -42,7 +42,7 @@ class Stopped(BaseException):
 _exiting = threading.Event()
 _running: dict[threading.Thread, Callable[[], Any] | None] = {}  # each thread and what wakes it from a wait
 _running_lock = threading.Lock()
-_local = threading.local()  # .background: this thread was started by start_background
+_local = threading.local()  # .stop: this thread was started by start_background, and stops once it is set
 
 
 def exiting() -> bool:
@@ -52,21 +52,22 @@ def exiting() -> bool:
 
 
 def stop_point() -> None:
-    """Raise :class:`Stopped` in a thread :func:`start_background` started once the interpreter exits; nothing
-    otherwise (a user's own threads, which the interpreter waits for, are never stopped). Called between
-    measurements and before compilations, so that a stopping build ends within one of them."""
-    if _exiting.is_set() and getattr(_local, "background", False):
-        raise Stopped("the interpreter is exiting")
+    """Raise :class:`Stopped` in a thread :func:`start_background` started once the interpreter exits or its own
+    ``stop`` is set; nothing otherwise (a user's own threads, which the interpreter waits for, are never stopped).
+    Called between measurements and before compilations, so that a stopping build ends within one of them."""
+    stop = getattr(_local, "stop", None)
+    if stop is not None and (_exiting.is_set() or stop.is_set()):
+        raise Stopped("the interpreter is exiting" if _exiting.is_set() else "asked to stop")
 
 
-def start_background(target: Callable[..., Any], args: tuple, name: str,
-                     wake: Callable[[], Any] | None = None) -> threading.Thread:
+def start_background(target: Callable[..., Any], args: tuple, name: str, wake: Callable[[], Any] | None = None,
+                     stop: threading.Event | None = None) -> threading.Thread:
     """Start ``target(*args)`` on a daemon thread that the interpreter's exit stops and waits for. ``wake``
-    (optional) ends a wait of the thread's own (say, puts a sentinel on the queue it reads); :class:`Stopped`
-    ends the thread quietly."""
+    (optional) ends a wait of the thread's own (say, puts a sentinel on the queue it reads); ``stop`` (optional),
+    once set, stops it as the exit does; :class:`Stopped` ends the thread quietly."""
 
     def run() -> None:
-        _local.background = True
+        _local.stop = stop if stop is not None else threading.Event()
         try:
             target(*args)
         except Stopped:

@@ -58,8 +58,11 @@ class ServedModels:
         else:
             self.batchers = [Batcher([e], max_delay_ms / 1000) for e in endpoints]
         self.ready, self._stopped = threading.Event(), threading.Event()
+        # stopped (self._stopped) at its next measurement or compilation: a server stopped while it prepared took
+        # 24-33 s to exit, waiting for a search to end
         self._preparing = start_background(_prepare, (self.endpoints, self.group, optimize, options, loaded,
-                                                      self.ready, self._stopped, say), "opsched-serve-prepare")
+                                                      self.ready, self._stopped, say), "opsched-serve-prepare",
+                                           stop=self._stopped)
 
     def close(self) -> None:
         """Stop preparing, answer every accepted request, close the modules; once (a Ray Serve replica is closed
