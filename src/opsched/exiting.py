@@ -5,7 +5,8 @@ PyTorch and ONNX Runtime. A script that ends meanwhile used to die with SIGABRT 
 active exception"): Python 3.11 ends a daemon thread that asks for the GIL after finalisation began by unwinding
 its stack, and unwinding through PyTorch's C++ frames terminates the process. So such threads are started with
 :func:`start_background`: on exit the interpreter asks them to stop (:func:`stop_point` raises :class:`Stopped` in
-them at their next measurement or compilation) and waits for them before it finalises.
+them at their next measurement or compilation) and waits for them before it finalises. A thread given its own
+``stop`` event stops the same way when that is set: a server stopped while it prepares its plans.
 
 >>> import threading
 >>> finished = threading.Event()
@@ -110,6 +111,15 @@ def _stop_and_wait() -> None:
         os._exit(130)
 
 
+def _forget_in_child() -> None:
+    """In a child made by fork (a DataLoader's worker), none of the parent's threads runs, and the lock may have
+    been held by one of them at the fork: the child's own exit would wait on it forever."""
+    global _running_lock
+    _running_lock = threading.Lock()
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 # threading's own exit hook (the one concurrent.futures uses) runs before atexit's handlers, some of which
 # PyTorch's own state needs while a build still runs, and before the daemon threads are abandoned
 threading._register_atexit(_stop_and_wait)  # type: ignore[attr-defined]

@@ -120,7 +120,7 @@ def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
     threading.Thread(target=work, name="opsched-cp-sat", daemon=True).start()
     try:
         while not done.wait(0.1):
-            stop_point()  # a build in the background, the interpreter exiting: the search stops as on Ctrl-C
+            stop_point()  # a background build asked to stop: the search stops as on Ctrl-C
     except (KeyboardInterrupt, Stopped):
         # asked again until the worker returns: a stop asked before Solve began its search is not heard, and the
         # search then ran to its time limit (once in the suite: 59 s after Ctrl-C)

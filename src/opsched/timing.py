@@ -119,7 +119,7 @@ def interleaved_samples(runners: Sequence[Callable[[], Any]], repeats: int, warm
     running = list(range(len(runners)))
     for round_ in range(1, repeats + 1):
         for i in running:
-            stop_point()  # a build in the background, the interpreter exiting
+            stop_point()  # a background build asked to stop (the interpreter exiting, its server stopping)
             calls(i, lead[i])  # the lead-in (see the module docstring), untimed
             samples[i].append(calls(i, inner[i]) / inner[i] * 1000.0)
             if after_each:

@@ -85,7 +85,7 @@ def _factor(run: Any, units: Sequence[int], threads: int, others: Sequence[tuple
         with torch.inference_mode():
             run(units)
             for _ in range(repeats):
-                stop_point()  # a build in the background, the interpreter exiting
+                stop_point()  # a background build asked to stop (the interpreter exiting, its server stopping)
                 for samples, others_busy in ((alone, False), (together, True)):
                     if others_busy:
                         busy.set()

@@ -100,7 +100,7 @@ class CompiledOperator:
         key = (tuple(n.run for n in nodes), threads)
         with self._lock:
             if key not in self.compiled:
-                stop_point()  # a build in the background, the interpreter exiting: not one more compilation
+                stop_point()  # a background build asked to stop: not one more compilation
                 self.compiled[key] = self._compile(nodes, threads)
         return self.compiled[key]
 

@@ -92,7 +92,7 @@ class InPlaceRuns:
                     host_seconds[k] = time.perf_counter() - began
                     bar.update(1)
                 for _ in range(self.repeats):
-                    stop_point()  # a build in the background, the interpreter exiting
+                    stop_point()  # a background build asked to stop (the interpreter exiting, its server stopping)
                     for k, executor in enumerate(executors):
                         if self.replayed:
                             hold_for(current_api(), host_seconds[k])
