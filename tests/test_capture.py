@@ -220,3 +220,28 @@ def test_a_convolution_whose_unit_output_is_smaller_is_costed_on_a_simulated_gpu
 
     g = capture(Shrink().eval(), (torch.randn(1, 3, 16, 16),))
     assert SimulatedGPU(g, "sim:v100").op_latency(0) > 0
+
+
+def test_a_capture_on_another_thread_silences_that_thread_alone(capsys):
+    # it swapped sys.stderr, the process's one, for a buffer: while a plan was built in the background, every line
+    # the user's own thread wrote there was lost (opsched's note of an autocast call it answered meanwhile among them)
+    import sys
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Waits(torch.nn.Module):
+        def forward(self, x):
+            inside.set()
+            release.wait(30)
+            print("the tracer's noise", file=sys.stderr)
+            return x + 1
+
+    capturing = threading.Thread(target=capture, args=(Waits(), (torch.ones(2),)))
+    capturing.start()
+    assert inside.wait(60)
+    print("the user's line", file=sys.stderr)
+    release.set()
+    capturing.join(60)
+    err = capsys.readouterr().err
+    assert "the user's line" in err and "the tracer's noise" not in err, err

@@ -32,9 +32,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import operator
+import sys
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
@@ -79,12 +79,28 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
 _QUIET = threading.Lock()
 
 
+class _OtherThreadsOnly:
+    """``stream`` for every thread but the one that made it, which writes nowhere. sys.stderr is one for the
+    whole process: a capture on a background build's thread that swapped in a plain buffer swallowed, for the
+    seconds the capture took, whatever every other thread wrote there (the user's own lines, opsched's notes of
+    the calls it answered meanwhile)."""
+
+    def __init__(self, stream: Any):
+        self._stream, self._quiet = stream, threading.current_thread()
+
+    def write(self, text: str) -> int:
+        return len(text) if threading.current_thread() is self._quiet else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, encoding, isatty...: the stream's own
+        return getattr(self._stream, name)
+
+
 @contextlib.contextmanager
 def pytorch_quiet() -> Iterator[None]:
     """Silence PyTorch's own output while a capture is attempted: torch.export prints the partial graph of a
     failed export straight to stderr and logs symbolic-shape warnings, 27 lines before our one-line error.
-    Python warnings, the ``torch`` loggers and stderr are process-wide, so captures that silence them run
-    one at a time."""
+    Python warnings and the ``torch`` loggers are process-wide, so captures that silence them run one at a time;
+    stderr is silenced for the capturing thread alone (:class:`_OtherThreadsOnly`)."""
     if logging.getLogger("opsched").isEnabledFor(logging.DEBUG):
         yield
         return
@@ -97,7 +113,7 @@ def pytorch_quiet() -> Iterator[None]:
             # loggers torch creates meanwhile have no level of their own and inherit this one from ``torch``
             for logger in loggers:
                 logger.setLevel(logging.CRITICAL + 1)
-            with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            with warnings.catch_warnings(), contextlib.redirect_stderr(_OtherThreadsOnly(sys.stderr)):
                 warnings.simplefilter("ignore")
                 yield
         finally:
