@@ -427,6 +427,38 @@ def test_the_whole_graph_on_inductor_is_verified_and_timed_beside_the_plans_and_
         assert compare_outputs(module(x), model(x)).ok
 
 
+@pytest.mark.parametrize("inductor_ms, plan_ms, compiled", [(2.0, 1.0, False), (1.0, 1.0, False), (0.9, 1.0, True)])
+def test_the_whole_graph_on_inductor_is_not_compiled_again_where_it_ran_slower_than_a_plan_here(
+        monkeypatch, inductor_ms, plan_ms, compiled):
+    """The Inductor region's median and the fastest plan's, timed in one run, are kept in the cost cache; the next
+    optimize of the graph compiles Inductor again only where it was the faster (compiling takes seconds to a
+    minute), and says why not; without the cache it is compiled."""
+    pytest.importorskip("onnxruntime")
+    import opsched
+    from opsched.runtime import auto, kernels
+
+    monkeypatch.setattr(auto, "INDUCTOR_FROM", 0.0)
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    first = opsched.optimize(model, (x,), repeats=3)
+    assert "sequential+regions+inductor" in first.measured_ms, first.evaluation.dropped
+    race = first.cost.whole_graph_race("inductor")  # what this run measured, kept
+    assert race == (first.measured_ms["sequential+regions+inductor"],
+                    min(first.measured_ms[n] for n in first.schedules if n in first.measured_ms))
+    first.cost.remember_whole_graph_race("inductor", inductor_ms, plan_ms, 3)
+    real, compiles = kernels.InductorOperator._compile, []
+    monkeypatch.setattr(kernels.InductorOperator, "_compile",
+                        lambda *a, **k: compiles.append(1) or real(*a, **k))
+    again = opsched.optimize(model, (x,), repeats=3)
+    offer = again.cost.kernel_choice["inductor_whole_graph"]
+    assert bool(compiles) == compiled == offer["offered"] == ("sequential+regions+inductor" in again.measured_ms)
+    if not compiled:
+        assert f"ran {inductor_ms / plan_ms:.2f}x the fastest plan when last timed beside it" in offer["why"]
+        compiles.clear()
+        assert "sequential+regions+inductor" in opsched.optimize(model, (x,), repeats=3, cache=False).measured_ms
+        assert compiles
+
+
 def test_a_whole_graph_inductor_cannot_compile_is_dropped_with_why_and_the_others_stand(monkeypatch):
     pytest.importorskip("onnxruntime")
     import opsched

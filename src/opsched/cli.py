@@ -412,9 +412,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_quiet_option(p)
 
-    p = sub.add_parser("cache", help="the cache of measured latencies: info or clear",
-                       description="Show (info) or empty (clear) the sqlite cache of measured latencies, kept in "
-                                   "$OPSCHED_CACHE_DIR, else $XDG_CACHE_HOME/opsched, else ~/.cache/opsched.")
+    p = sub.add_parser("cache", help="the cache of measured latencies and ONNX exports: info or clear",
+                       description="Show (info) or empty (clear) the sqlite cache of measured latencies and the ONNX "
+                                   "exports kept beside it (onnx/, at most 2 GiB), in $OPSCHED_CACHE_DIR, else "
+                                   "$XDG_CACHE_HOME/opsched, else ~/.cache/opsched.")
     p.add_argument("action", choices=["info", "clear"])
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

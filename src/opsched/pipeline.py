@@ -422,6 +422,12 @@ def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
             or "sequential" not in outcome.schedules or len(job.graph) == 0:
         return None
     offered, why = inductor_offered(outcome.cost)
+    race = outcome.cost.whole_graph_race("inductor") if offered else None
+    if race is not None and race[0] >= race[1]:
+        # Compiling takes seconds to a minute a graph: where it ran slower than a plan here before, it is not
+        # paid again on every optimize (Inception V3: 7.5 s of a 25 s optimize with every cache warm)
+        offered, why = False, (f"the whole graph on Inductor ran {race[0] / race[1]:.2f}x the fastest plan when "
+                               "last timed beside it here; not compiled again (--no-cache times it anew)")
     if getattr(outcome.cost, "kernel_choice", None) is None:  # ONNX Runtime not installed: nothing else chosen
         outcome.cost.kernel_choice = {}
         for schedule in outcome.schedules.values():
@@ -460,10 +466,23 @@ def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outc
     evaluate_plans(outcome, job.graph, job.model, job.inputs, cores=job.cores or torch.get_num_threads(),
                    device=job.device, peers=job.peers, tolerance=job.tolerance, repeats=job.repeats,
                    cuda_graph=job.cuda_graph, say=job.say)
-    if on_inductor is not None:  # what offering it cost
+    if on_inductor is not None:  # what offering it cost, and how it ran beside the plans, for the next optimize
         outcome.cost.kernel_choice["inductor_whole_graph"]["compile_seconds"] = round(
             on_inductor.kernels.compile_seconds, 1)
+        remember_inductor_race(outcome, on_inductor)
     return outcome
+
+
+def remember_inductor_race(outcome: Outcome, on_inductor: Outcome) -> None:
+    """Keep in the cost cache the whole graph on Inductor's median and the fastest of ``outcome``'s plans',
+    measured in one interleaved run, which :func:`whole_graph_on_inductor` reads on the next optimize of the graph;
+    nothing where either was not verified and timed."""
+    measured = outcome.evaluation.measured_ms
+    (name,) = on_inductor.schedules
+    plans = [measured[n] for n in outcome.schedules if n in measured]
+    if name in measured and plans:
+        rounds = len(outcome.evaluation.samples.get(name, ()))
+        outcome.cost.remember_whole_graph_race("inductor", measured[name], min(plans), rounds)
 
 
 def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[Any], *, cores: int,

@@ -429,6 +429,23 @@ class MeasuredCost:
             self.counts["regions_measured"] += 1
             self._store(self._stage_key(("region", (region,))), f"cores={self.cores}", ms, len(region_samples))
 
+    def whole_graph_race(self, kernels: str) -> tuple[float, float] | None:
+        """The milliseconds of the whole graph compiled on ``kernels`` as one region and of the fastest plan of
+        this cost model's kernels, when last timed side by side (interleaved, one run) on this device with this
+        batch and core count (:meth:`remember_whole_graph_race`); None where never so, or without a cache."""
+        what = self._stage_key(("whole graph", (tuple(range(len(self.graph))),)))
+        whole = self.cache.get(self.device, what, kernels, self.batch, f"cores={self.cores}") if self.cache else None
+        plan = self._cached(what, f"cores={self.cores}|fastest plan")
+        return None if whole is None or plan is None else (whole, plan)
+
+    def remember_whole_graph_race(self, kernels: str, whole_ms: float, plan_ms: float, samples: int) -> None:
+        """Keep what :meth:`whole_graph_race` reads: two latencies of one interleaved run, so that their ratio
+        holds however busy the machine was then."""
+        what = self._stage_key(("whole graph", (tuple(range(len(self.graph))),)))
+        if self.cache:
+            self.cache.put(self.device, what, kernels, self.batch, f"cores={self.cores}", whole_ms, samples)
+        self._store(what, f"cores={self.cores}|fastest plan", plan_ms, samples)
+
     def _measure_handoff(self) -> float:
         """Milliseconds one extra stream adds to a stage: a two-stream stage of empty steps against a
         one-stream stage of the same steps."""

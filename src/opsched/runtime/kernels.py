@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import io
 import json
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from opsched.compare import compare_outputs
 from opsched.errors import OpschedError, first_line
 from opsched.exiting import stop_point
 from opsched.graph.ir import Node
@@ -48,6 +50,7 @@ from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.graph.onnxops import exportable_batch_norms
 from opsched.runtime.choice import ASKED
 from opsched.runtime.merge import merged_operator
+from opsched.runtime.onnx_store import OnnxStore, export_key
 from opsched.runtime.packed import packed_unit, packs
 
 Operator = Callable[[Sequence[Node], int], Callable[..., Any]]
@@ -161,37 +164,58 @@ class OnnxRuntimeOperator(CompiledOperator):
         args = [self.example(a) for a in nodes[0].args]
         key = tuple(n.run for n in nodes)
         began = time.perf_counter()
+        from_store = None  # the export's key where the store had it (checked before it is used)
         try:
             with torch.no_grad():
-                _, out_spec = pytree.tree_flatten(base(*args))
+                want = base(*args)
+                _, out_spec = pytree.tree_flatten(want)
                 if key not in self._exported:
                     module = run if isinstance(run, torch.fx.GraphModule) else _trace(base, nodes, self.example)
                     module = max_pools_by_kernel(module)  # ONNX Runtime's MaxPool beats the slices there
                     module = exportable_batch_norms(module)  # the exporter lacks the inference norm
                     # named by position among the arguments' tensors: the exporter drops those the unit does not
                     # use (one of the list chunk made), and the names say which are left
-                    self._exported[key] = onnx_bytes(
-                        module, args, input_names=[f"in{k}" for k in range(len(pytree.tree_leaves(args)))])
-            session = onnx_session(self._exported[key], threads)
+                    options = {"input_names": [f"in{k}" for k in range(len(pytree.tree_leaves(args)))]}
+                    from_store = export_key(module, args, options)
+                    found = self.store.get(from_store)
+                    if found is None:
+                        found = onnx_bytes(module, args, **options)
+                        self.store.put(from_store, found)
+                        from_store = None
+                    self._exported[key] = found
+            # The exporter takes a list argument (what chunk or split made) as one input per tensor in it, in
+            # order; fed the list itself, the session failed (ShuffleNet V2).
+            if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
+                return self._stays_eager(nodes, base, "it reads a list of tensors, which its session cannot be fed")
+            call = self._call(self._exported[key], from_store, threads, args, want, out_spec)
+            if call is None:
+                # a stored export that does not answer as the unit (what the key could not see differs): anew
+                self._exported[key] = onnx_bytes(module, args, **options)
+                self.store.put(from_store, self._exported[key])
+                call = _session_call(onnx_session(self._exported[key], threads), args, out_spec)
         except Exception as e:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
             return self._stays_eager(nodes, base, first_line(e))
         finally:
             self.compile_seconds += time.perf_counter() - began
-        # The exporter takes a list argument (what chunk or split made) as one input per tensor in it, in order;
-        # fed the list itself, the session failed (ShuffleNet V2).
-        if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
-            return self._stays_eager(nodes, base, "it reads a list of tensors, which its session cannot be fed")
-        names = [i.name for i in session.get_inputs()]
-        used = [int(n[2:]) for n in names]
-        run = session.run
-        flat = any(not isinstance(a, torch.Tensor) for a in args)
-
-        def call(*values: Any) -> Any:
-            tensors = pytree.tree_leaves(values) if flat else values
-            outputs = run(None, {n: tensors[k].detach().contiguous().numpy() for n, k in zip(names, used)})
-            return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
-
         return call
+
+    @staticmethod
+    def _call(exported: bytes, from_store: str | None, threads: int, args: Sequence[Any], want: Any,
+              out_spec: Any) -> Callable[..., Any] | None:
+        """The unit's call on a session of ``exported``; where the export came from the store (``from_store``:
+        its key), None unless it runs on ``args`` and answers ``want``."""
+        if from_store is None:
+            return _session_call(onnx_session(exported, threads), args, out_spec)
+        try:
+            call = _session_call(onnx_session(exported, threads), args, out_spec)
+            return call if compare_outputs(call(*args), want).ok else None
+        except Exception:  # noqa: BLE001 - a damaged file, or another unit's export: exported anew by the caller
+            return None
+
+    @functools.cached_property
+    def store(self) -> OnnxStore:
+        """Where exports are kept between runs (made when first needed: the cache folder is read then)."""
+        return OnnxStore()
 
     def _stays_eager(self, nodes: Sequence[Node], base: Callable[..., Any], why: str) -> Callable[..., Any]:
         self.eager_units.append(nodes[0].name)
@@ -401,6 +425,24 @@ def check_kernels(kernels: str) -> None:
             import onnxruntime  # noqa: F401
         except ImportError:
             raise OpschedError("--kernels onnxruntime needs ONNX Runtime: pip install 'opsched[onnx]'") from None
+
+
+def _session_call(session: Any, args: Sequence[Any], out_spec: Any) -> Callable[..., Any]:
+    """A unit's call on ``session``: fed the tensors of its arguments (as flat as the exporter took them, those it
+    kept by their names ``in<position>``), answering in the unit's own structure (``out_spec``)."""
+    import torch.utils._pytree as pytree
+
+    names = [i.name for i in session.get_inputs()]
+    used = [int(n[2:]) for n in names]
+    run = session.run
+    flat = any(not isinstance(a, torch.Tensor) for a in args)
+
+    def call(*values: Any) -> Any:
+        tensors = pytree.tree_leaves(values) if flat else values
+        outputs = run(None, {n: tensors[k].detach().contiguous().numpy() for n, k in zip(names, used)})
+        return pytree.tree_unflatten([torch.from_numpy(o) for o in outputs], out_spec)
+
+    return call
 
 
 def onnx_session(exported: bytes, threads: int) -> Any:
