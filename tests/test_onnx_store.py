@@ -36,8 +36,8 @@ def _traced(stride=1, seed=0):
 
 
 @settings(max_examples=40, deadline=None)
-@given(change=st.sampled_from(["weight in place", "load_state_dict", "buffer", "stride", "shape", "dtype",
-                               "layout", "options", "nothing"]))
+@given(change=st.sampled_from(["weight in place", "through .data", "through numpy", "load_state_dict", "buffer",
+                               "stride", "shape", "dtype", "layout", "options", "nothing"]))
 def test_the_key_changes_with_everything_the_export_reads_and_only_with_that(change):
     module, x = _traced(), torch.randn(1, 3, 8, 8)
     key = export_key(module, (x,), {"input_names": ["in0"]})
@@ -45,6 +45,10 @@ def test_the_key_changes_with_everything_the_export_reads_and_only_with_that(cha
     if change == "weight in place":
         with torch.no_grad():
             module.conv.weight[0, 0, 0, 0] += 1e-6
+    elif change == "through .data":  # neither bumps the version counter
+        module.conv.weight.data[0, 0, 0, 0] = 5.0
+    elif change == "through numpy":
+        module.conv.bias.detach().numpy()[0] = 5.0
     elif change == "load_state_dict":
         module.load_state_dict(_traced(seed=1).state_dict())
     elif change == "buffer":
@@ -62,10 +66,33 @@ def test_the_key_changes_with_everything_the_export_reads_and_only_with_that(cha
     assert (export_key(module, args, options) == key) == (change == "nothing")
 
 
+def _scaled(x):  # a function of the user's: what it reads (a global, a closure) the key cannot follow
+    return x * 2
+
+
+torch.fx.wrap("_scaled")
+
+
+class Wrapped(nn.Module):
+    def forward(self, x):
+        return _scaled(x)
+
+
 def test_a_module_the_key_cannot_read_is_not_named():
-    module = _traced()
-    assert export_key(module.to("meta"), (torch.randn(1, 3, 8, 8),), {}) is None
-    assert export_key(Block(), (torch.randn(1, 3, 8, 8),), {}) is None  # not an FX graph
+    module, x = _traced(), torch.randn(1, 3, 8, 8)
+    assert export_key(module.to("meta"), (x,), {}) is None
+    assert export_key(Block(), (x,), {}) is None  # not an FX graph
+    assert export_key(torch.fx.symbolic_trace(Wrapped()), (x,), {}) is None
+
+
+def test_a_nested_graph_s_code_is_in_the_key():
+    def outer(activation):
+        root = torch.fx.symbolic_trace(nn.Sequential(nn.Identity()))
+        root.add_submodule("inner", torch.fx.symbolic_trace(activation))
+        return root
+
+    x = torch.randn(1, 3)
+    assert export_key(outer(nn.ReLU()), (x,), {}) != export_key(outer(nn.Sigmoid()), (x,), {})
 
 
 def test_the_folder_keeps_the_most_recently_used_within_its_limit(tmp_path):
@@ -190,3 +217,23 @@ def test_random_models_with_other_weights_never_run_a_stored_export_of_the_first
             verdict = compare_outputs(module(*inputs), model(*inputs))
         module.close()
         assert verdict.ok, verdict.why
+
+
+def test_a_stored_export_rejected_is_never_run_even_where_exporting_anew_fails(monkeypatch):
+    """The unit stays eager, and a session at another thread count does not take the rejected export either."""
+    pytest.importorskip("onnxruntime")
+    monkeypatch.setattr(kernels, "export_key", lambda module, args, options: "same")
+    *_, other_graph, other_values = _unit_graph(seed=1)
+    _compiled(other_graph, other_values)  # its export stored under the name
+    model, x, graph, values = _unit_graph(seed=0)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("made up")
+
+    monkeypatch.setattr(kernels, "onnx_bytes", fails)
+    operator = OnnxRuntimeOperator(values.__getitem__)
+    for threads in (1, 2):
+        call = operator([graph.nodes[0]], threads)
+        with torch.inference_mode():
+            torch.testing.assert_close(call(x), model(x), rtol=1e-4, atol=1e-5)
+    assert operator.eager_units

@@ -177,22 +177,24 @@ class OnnxRuntimeOperator(CompiledOperator):
                     # use (one of the list chunk made), and the names say which are left
                     options = {"input_names": [f"in{k}" for k in range(len(pytree.tree_leaves(args)))]}
                     from_store = export_key(module, args, options)
-                    found = self.store.get(from_store)
-                    if found is None:
-                        found = onnx_bytes(module, args, **options)
-                        self.store.put(from_store, found)
+                    exported = self.store.get(from_store)
+                    if exported is None:
+                        exported = onnx_bytes(module, args, **options)
+                        self.store.put(from_store, exported)
                         from_store = None
-                    self._exported[key] = found
+                else:
+                    exported = self._exported[key]
             # The exporter takes a list argument (what chunk or split made) as one input per tensor in it, in
             # order; fed the list itself, the session failed (ShuffleNet V2).
             if not all(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(args)):
                 return self._stays_eager(nodes, base, "it reads a list of tensors, which its session cannot be fed")
-            call = self._call(self._exported[key], from_store, threads, args, want, out_spec)
+            call = self._call(exported, from_store, threads, args, want, out_spec)
             if call is None:
                 # a stored export that does not answer as the unit (what the key could not see differs): anew
-                self._exported[key] = onnx_bytes(module, args, **options)
-                self.store.put(from_store, self._exported[key])
-                call = _session_call(onnx_session(self._exported[key], threads), args, out_spec)
+                exported = onnx_bytes(module, args, **options)
+                self.store.put(from_store, exported)
+                call = _session_call(onnx_session(exported, threads), args, out_spec)
+            self._exported[key] = exported  # kept only once it ran: the other thread counts' sessions take it
         except Exception as e:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
             return self._stays_eager(nodes, base, first_line(e))
         finally:

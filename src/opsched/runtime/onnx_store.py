@@ -4,10 +4,12 @@ Each optimize with ONNX Runtime kernels exports every unit, every block and the 
 every plan, once per process: 170 exports of Inception V3, 2.2 s of a 25 s optimize whose every measurement was
 already cached. An export is a pure function of what it is given, so it is kept in ``onnx/`` beside the latency
 cache (:func:`opsched.cost.cache.cache_dir`), one file per export, named by :func:`export_key`: a hash of the
-graph's code and modules (their own settings included), every tensor it holds (by content: other weights are
-another export, so a model after ``load_state_dict`` is exported anew), the shapes, dtypes and strides of the
-arguments, the export's options and PyTorch's version. A module that holds what the hash cannot see (a tensor
-off the CPU, a quantized one) is not kept.
+graph's code and modules (their own settings included, and nested graphs' code), every tensor it holds (by
+content, hashed on every export: other weights are another export, so a model after ``load_state_dict`` or a write
+through ``.data`` is exported anew), the shapes, dtypes and strides of the arguments, the export's options,
+opsched's source and PyTorch's version. A module that holds what the hash cannot see (a tensor off the CPU, a
+quantized one, a call of a Python function of the user's, whose globals and closures it cannot follow) is not
+kept.
 
 A stored export is still checked before it is used: the caller runs it once on the example arguments and
 compares the outputs with the module's own (:meth:`opsched.runtime.kernels.OnnxRuntimeOperator`), exporting
@@ -30,11 +32,11 @@ False
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import tempfile
-import types
-import weakref
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -44,9 +46,6 @@ import torch
 STORE_BYTES = 2 * 1024 ** 3  # what the folder may hold; beyond it the least recently used exports go
 _EVICT_EVERY = 256 * 1024 ** 2  # bytes written by this process between two checks of the folder's size
 
-# a tensor's content hash by its id while it lives: (the tensor, weakly; its version counter, which every in-place
-# write bumps, and where its data lies, which assigning ``.data`` changes; the hash)
-_digests: dict[int, tuple[weakref.ref, tuple[int, int], str]] = {}
 
 
 class _Unseen(Exception):
@@ -55,8 +54,8 @@ class _Unseen(Exception):
 
 def export_key(module: torch.nn.Module, args: Sequence[Any], options: dict[str, Any]) -> str | None:
     """The name under which the export of ``module`` on ``args`` with ``options`` is stored (see the module
-    docstring); None where it cannot be named so (a module that is not an FX graph, a tensor the hash cannot
-    read)."""
+    docstring); None where it cannot be named so (a module that is not an FX graph, one that calls a Python
+    function of the user's, whose globals and closures a hash cannot follow, a tensor the hash cannot read)."""
     if not isinstance(module, torch.fx.GraphModule):
         return None
     digest = hashlib.sha256()
@@ -64,14 +63,14 @@ def export_key(module: torch.nn.Module, args: Sequence[Any], options: dict[str, 
     def add(*parts: Any) -> None:
         digest.update(repr(parts).encode())
 
-    add("torch", torch.__version__, sorted((k, repr(v)) for k, v in options.items()))
+    # opsched's own source (the export's options, the graph passes before it) and PyTorch's version
+    add("torch", torch.__version__, _opsched_source(), sorted((k, repr(v)) for k, v in options.items()))
     add(str(module))  # the module tree with each module's settings, and the graph's code
     try:
-        for node in module.graph.nodes:
-            if node.op == "call_function":
-                add(node.target.__module__ if hasattr(node.target, "__module__") else None,
-                    getattr(node.target, "__qualname__", repr(node.target)), _code_of(node.target))
         for name, sub in module.named_modules():
+            if isinstance(sub, torch.fx.GraphModule):  # a nested graph prints as its class name alone
+                add(name, sub.code, [_function_key(node.target) for node in sub.graph.nodes
+                                     if node.op == "call_function"])
             for attribute, value in sorted(vars(sub).items()):
                 if isinstance(value, torch.Tensor):  # constants the graph holds as plain attributes
                     add(name, attribute, _tensor_key(value))
@@ -81,37 +80,52 @@ def export_key(module: torch.nn.Module, args: Sequence[Any], options: dict[str, 
             for attribute, tensor in [*sub.named_parameters(recurse=False), *sub.named_buffers(recurse=False)]:
                 add(name, attribute, _tensor_key(tensor))
         for value in torch.utils._pytree.tree_leaves(list(args)):
-            add(list(value.shape), str(value.dtype), list(value.stride()), str(value.device)
+            add((list(value.shape), str(value.dtype), list(value.stride()), str(value.device))
                 if isinstance(value, torch.Tensor) else repr(value))
     except _Unseen:
         return None
     return digest.hexdigest()
 
 
-def _code_of(function: Any) -> Any:
-    """What a Python function computes, as far as a hash can see it: its bytecode and constants."""
-    if isinstance(function, types.FunctionType):
-        return function.__code__.co_code.hex(), repr(function.__code__.co_consts)
-    return None
+# where the functions a graph may call are defined so that their code is in the key: PyTorch's (its version is),
+# opsched's (its source is), and Python's operators
+_KNOWN_HOMES = ("torch", "opsched", "operator", "_operator", "math", "builtins")
+
+
+def _function_key(target: Any) -> str:
+    """A graph's function by name, where its code is covered by the key; else :class:`_Unseen`."""
+    home = getattr(target, "__module__", None) or ""
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)) or \
+            home.split(".")[0] in _KNOWN_HOMES:
+        return f"{home}.{getattr(target, '__qualname__', repr(target))}"
+    raise _Unseen
+
+
+@functools.cache
+def _opsched_source() -> str:
+    """A hash of opsched's Python source: an export stored by another version of opsched is not used."""
+    import opsched
+
+    digest = hashlib.sha256()
+    root = Path(opsched.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _tensor_key(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """A tensor's shape, dtype, strides and a hash of its content, memoised until it is written."""
+    """A tensor's shape, dtype, strides and a hash of its content. Hashed every time, not remembered: a write
+    through ``.data`` or a NumPy view leaves the version counter as it was (Inception V3's weights, hashed for
+    its 167 exports, take a fraction of a second)."""
     if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_quantized:
         raise _Unseen
     data = tensor.detach()
-    state = (data._version, data.data_ptr())
-    known = _digests.get(id(tensor))
-    if known is None or known[0]() is not tensor or known[1] != state:
-        try:
-            flat = data.contiguous().reshape(-1).view(torch.uint8).numpy()
-        except (RuntimeError, TypeError):  # a tensor subclass, or one numpy cannot hold
-            raise _Unseen from None
-        gone = id(tensor)
-        known = (weakref.ref(tensor, lambda _: _digests.pop(gone, None)), state,
-                 hashlib.sha256(memoryview(flat)).hexdigest())
-        _digests[id(tensor)] = known
-    return list(data.shape), str(data.dtype), list(data.stride()), known[2]
+    try:
+        flat = data.contiguous().reshape(-1).view(torch.uint8).numpy()
+    except (RuntimeError, TypeError):  # a tensor subclass, or one numpy cannot hold
+        raise _Unseen from None
+    return list(data.shape), str(data.dtype), list(data.stride()), hashlib.sha256(memoryview(flat)).hexdigest()
 
 
 class OnnxStore:
@@ -159,13 +173,21 @@ class OnnxStore:
             self._unchecked += len(data)
 
     def evict(self) -> int:
-        """Remove the least recently used exports until the folder holds at most ``limit`` bytes; return how
-        many were removed."""
+        """Remove the least recently used exports until the folder holds at most ``limit`` bytes, and what a
+        stopped writer left (a ``.part`` file an hour old); return how many exports were removed."""
+        files = []
         try:
-            files = sorted((entry.stat().st_mtime, entry.stat().st_size, entry.path)
-                           for entry in os.scandir(self.folder) if entry.name.endswith(".onnx"))
+            entries = list(os.scandir(self.folder))
         except OSError:
             return 0
+        for entry in entries:
+            with contextlib.suppress(OSError):  # removed meanwhile by another process
+                stat = entry.stat()
+                if entry.name.endswith(".onnx"):
+                    files.append((stat.st_mtime, stat.st_size, entry.path))
+                elif entry.name.endswith(".part") and stat.st_mtime < time.time() - 3600:
+                    os.unlink(entry.path)
+        files.sort()
         total, removed = sum(size for _, size, _ in files), 0
         for _, size, path in files:
             if total <= self.limit:
