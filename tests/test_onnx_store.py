@@ -237,3 +237,16 @@ def test_a_stored_export_rejected_is_never_run_even_where_exporting_anew_fails(m
         with torch.inference_mode():
             torch.testing.assert_close(call(x), model(x), rtol=1e-4, atol=1e-5)
     assert operator.eager_units
+
+
+@pytest.mark.parametrize("asked", ["onnxruntime", "auto"])
+def test_no_cache_keeps_no_export_and_the_default_keeps_them(asked):
+    """``--no-cache`` ("read and write no cache") holds for the exports too."""
+    pytest.importorskip("onnxruntime")
+    import opsched
+
+    model, x = Block().eval(), torch.randn(1, 3, 8, 8)
+    opsched.optimize(model, (x,), kernels=asked, repeats=3, cache=False)
+    assert OnnxStore().summary()["exports"] == 0
+    opsched.optimize(model, (x,), kernels=asked, repeats=3)
+    assert OnnxStore().summary()["exports"] > 0

@@ -168,7 +168,7 @@ def cost_model(graph: Graph, inputs: Sequence[Any], spec: str = "measured", *, d
         return auto_cost(graph, inputs, values, device, cores=cores, cache=None if cache else False,
                          progress=progress)
     if not isinstance(kernels, ChosenKernels):
-        kernels = kernels_for(graph, kernels, device, values.__getitem__)
+        kernels = kernels_for(graph, kernels, device, values.__getitem__, keep_exports=cache)
     cost = measured_cost(graph, inputs, kernels, device, progress=progress, values=values, cores=cores,
                          cache=None if cache else False, replayed=replayed)
     return cost, kernels

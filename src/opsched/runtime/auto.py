@@ -108,7 +108,7 @@ def _with_onnxruntime(graph: Any, inputs: Sequence[Any], values: dict[str, Any],
                       default: ChosenKernels, options: dict[str, Any], started: float) -> tuple[Any, ChosenKernels]:
     """:func:`auto_cost` once the default kernels are profiled (``first``): ONNX Runtime's blocks measured,
     labelled, a mix run before it is kept, and the cost model of the choice."""
-    onnx = kernels_for(graph, "onnxruntime", device, values.__getitem__)
+    onnx = kernels_for(graph, "onnxruntime", device, values.__getitem__, keep_exports=options["cache"] is not False)
     second = measured_cost(graph, inputs, onnx, device, **options)
     blocks = [list(b.units) for b in split_blocks(graph)]
     failures = onnx.onnxruntime.region_failures

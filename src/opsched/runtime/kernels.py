@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import hashlib
 import io
 import json
@@ -143,10 +142,12 @@ class InductorOperator(CompiledOperator):
 
 
 class OnnxRuntimeOperator(CompiledOperator):
-    """Units on ONNX Runtime sessions; ``eager_units`` names those ONNX could not take."""
+    """Units on ONNX Runtime sessions; ``eager_units`` names those ONNX could not take. Exports are kept between
+    runs in :class:`~opsched.runtime.onnx_store.OnnxStore` unless ``keep_exports`` is false (``--no-cache``)."""
 
-    def __init__(self, example: Callable[[str], Any]):
+    def __init__(self, example: Callable[[str], Any], keep_exports: bool = True):
         super().__init__(example)
+        self.store = OnnxStore() if keep_exports else None
         self.eager_units: list[str] = []
         self.eager_runs: set[tuple[Any, ...]] = set()  # the operators of the units and regions that stay eager
         self.why_eager: dict[str, str] = {}  # unit name: why ONNX Runtime could not take it (one line)
@@ -176,11 +177,12 @@ class OnnxRuntimeOperator(CompiledOperator):
                     # named by position among the arguments' tensors: the exporter drops those the unit does not
                     # use (one of the list chunk made), and the names say which are left
                     options = {"input_names": [f"in{k}" for k in range(len(pytree.tree_leaves(args)))]}
-                    from_store = export_key(module, args, options)
-                    exported = self.store.get(from_store)
+                    from_store = export_key(module, args, options) if self.store else None
+                    exported = self.store.get(from_store) if self.store else None
                     if exported is None:
                         exported = onnx_bytes(module, args, **options)
-                        self.store.put(from_store, exported)
+                        if self.store:
+                            self.store.put(from_store, exported)
                         from_store = None
                 else:
                     exported = self._exported[key]
@@ -192,7 +194,7 @@ class OnnxRuntimeOperator(CompiledOperator):
             if call is None:
                 # a stored export that does not answer as the unit (what the key could not see differs): anew
                 exported = onnx_bytes(module, args, **options)
-                self.store.put(from_store, exported)
+                self.store.put(from_store, exported)  # (only a stored export is rejected: there is a store)
                 call = _session_call(onnx_session(exported, threads), args, out_spec)
             self._exported[key] = exported  # kept only once it ran: the other thread counts' sessions take it
         except Exception as e:  # noqa: BLE001 - an op the exporter or ONNX Runtime lacks: this unit stays eager
@@ -213,11 +215,6 @@ class OnnxRuntimeOperator(CompiledOperator):
             return call if compare_outputs(call(*args), want).ok else None
         except Exception:  # noqa: BLE001 - a damaged file, or another unit's export: exported anew by the caller
             return None
-
-    @functools.cached_property
-    def store(self) -> OnnxStore:
-        """Where exports are kept between runs (made when first needed: the cache folder is read then)."""
-        return OnnxStore()
 
     def _stays_eager(self, nodes: Sequence[Node], base: Callable[..., Any], why: str) -> Callable[..., Any]:
         self.eager_units.append(nodes[0].name)
@@ -279,7 +276,7 @@ class ChosenKernels:
     """
 
     def __init__(self, choice: Mapping[str, str], example: Callable[[str], Any] | None = None,
-                 asked: str | None = None):
+                 asked: str | None = None, keep_exports: bool = True):
         self.choice = dict(choice)
         self.example = example
         self._lock = threading.Lock()
@@ -287,7 +284,7 @@ class ChosenKernels:
         if compiled and example is None:
             raise OpschedError(f"{min(compiled)} kernels are compiled for example values, and none were given")
         self.inductor = InductorOperator(example) if "inductor" in compiled else None
-        self.onnxruntime = OnnxRuntimeOperator(example) if "onnxruntime" in compiled else None
+        self.onnxruntime = OnnxRuntimeOperator(example, keep_exports) if "onnxruntime" in compiled else None
         self._onnx_units = _on_onnxruntime(self.choice)
         # the kernels asked for (--kernels): compiled ones where some unit was chosen to be compiled; ``auto``
         # where measurement chose unit by unit (compiled regions then hold units of one kernel: regions.py)
@@ -409,12 +406,13 @@ def plan_kernels(graph: Any, schedule: Any, device: str = "cpu", inputs: Sequenc
 
 
 def kernels_for(graph: Any, asked: str = "eager", device: str = "cpu",
-                example: Callable[[str], Any] | None = None) -> ChosenKernels:
-    """:class:`ChosenKernels` of :func:`~opsched.runtime.choice.choose_kernels`'s choice for ``graph``."""
+                example: Callable[[str], Any] | None = None, keep_exports: bool = True) -> ChosenKernels:
+    """:class:`ChosenKernels` of :func:`~opsched.runtime.choice.choose_kernels`'s choice for ``graph``
+    (``keep_exports``: see :class:`OnnxRuntimeOperator`)."""
     from opsched.runtime.choice import choose_kernels
 
     check_kernels(asked)
-    return ChosenKernels(choose_kernels(graph, asked, device), example)
+    return ChosenKernels(choose_kernels(graph, asked, device), example, keep_exports=keep_exports)
 
 
 def check_kernels(kernels: str) -> None:
