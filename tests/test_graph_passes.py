@@ -50,6 +50,33 @@ def test_folding_matches_the_convolution_and_batch_norm_it_replaces(dims, conv_b
     assert not any("running" in str(n.target) for n in folded.graph.nodes if n.op == "get_attr")
 
 
+@pytest.mark.parametrize("write", ["through .data", "through numpy", "in place", "new tensor"])
+def test_a_capture_after_a_weight_write_folds_the_new_weights(write):
+    """Folds are shared by memory between captures (a model batch finds shared work so), but a write through
+    ``.data`` or a NumPy view moves no version counter: a fold found by memory and version alone gave the next
+    capture the old weights (found by benchmarks/onnx_store_fuzz.py)."""
+    from opsched.graph.capture import capture
+    from opsched.graph.interpret import all_values
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    capture(model, (x,))  # its fold made
+    weight = model[0].weight
+    if write == "through .data":
+        weight.data.mul_(1.5)
+    elif write == "through numpy":
+        weight.detach().numpy()[...] *= 1.5
+    elif write == "in place":
+        with torch.no_grad():
+            weight.mul_(1.5)
+    else:
+        weight.data = weight.data * 1.5
+    graph = capture(model, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(all_values(graph, [x])[graph.nodes[-1].name], model(x), atol=1e-5, rtol=1e-5)
+
+
 def test_folding_the_exported_form_of_batch_norm():
     # decomposed to core ATen, the batch norm is _native_batch_norm_legit_no_training and a getitem
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), _randomised(torch.nn.BatchNorm2d(4))).eval()

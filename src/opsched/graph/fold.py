@@ -23,6 +23,7 @@ True
 from __future__ import annotations
 
 import copy
+import hashlib
 import operator
 import weakref
 from typing import Any, NamedTuple
@@ -92,9 +93,10 @@ def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.
     since makes a new fold; a fold is forgotten when one of the tensors it was first made from is collected (its
     memory could then be another tensor's), and by :func:`forget_folds`."""
     present = [(k, t) for k, t in enumerate(sources) if t is not None]
-    key = (tuple(_held(t, k > 0) if t is not None else None for k, t in enumerate(sources)), eps)
+    held = [_held(t, k > 0) if t is not None else None for k, t in enumerate(sources)]
+    key = (tuple(held), eps)
     made = _FOLDS.get(key)
-    if made is not None and all(ref() is not None and _held(ref(), k > 0) == _held(t, k > 0)
+    if made is not None and all(ref() is not None and (ref() is t or _held(ref(), k > 0) == held[k])
                                 for ref, (k, t) in zip(made[0], present, strict=True)):
         return made[1]
     with torch.no_grad():
@@ -107,8 +109,8 @@ def _folded_once(sources: list[torch.Tensor | None], eps: float) -> tuple[torch.
 
 def forget_folds(tensors: list[torch.Tensor]) -> None:
     """Forget every fold made from the memory of one of ``tensors``: they were written where no version counter
-    sees it (through ``.data``, or an inference tensor in inference mode), and a fold looked up by their memory
-    would be the old one."""
+    sees it (through ``.data``, or an inference tensor in inference mode); the folds of their old values are no
+    use any more."""
     addresses = {t.data_ptr() for t in tensors if t.device.type != "meta"}
     for key in list(_FOLDS):
         if any(part is not None and part[0] in addresses for part in key[0]):
@@ -117,16 +119,16 @@ def forget_folds(tensors: list[torch.Tensor]) -> None:
 
 def _held(t: torch.Tensor, by_value: bool = True) -> tuple:
     """What makes two tensors the same values: with ``by_value``, their values where they are small; else the
-    same memory read the same way and unchanged (a tensor written in place since has another version; an inference
-    tensor has none, and cannot be written outside inference mode; a write through ``.data`` moves none:
-    :func:`forget_folds`). A ``meta`` tensor has neither values nor memory (every one's address is 0): itself."""
+    same memory read the same way, holding the same values (a hash of them: a write through ``.data`` or a NumPy
+    view moves no version counter, and a fold found by memory and version alone answered with the weights before
+    it, in a capture made after it). A ``meta`` tensor has neither values nor memory (every one's address is 0):
+    itself."""
     if t.device.type == "meta":
         return id(t), t.shape
+    values = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()  # (a 0-d tensor has no byte view)
     if by_value and t.numel() * t.element_size() <= _BY_VALUE_BYTES:
-        values = t.detach().cpu().reshape(-1).view(torch.uint8)  # (a 0-d tensor has no view as bytes)
-        return "values", t.shape, t.dtype, t.device, values.numpy().tobytes()
-    version = None if t.is_inference() else t._version
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, version
+        return "values", t.shape, t.dtype, t.device, values.tobytes()
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, hashlib.sha256(memoryview(values)).hexdigest()
 
 
 def folded_conv(weight: torch.Tensor, bias: torch.Tensor | None, gamma: torch.Tensor | None,
