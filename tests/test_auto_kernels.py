@@ -459,6 +459,23 @@ def test_the_whole_graph_on_inductor_is_not_compiled_again_where_it_ran_slower_t
         assert compiles
 
 
+def test_the_race_is_kept_by_the_graph_whatever_kernels_were_chosen():
+    """A small graph's kernel choice can change from one optimize to the next on a busy machine (the suite once
+    saw it): the race is found again whichever kernels the graph's units were chosen to run on."""
+    pytest.importorskip("onnxruntime")
+    from opsched.pipeline import cost_model
+
+    torch.manual_seed(0)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    graph = capture(model, (x,))
+    on_onnx, _ = cost_model(graph, (x,), kernels="onnxruntime")
+    on_default, _ = cost_model(graph, (x,), kernels="eager")
+    on_onnx.remember_whole_graph_race("inductor", 2.0, 1.0, 3)
+    assert on_default.whole_graph_race("inductor") == (2.0, 1.0)
+    other = capture(nn.Sequential(nn.Linear(16, 16)), (x,))  # another graph: none
+    assert cost_model(other, (x,), kernels="eager")[0].whole_graph_race("inductor") is None
+
+
 def test_a_whole_graph_inductor_cannot_compile_is_dropped_with_why_and_the_others_stand(monkeypatch):
     pytest.importorskip("onnxruntime")
     import opsched

@@ -430,21 +430,30 @@ class MeasuredCost:
             self._store(self._stage_key(("region", (region,))), f"cores={self.cores}", ms, len(region_samples))
 
     def whole_graph_race(self, kernels: str) -> tuple[float, float] | None:
-        """The milliseconds of the whole graph compiled on ``kernels`` as one region and of the fastest plan of
-        this cost model's kernels, when last timed side by side (interleaved, one run) on this device with this
-        batch and core count (:meth:`remember_whole_graph_race`); None where never so, or without a cache."""
-        what = self._stage_key(("whole graph", (tuple(range(len(self.graph))),)))
-        whole = self.cache.get(self.device, what, kernels, self.batch, f"cores={self.cores}") if self.cache else None
-        plan = self._cached(what, f"cores={self.cores}|fastest plan")
+        """The milliseconds of the whole graph compiled on ``kernels`` as one region and of the fastest plan, when
+        last timed side by side (interleaved, one run) on this device with this batch and core count
+        (:meth:`remember_whole_graph_race`); None where never so, or without a cache. Both are kept by the graph
+        whatever kernels its units were chosen to run on: where the choice is close enough to change from one
+        optimize to the next (a small graph on a busy machine), the fastest plan's time hardly does."""
+        if not self.cache:
+            return None
+        what, threads = self._whole_graph_key(), f"cores={self.cores}"
+        whole = self.cache.get(self.device, what, kernels, self.batch, threads)
+        plan = self.cache.get(self.device, what, "fastest plan", self.batch, threads)
         return None if whole is None or plan is None else (whole, plan)
 
     def remember_whole_graph_race(self, kernels: str, whole_ms: float, plan_ms: float, samples: int) -> None:
         """Keep what :meth:`whole_graph_race` reads: two latencies of one interleaved run, so that their ratio
         holds however busy the machine was then."""
-        what = self._stage_key(("whole graph", (tuple(range(len(self.graph))),)))
         if self.cache:
-            self.cache.put(self.device, what, kernels, self.batch, f"cores={self.cores}", whole_ms, samples)
-        self._store(what, f"cores={self.cores}|fastest plan", plan_ms, samples)
+            what, threads = self._whole_graph_key(), f"cores={self.cores}"
+            self.cache.put(self.device, what, kernels, self.batch, threads, whole_ms, samples)
+            self.cache.put(self.device, what, "fastest plan", self.batch, threads, plan_ms, samples)
+
+    def _whole_graph_key(self) -> str:
+        """The whole graph's key whatever kernels its units were chosen to run on."""
+        unchosen = [self._unit_signature(u, kernel=False) for u in range(len(self.graph))]
+        return self._stage_key(("whole graph", (tuple(range(len(self.graph))),)), unchosen)
 
     def _measure_handoff(self) -> float:
         """Milliseconds one extra stream adds to a stage: a two-stream stage of empty steps against a
@@ -490,15 +499,16 @@ class MeasuredCost:
 
     # -- cache keys --
 
-    def _unit_signature(self, u: int) -> str:
+    def _unit_signature(self, u: int, kernel: bool = True) -> str:
         node = self.graph.nodes[u]
-        doc = {"kernel": self.runs.choice[node.name], "kind": node.kind, "ops": list(node.ops),
+        doc = {"kernel": self.runs.choice[node.name] if kernel else None, "kind": node.kind, "ops": list(node.ops),
                "attrs": {k: _plain(v) for k, v in sorted(node.attrs.items())},
                "inputs": [_describe_value(self.values[a]) for a in node.args], "shape": _plain(node.shape),
                "dtype": node.dtype, "flops": node.flops, "param_bytes": node.param_bytes}
         return "unit:" + hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:32]
 
-    def _stage_key(self, stage: StageKey) -> str:
+    def _stage_key(self, stage: StageKey, signatures: Sequence[str] | None = None) -> str:
+        signatures = signatures or self.signatures
         strategy, groups = stage
         inside = [u for g in groups for u in g]
         position = {u: i for i, u in enumerate(inside)}
@@ -508,7 +518,7 @@ class MeasuredCost:
             wiring.append([f"u{position[self.graph.index[a]]}" if a in self.graph.index and
                            self.graph.index[a] in position else f"x{external.setdefault(a, len(external))}"
                            for a in self.graph.nodes[u].args])
-        doc = {"strategy": strategy, "groups": [[self.signatures[u] for u in g] for g in groups], "wiring": wiring}
+        doc = {"strategy": strategy, "groups": [[signatures[u] for u in g] for g in groups], "wiring": wiring}
         return "stage:" + hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
 
     def _cached(self, what: str, threads: str) -> float | None:
