@@ -191,8 +191,10 @@ def test_ios_with_more_stages_splits_blocks_and_stays_valid():
     assert s.stats["transitions"] > 0 and s.bounds["lower_bound"] <= s.predicted_latency
 
 
+# up to 12 units: the unbudgeted search of 14 units without an edge makes 4.7 million transitions (1.5 s), and
+# the draws that hit it took this test from 1.4 s to 22 s of the suite; every budget here is below a 10-unit one's
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(4, 14), p=st.floats(0.0, 0.5), seed=st.integers(0, 10_000),
+@given(n=st.integers(4, 12), p=st.floats(0.0, 0.5), seed=st.integers(0, 10_000),
        budget=st.integers(1, 400))
 def test_ios_halves_a_block_over_its_transitions_and_stays_valid(n, p, seed, budget):
     # a part of 16 models fused side by side did not finish its search in 15 minutes: a block over budget is
