@@ -425,7 +425,7 @@ def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
     race = outcome.cost.whole_graph_race("inductor") if offered else None
     if race is not None and race[0] >= race[1]:
         # Compiling takes seconds to a minute a graph: where it ran slower than a plan here before, it is not
-        # paid again on every optimize (Inception V3: 7.5 s of a 25 s optimize with every cache warm)
+        # paid again on every optimize (Inception V3: its 7-8 s of a 33 s optimize with every cache warm)
         offered, why = False, (f"the whole graph on Inductor ran {race[0] / race[1]:.2f}x the fastest plan when "
                                "last timed beside it here; not compiled again (--no-cache times it anew)")
     if getattr(outcome.cost, "kernel_choice", None) is None:  # ONNX Runtime not installed: nothing else chosen
