@@ -493,6 +493,30 @@ def test_a_whole_graph_inductor_cannot_compile_is_dropped_with_why_and_the_other
     assert outcome.plan() is not None and outcome.plan().measured.measured_as != "sequential+regions+inductor"
 
 
+def test_a_whole_graph_inductor_could_not_compile_is_not_tried_again_on_the_next_optimize(monkeypatch):
+    pytest.importorskip("onnxruntime")
+    import opsched
+    from opsched.errors import OpschedError
+    from opsched.runtime import auto, kernels
+
+    tries = []
+
+    def fails(self, nodes, threads):
+        tries.append(1)
+        raise OpschedError(f"inductor could not compile unit {nodes[0].name!r}: LoweringException: made up")
+
+    monkeypatch.setattr(auto, "INDUCTOR_FROM", 0.0)
+    monkeypatch.setattr(kernels.InductorOperator, "_compile", fails)
+    model, x = Attention().eval(), torch.randn(2, 6, 16)
+    assert "made up" in opsched.optimize(model, (x,), repeats=3).evaluation.dropped["sequential+regions+inductor"]
+    tried = len(tries)
+    again = opsched.optimize(model, (x,), repeats=3)
+    offer = again.cost.kernel_choice["inductor_whole_graph"]
+    assert len(tries) == tried and not offer["offered"]
+    assert offer["why"] == ("the whole graph on Inductor did not compile or verify when last tried here; not "
+                            "compiled again (--no-cache tries it anew)")
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(recipe=recipes())
 def test_random_models_as_one_inductor_region_answer_as_the_model(recipe):

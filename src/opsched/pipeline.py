@@ -15,6 +15,7 @@ capture -> Graph -> cost model -> scheduler -> Schedule -> compile -> evaluate (
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -424,10 +425,13 @@ def whole_graph_on_inductor(job: Workload, outcome: Outcome) -> Outcome | None:
     offered, why = inductor_offered(outcome.cost)
     race = outcome.cost.whole_graph_race("inductor") if offered else None
     if race is not None and race[0] >= race[1]:
-        # Compiling takes seconds to a minute a graph: where it ran slower than a plan here before, it is not
-        # paid again on every optimize (Inception V3: its 7-8 s of a 33 s optimize with every cache warm)
-        offered, why = False, (f"the whole graph on Inductor ran {race[0] / race[1]:.2f}x the fastest plan when "
-                               "last timed beside it here; not compiled again (--no-cache times it anew)")
+        # Compiling takes seconds to a minute a graph: where it ran slower than a plan here before, or did not
+        # compile or verify, it is not paid again on every optimize (Inception V3: its 7-8 s of a 33 s optimize
+        # with every cache warm)
+        offered, why = False, ((f"the whole graph on Inductor ran {race[0] / race[1]:.2f}x the fastest plan when "
+                                "last timed beside it here") if race[0] < math.inf else
+                               "the whole graph on Inductor did not compile or verify when last tried here")
+        why += "; not compiled again (--no-cache tries it anew)"
     if getattr(outcome.cost, "kernel_choice", None) is None:  # ONNX Runtime not installed: nothing else chosen
         outcome.cost.kernel_choice = {}
         for schedule in outcome.schedules.values():
@@ -474,15 +478,15 @@ def run_workload(job: Workload, also: dict[str, Workload] | None = None) -> Outc
 
 
 def remember_inductor_race(outcome: Outcome, on_inductor: Outcome) -> None:
-    """Keep in the cost cache the whole graph on Inductor's median and the fastest of ``outcome``'s plans',
-    measured in one interleaved run, which :func:`whole_graph_on_inductor` reads on the next optimize of the graph;
-    nothing where either was not verified and timed."""
-    measured = outcome.evaluation.measured_ms
+    """Keep in the cost cache the whole graph on Inductor's median (infinite where it did not compile or verify)
+    and the fastest of ``outcome``'s plans', measured in one interleaved run, which
+    :func:`whole_graph_on_inductor` reads on the next optimize of the graph; nothing where no plan was timed."""
+    evaluation = outcome.evaluation
     (name,) = on_inductor.schedules
-    plans = [measured[n] for n in outcome.schedules if n in measured]
-    if name in measured and plans:
-        rounds = len(outcome.evaluation.samples.get(name, ()))
-        outcome.cost.remember_whole_graph_race("inductor", measured[name], min(plans), rounds)
+    plans = [evaluation.measured_ms[n] for n in outcome.schedules if n in evaluation.measured_ms]
+    if plans and (name in evaluation.measured_ms or name in evaluation.dropped):
+        outcome.cost.remember_whole_graph_race("inductor", evaluation.measured_ms.get(name, math.inf), min(plans),
+                                               len(evaluation.samples.get(name, ())))
 
 
 def evaluate_plans(outcome: Outcome, graph: Graph, model: Any, inputs: Sequence[Any], *, cores: int,
