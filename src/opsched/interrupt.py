@@ -104,8 +104,14 @@ def solve_cp_sat(solver: Any, model: Any, callback: Any = None) -> Any:
     come: an interrupted ``opsched map`` went on to write its plan and exit 0. Without that handler the
     interrupt waits, on the main thread, until the solve returns (up to its time limit). So the solve runs on a
     worker thread, CP-SAT's handler off, while the main thread waits where KeyboardInterrupt reaches it; on an
-    interrupt the search is stopped and the interrupt raised once the worker has returned."""
+    interrupt the search is stopped and the interrupt raised once the worker has returned.
+
+    Symmetry is used in presolve only (``symmetry_level`` 1, not CP-SAT's default 2): with the default, OR-Tools
+    9.15 on two workers certified a mapping 2.8% above the optimum as OPTIMAL in 16 of 30 solves of one model
+    (tests/test_mapping_claims.py found it; ``symmetry_level`` 0 and 1 gave the optimum in 30 of 30), the fault
+    and the workaround its maintainers have named for symmetry handling (or-tools issues 3483 and 5293)."""
     solver.parameters.catch_sigint_signal = False
+    solver.parameters.symmetry_level = 1
     done = threading.Event()
     box: dict[str, Any] = {}
 
