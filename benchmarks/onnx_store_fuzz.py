@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from sweep import machine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.small_models import build, recipes, unit_costed
+from support.small_models import build, onnxruntime_verdict, recipes
 
 CHANGES = ("in place", "through .data", "through numpy", "load_state_dict", "none")
 
@@ -48,30 +48,6 @@ def change_weights(model: torch.nn.Module, how: str, recipe: dict) -> None:
         view += 0.1
     else:
         model.load_state_dict(build({**recipe, "seed": recipe["seed"] + 1})[0].state_dict())
-
-
-def run_once(model: torch.nn.Module, inputs: tuple, method: str, regions: bool) -> tuple[bool, str]:
-    """Capture ``model``, run it on ONNX Runtime kernels under ``method``'s plan; whether it answered as the model."""
-    from opsched.compare import compare_outputs
-    from opsched.cost.table import TableCost
-    from opsched.graph.interpret import all_values
-    from opsched.runtime.kernels import ChosenKernels
-    from opsched.runtime.module import OptimizedModule
-    from opsched.schedule import RunSettings
-    from opsched.schedulers import make_schedule
-
-    graph = unit_costed(model, *inputs)
-    plan = make_schedule(method, graph, TableCost(graph))
-    plan.run = RunSettings("onnxruntime", regions=regions)
-    kernels = ChosenKernels({n.name: "onnxruntime" for n in graph.nodes},
-                            all_values(graph, list(inputs)).__getitem__, asked="onnxruntime")
-    module = OptimizedModule(graph, plan, 2, kernels)
-    try:
-        with torch.inference_mode():
-            verdict = compare_outputs(module(*inputs), model(*inputs))
-    finally:
-        module.close()
-    return verdict.ok, verdict.why
 
 
 def main() -> None:
@@ -114,9 +90,9 @@ def main() -> None:
         for when in ("first", "after the change"):
             if when != "first":
                 change_weights(model, how, recipe)
-            ok, why = run_once(model, inputs, method, regions)
-            if not ok:
-                wrong.append(f"{when} ({how}, {method}, regions={regions}): {why}"[:300])
+            verdict = onnxruntime_verdict(model, inputs, method, regions)
+            if not verdict.ok:
+                wrong.append(f"{when} ({how}, {method}, regions={regions}): {verdict.why}"[:300])
 
     with tempfile.TemporaryDirectory() as folder:
         os.environ["OPSCHED_CACHE_DIR"] = folder  # one store for the run, none of the user's

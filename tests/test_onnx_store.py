@@ -9,14 +9,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.small_models import build, recipes, unit_costed
+from support.small_models import build, onnxruntime_verdict, recipes
 from torch import nn
 
-from opsched.cost.table import TableCost
 from opsched.graph.capture import capture
 from opsched.graph.interpret import all_values
 from opsched.runtime import kernels
-from opsched.runtime.kernels import ChosenKernels, OnnxRuntimeOperator
+from opsched.runtime.kernels import OnnxRuntimeOperator
 from opsched.runtime.onnx_store import OnnxStore, export_key
 
 
@@ -198,24 +197,11 @@ def test_random_models_with_other_weights_never_run_a_stored_export_of_the_first
     the same model with other weights (the same graph, the same shapes: every name alike but for the weights),
     then the first again, each from the store where it can: each answers as its own model."""
     pytest.importorskip("onnxruntime")
-    from opsched.compare import compare_outputs
-    from opsched.runtime.module import OptimizedModule
-    from opsched.schedule import RunSettings
-    from opsched.schedulers import make_schedule
-
     recipe = {**recipe, "dtype": "float32"}  # (ONNX Runtime's CPU kernels are float32's)
     first, inputs = build(recipe)
     second, _ = build({**recipe, "seed": recipe["seed"] + 1})
     for model in (first, second, first):
-        graph = unit_costed(model, *inputs)
-        plan = make_schedule(method, graph, TableCost(graph))
-        plan.run = RunSettings("onnxruntime", regions=regions)
-        kernels = ChosenKernels({n.name: "onnxruntime" for n in graph.nodes},
-                                all_values(graph, list(inputs)).__getitem__, asked="onnxruntime")
-        module = OptimizedModule(graph, plan, 2, kernels)
-        with torch.inference_mode():
-            verdict = compare_outputs(module(*inputs), model(*inputs))
-        module.close()
+        verdict = onnxruntime_verdict(model, inputs, method, regions)
         assert verdict.ok, verdict.why
 
 

@@ -172,6 +172,28 @@ def check_inductor_region(recipe: dict[str, Any]) -> str:
     return ""
 
 
+def onnxruntime_verdict(model: torch.nn.Module, inputs: Sequence[torch.Tensor], method: str,
+                        regions: bool) -> Any:
+    """``model`` captured on ``inputs`` and run with every unit on ONNX Runtime under ``method``'s plan (its runs
+    of units as compiled regions where ``regions``), compared with the model's own answer: the verdict
+    (:func:`opsched.compare.compare_outputs`)."""
+    from opsched.graph.interpret import all_values
+    from opsched.runtime.kernels import ChosenKernels
+    from opsched.schedule import RunSettings
+
+    graph = unit_costed(model, *inputs)
+    plan = make_schedule(method, graph, TableCost(graph))
+    plan.run = RunSettings("onnxruntime", regions=regions)
+    kernels = ChosenKernels({n.name: "onnxruntime" for n in graph.nodes},
+                            all_values(graph, list(inputs)).__getitem__, asked="onnxruntime")
+    module = OptimizedModule(graph, plan, 2, kernels)
+    try:
+        with torch.inference_mode():
+            return compare_outputs(module(*inputs), model(*inputs))
+    finally:
+        module.close()
+
+
 def call_with_deadline(fn: Callable[..., Any], args: Sequence[Any], seconds: float = HANG_SECONDS) -> Any:
     """``fn(*args)`` on another thread; a call that has not returned after ``seconds`` is a hang."""
     box: dict[str, Any] = {}

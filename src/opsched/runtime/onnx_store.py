@@ -172,9 +172,11 @@ class OnnxStore:
         else:
             self._unchecked += len(data)
 
-    def evict(self) -> int:
-        """Remove the least recently used exports until the folder holds at most ``limit`` bytes, and what a
-        stopped writer left (a ``.part`` file an hour old); return how many exports were removed."""
+    def evict(self, limit: int | None = None) -> int:
+        """Remove the least recently used exports until the folder holds at most ``limit`` bytes (default the
+        store's), and what a stopped writer left (a ``.part`` file an hour old); return how many exports were
+        removed."""
+        limit = self.limit if limit is None else limit
         files = []
         try:
             entries = list(os.scandir(self.folder))
@@ -190,7 +192,7 @@ class OnnxStore:
         files.sort()
         total, removed = sum(size for _, size, _ in files), 0
         for _, size, path in files:
-            if total <= self.limit:
+            if total <= limit:
                 break
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -208,8 +210,4 @@ class OnnxStore:
 
     def clear(self) -> int:
         """Remove every stored export; return how many there were."""
-        limit, self.limit = self.limit, -1
-        try:
-            return self.evict()
-        finally:
-            self.limit = limit
+        return self.evict(limit=-1)
