@@ -227,6 +227,7 @@ def test_a_capture_on_another_thread_silences_that_thread_alone(capsys):
     # the user's own thread wrote there was lost (opsched's note of an autocast call it answered meanwhile among them)
     import sys
     import threading
+    import warnings
 
     inside, release = threading.Event(), threading.Event()
 
@@ -235,13 +236,18 @@ def test_a_capture_on_another_thread_silences_that_thread_alone(capsys):
             inside.set()
             release.wait(30)
             print("the tracer's noise", file=sys.stderr)
+            warnings.warn("the tracer's warning")
             return x + 1
 
-    capturing = threading.Thread(target=capture, args=(Waits(), (torch.ones(2),)))
-    capturing.start()
-    assert inside.wait(60)
-    print("the user's line", file=sys.stderr)
-    release.set()
-    capturing.join(60)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        capturing = threading.Thread(target=capture, args=(Waits(), (torch.ones(2),)))
+        capturing.start()
+        assert inside.wait(60)
+        print("the user's line", file=sys.stderr)
+        warnings.warn("the user's warning")  # a process-wide filter dropped it too
+        release.set()
+        capturing.join(60)
     err = capsys.readouterr().err
     assert "the user's line" in err and "the tracer's noise" not in err, err
+    assert [str(w.message) for w in seen] == ["the user's warning"]

@@ -34,9 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import operator
-import sys
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -52,6 +50,7 @@ from opsched.graph.fold import fold_batch_norms
 from opsched.graph.ir import Graph, Node
 from opsched.graph.maxpool import max_pools_by_slices
 from opsched.graph.tracing import TRACING
+from opsched.quiet import this_thread_quiet
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 
@@ -79,46 +78,19 @@ def capture(model: torch.nn.Module, example_inputs: Any, *, name: str | None = N
 _QUIET = threading.Lock()
 
 
-class _OtherThreadsOnly:
-    """``stream`` for every thread but the one that made it, which writes nowhere. sys.stderr is one for the
-    whole process: a capture on a background build's thread that swapped in a plain buffer swallowed, for the
-    seconds the capture took, whatever every other thread wrote there (the user's own lines, opsched's notes of
-    the calls it answered meanwhile)."""
-
-    def __init__(self, stream: Any):
-        self._stream, self._quiet = stream, threading.current_thread()
-
-    def write(self, text: str) -> int:
-        return len(text) if threading.current_thread() is self._quiet else self._stream.write(text)
-
-    def __getattr__(self, name: str) -> Any:  # flush, fileno, encoding, isatty...: the stream's own
-        return getattr(self._stream, name)
-
-
 @contextlib.contextmanager
 def pytorch_quiet() -> Iterator[None]:
     """Silence PyTorch's own output while a capture is attempted: torch.export prints the partial graph of a
-    failed export straight to stderr and logs symbolic-shape warnings, 27 lines before our one-line error.
-    Python warnings and the ``torch`` loggers are process-wide, so captures that silence them run one at a time;
-    stderr is silenced for the capturing thread alone (:class:`_OtherThreadsOnly`)."""
+    failed export straight to stderr and logs symbolic-shape warnings, 27 lines before our one-line error. On the
+    capturing thread only (:func:`opsched.quiet.this_thread_quiet`): a capture on a background build's thread
+    that silenced the process swallowed, for the seconds it took, whatever every other thread warned, logged or
+    wrote to stderr (the user's own lines, opsched's notes of the calls it answered meanwhile). Captures run one
+    at a time."""
     if logging.getLogger("opsched").isEnabledFor(logging.DEBUG):
         yield
         return
-    with _QUIET:
-        loggers = [logging.getLogger("torch")] + [
-            logger for name, logger in logging.Logger.manager.loggerDict.items()
-            if name.startswith("torch.") and isinstance(logger, logging.Logger)]
-        levels = [logger.level for logger in loggers]
-        try:
-            # loggers torch creates meanwhile have no level of their own and inherit this one from ``torch``
-            for logger in loggers:
-                logger.setLevel(logging.CRITICAL + 1)
-            with warnings.catch_warnings(), contextlib.redirect_stderr(_OtherThreadsOnly(sys.stderr)):
-                warnings.simplefilter("ignore")
-                yield
-        finally:
-            for logger, level in zip(loggers, levels):
-                logger.setLevel(level)
+    with _QUIET, this_thread_quiet():
+        yield
 
 
 def _trace(model: torch.nn.Module, args: tuple, label: str) -> tuple[fx.GraphModule, str]:

@@ -31,11 +31,8 @@ import hashlib
 import io
 import json
 import logging
-import os
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -47,6 +44,7 @@ from opsched.exiting import stop_point
 from opsched.graph.ir import Node
 from opsched.graph.maxpool import max_pools_by_kernel
 from opsched.graph.onnxops import exportable_batch_norms
+from opsched.quiet import this_thread_quiet
 from opsched.runtime.choice import ASKED
 from opsched.runtime.merge import merged_operator
 from opsched.runtime.onnx_store import OnnxStore, export_key
@@ -463,28 +461,12 @@ def onnx_session(exported: bytes, threads: int) -> Any:
 
 
 def onnx_bytes(module: Any, args: Sequence[Any], **options: Any) -> bytes:
-    """``module`` called on ``args``, exported to ONNX by PyTorch's TorchScript exporter, quietly: its deprecation
-    and tracer warnings, and the graph it logs when an export fails, are the exporter's notes to itself. That log
-    went to standard output whatever its setting (PyTorch 2.14 tests the setting's function, not its value) and
-    broke the JSON of ``opsched multi --json --kernels onnxruntime`` (a batched unit of MobileNetV3-small does not
-    export); it is sent to standard error, which points at /dev/null meanwhile. Raises what the exporter raises."""
+    """``module`` called on ``args``, exported to ONNX by PyTorch's TorchScript exporter, quietly on this thread
+    (:func:`opsched.quiet.this_thread_quiet`): its deprecation and tracer warnings, and the graph it prints when an
+    export fails, are the exporter's notes to itself. That graph went to standard output whatever the log's
+    setting and broke the JSON of ``opsched multi --json --kernels onnxruntime`` (a batched unit of
+    MobileNetV3-small does not export). Raises what the exporter raises."""
     buffer = io.BytesIO()
-    torch._C._jit_set_onnx_log_output_stream("stderr")
-    with warnings.catch_warnings(), _stderr_to_devnull():
-        warnings.simplefilter("ignore")
+    with this_thread_quiet():
         torch.onnx.export(module, tuple(args), buffer, dynamo=False, **options)
     return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def _stderr_to_devnull() -> Iterator[None]:
-    """File descriptor 2 on /dev/null: what C++ writes there is dropped."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
