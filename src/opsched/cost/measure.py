@@ -49,7 +49,7 @@ import platform
 import statistics
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -64,6 +64,15 @@ CONTENTION_PRIOR = 1.0
 MERGE_PRIOR = 0.85  # optimistic, so that searches try merges and measurement settles them
 SHARING_COPIES = 4  # copies of a unit run at once on a GPU to see how much of the device it fills
 CACHE_DISAGREEMENT = 2.0  # cached unit timings summing to more than this times the graph timed now are redone
+
+
+class WholeGraphRace(NamedTuple):
+    """The whole graph compiled as one region against the fastest plan, when last timed side by side."""
+
+    whole_ms: float  # infinite where it did not compile or verify
+    plan_ms: float
+    lost: int  # races in a row it ran no faster than the plan (0: it won the last)
+    skipped: int  # optimizes since the last race that did not compile it
 
 
 def cpu_fingerprint(cores: int) -> str:
@@ -429,26 +438,45 @@ class MeasuredCost:
             self.counts["regions_measured"] += 1
             self._store(self._stage_key(("region", (region,))), f"cores={self.cores}", ms, len(region_samples))
 
-    def whole_graph_race(self, kernels: str) -> tuple[float, float] | None:
+    def whole_graph_race(self, kernels: str) -> WholeGraphRace | None:
         """The milliseconds of the whole graph compiled on ``kernels`` as one region and of the fastest plan, when
         last timed side by side (interleaved, one run) on this device with this batch and core count
-        (:meth:`remember_whole_graph_race`); None where never so, or without a cache. Both are kept by the graph
-        whatever kernels its units were chosen to run on: where the choice is close enough to change from one
-        optimize to the next (a small graph on a busy machine), the fastest plan's time hardly does."""
+        (:meth:`remember_whole_graph_race`), with how many such races in a row it lost and how many optimizes
+        skipped it since (:meth:`skip_whole_graph`); None where never so, or without a cache. All are kept by the
+        graph whatever kernels its units were chosen to run on: where the choice is close enough to change from
+        one optimize to the next (a small graph on a busy machine), the fastest plan's time hardly does."""
         if not self.cache:
             return None
         what, threads = self._whole_graph_key(), f"cores={self.cores}"
         whole = self.cache.get(self.device, what, kernels, self.batch, threads)
         plan = self.cache.get(self.device, what, "fastest plan", self.batch, threads)
-        return None if whole is None or plan is None else (whole, plan)
+        if whole is None or plan is None:
+            return None
+        # (a race kept before the counts were: one loss, nothing skipped)
+        lost = self.cache.get(self.device, what, f"{kernels}: races lost", self.batch, threads)
+        skipped = self.cache.get(self.device, what, f"{kernels}: optimizes skipped", self.batch, threads)
+        return WholeGraphRace(whole, plan, int(lost if lost is not None else whole >= plan), int(skipped or 0))
 
     def remember_whole_graph_race(self, kernels: str, whole_ms: float, plan_ms: float, samples: int) -> None:
         """Keep what :meth:`whole_graph_race` reads: two latencies of one interleaved run, so that their ratio
-        holds however busy the machine was then."""
+        holds however busy the machine was then, and the races lost in a row (none where the whole graph was the
+        faster)."""
         if self.cache:
+            before = self.whole_graph_race(kernels)
+            lost = (before.lost if before else 0) + 1 if whole_ms >= plan_ms else 0
             what, threads = self._whole_graph_key(), f"cores={self.cores}"
             self.cache.put(self.device, what, kernels, self.batch, threads, whole_ms, samples)
             self.cache.put(self.device, what, "fastest plan", self.batch, threads, plan_ms, samples)
+            self.cache.put(self.device, what, f"{kernels}: races lost", self.batch, threads, lost, 1)
+            self.cache.put(self.device, what, f"{kernels}: optimizes skipped", self.batch, threads, 0, 1)
+
+    def skip_whole_graph(self, kernels: str) -> None:
+        """Count one more optimize that did not compile the whole graph on ``kernels`` (see
+        :meth:`whole_graph_race`)."""
+        race = self.whole_graph_race(kernels)
+        if race is not None:
+            self.cache.put(self.device, self._whole_graph_key(), f"{kernels}: optimizes skipped", self.batch,
+                           f"cores={self.cores}", race.skipped + 1, 1)
 
     def _whole_graph_key(self) -> str:
         """The whole graph's key whatever kernels its units were chosen to run on."""
