@@ -433,11 +433,10 @@ def test_the_fuzzer_can_fail():
     try:
         GuardedModule.forward = lambda self, *inputs: (  # ignores the weights and the signature
             next(iter(self.plans.values())).module.run(list(inputs)) if self.plans else original(self, *inputs))
-        with pytest.raises(AssertionError):
-            result = call_fuzz.run_sequence(case)
-            assert result["wrong"] == []
+        result = call_fuzz.run_sequence(case)  # outside any pytest.raises: the harness's own asserts must hold
     finally:
         GuardedModule.forward = original
+    assert result["wrong"] and "in_place" in str(result["wrong"]), result
 
 
 # -- the review's silent wrong values (issue 36, item 4), each wrong on the main before it ------------------------

@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from opsched.compare import compare_outputs
 from opsched.cost.table import TableCost
 from opsched.errors import OpschedError
 from opsched.graph.capture import capture
@@ -18,7 +19,7 @@ from opsched.runtime.kernels import ChosenKernels, kernels_for, plan_kernels
 from opsched.runtime.module import OptimizedModule
 from opsched.schedule import RunSettings, ScheduleError, from_dict
 from opsched.schedulers import make_schedule
-from tests.support.small_models import build, recipes
+from tests.support.small_models import TOLERANCE, build, recipes
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="packs with oneDNN only")
 
@@ -100,8 +101,9 @@ def test_every_executor_step_runs_the_kernel_the_choice_names(recipe, method):
     with torch.inference_mode():
         want = model(*inputs)
         for module in (given_kernels, by_default):
-            torch.testing.assert_close(module(*inputs), want, rtol=5e-2 if recipe["dtype"] == "bfloat16" else 1e-4,
-                                       atol=5e-2 if recipe["dtype"] == "bfloat16" else 1e-5)
+            # each output at its own scale: an absolute 5e-2 passed any answer on a softmax's small outputs
+            verdict = compare_outputs(module(*inputs), want, TOLERANCE[inputs[0].dtype])
+            assert verdict.ok, verdict.why
     for module in (given_kernels, by_default):
         module.close()
 
@@ -223,10 +225,9 @@ def test_a_step_onnx_cannot_take_changes_no_units_kernel_but_its_own(monkeypatch
     kernels = ChosenKernels({n.name: "onnxruntime" for n in graph.nodes}, example=lambda name: None)
     session = object()
 
-    def compile_unless_merged(nodes, threads):  # a stand-in for ONNX Runtime: merged steps fail to export
-        if len(nodes) > 1 or nodes[0].name == graph.nodes[-1].name:
-            kernels.onnxruntime.eager_runs.add(tuple(n.run for n in nodes))
-            return nodes[0].run
+    def compile_unless_merged(nodes, threads):  # a stand-in for ONNX Runtime: merged steps fail to export,
+        if len(nodes) > 1 or nodes[0].name == graph.nodes[-1].name:  # and say so as the operator does
+            return kernels.onnxruntime._stays_eager(nodes, nodes[0].run, "a stand-in's export failed")
         return session
 
     monkeypatch.setattr(kernels.onnxruntime, "_compile", compile_unless_merged)

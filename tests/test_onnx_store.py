@@ -200,9 +200,22 @@ def test_random_models_with_other_weights_never_run_a_stored_export_of_the_first
     recipe = {**recipe, "dtype": "float32"}  # (ONNX Runtime's CPU kernels are float32's)
     first, inputs = build(recipe)
     second, _ = build({**recipe, "seed": recipe["seed"] + 1})
-    for model in (first, second, first):
-        verdict = onnxruntime_verdict(model, inputs, method, regions)
-        assert verdict.ok, verdict.why
+    exported = []
+    real = kernels.onnx_bytes
+
+    def counted(*args, **options):
+        made = real(*args, **options)
+        exported.append(1)
+        return made
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels, "onnx_bytes", counted)
+        for model in (first, second, first):
+            exported.clear()
+            verdict = onnxruntime_verdict(model, inputs, method, regions)
+            assert verdict.ok, verdict.why
+    # the first model again: every export from the store (one rejected by the check before use would be made anew)
+    assert exported == []
 
 
 def test_a_stored_export_rejected_is_never_run_even_where_exporting_anew_fails(monkeypatch):

@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+from opsched import quiet
 from opsched.quiet import this_thread_quiet
 from opsched.runtime.kernels import onnx_bytes
 
@@ -117,12 +118,18 @@ def test_a_failed_export_prints_nothing_and_the_exporters_log_is_left_to_other_c
     assert done.stderr == ""
 
 
-def test_warnings_and_file_descriptor_2_work_after_an_export(capfd):
+def test_after_an_export_this_thread_warns_logs_and_writes_to_stderr_again(capfd):
+    stderr = sys.stderr
     with pytest.raises(Exception, match="airy_ai"):
         onnx_bytes(_Unexportable(), (torch.randn(3),))
+    assert sys.stderr is stderr and not quiet._quiet
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", append=True)  # last: a filter the export left behind would still win
         warnings.warn("after the export")
     assert [str(w.message) for w in seen] == ["after the export"]
+    logging.getLogger("torch._dynamo").warning("torch log after the export")  # torch's own handler: stderr
+    sys.stderr.write("sys.stderr after the export\n")
     os.write(2, b"fd 2 after the export\n")
-    assert capfd.readouterr().err == "fd 2 after the export\n"
+    err = capfd.readouterr().err
+    assert "torch log after the export" in err and "sys.stderr after the export\n" in err, err
+    assert "fd 2 after the export\n" in err, err
