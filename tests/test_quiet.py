@@ -75,6 +75,20 @@ def test_a_quiet_thread_drops_its_own_chatter_and_no_other_threads(capfd):
         "stderr from the main thread"] * 3  # (torch's own handler writes the logs there too)
 
 
+def test_a_torch_logger_made_while_a_thread_is_quiet_is_quiet_there_too():
+    # torch.export's first run imports modules that make loggers: they have no filter of their own yet. A handler
+    # on the torch logger (torch's own, or one a user adds to keep torch's logs in a file) still drops their records
+    kept = _Kept()
+    logging.getLogger("torch").addHandler(kept)
+    try:
+        with this_thread_quiet():
+            logging.getLogger("torch.opsched_test.made_while_quiet").warning("a record from a logger made meanwhile")
+        logging.getLogger("torch.opsched_test.made_while_quiet").warning("one once the thread is not quiet")
+    finally:
+        logging.getLogger("torch").removeHandler(kept)
+    assert kept.messages == ["one once the thread is not quiet"]
+
+
 def test_an_error_filter_does_not_reach_a_quiet_thread():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # python -W error, or pytest's filterwarnings = error

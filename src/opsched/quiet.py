@@ -9,7 +9,7 @@ warnings, torch logs and error output. Instead each of them is given, once, a ho
 quiet thread and lets the rest through:
 
 - a warnings filter, first in ``warnings.filters``, whose category matches only on a quiet thread;
-- a logging filter on each ``torch`` logger, on the record's own thread;
+- a logging filter on each ``torch`` logger and on torch's own handler, on the record's own thread;
 - ``sys.stderr`` replaced, while any thread is quiet, by a stream that writes nowhere for quiet threads;
 - ``torch._C._jit_onnx_log``, through which the TorchScript exporter prints the graph of a failed export to
   standard output whatever the log's setting (PyTorch 2.14), passed through for other threads.
@@ -97,7 +97,13 @@ def _install_hooks() -> None:
     for name, logger in list(logging.Logger.manager.loggerDict.items()):
         if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
             logger.addFilter(_LOG_FILTER)  # (a no-op where it is there already)
-    logging.getLogger("torch").addFilter(_LOG_FILTER)
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addFilter(_LOG_FILTER)
+    # and on torch's own handler, which the records of torch's loggers reach (it does not propagate further):
+    # a logger torch makes while a capture runs (its first torch.export imports modules that make some) has no
+    # filter of its own yet
+    for handler in torch_logger.handlers:
+        handler.addFilter(_LOG_FILTER)
     log = getattr(torch._C, "_jit_onnx_log", None)
     if log is not None and not getattr(log, "opsched_quiet", False):
         torch._C._jit_onnx_log = _onnx_log_passing_other_threads(log)
