@@ -1079,3 +1079,64 @@ def test_a_model_batch_with_a_dynamic_batch_makes_other_sizes_from_its_schedule(
     else:  # the models themselves answer: nothing of their weights in the plan, nothing to make again
         assert plan.chosen == "sequential_models" and plan.made == 1, plan.summary()
     fast.close()
+
+
+class Keywords(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.Conv2d(3, 4, 1)
+
+    def forward(self, x, scale=1.0, mask=None, *, flag=False):
+        y = self.a(x) * scale + self.b(x)
+        if mask is not None:
+            y = y * mask
+        return -y if flag else y
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from([1.0, 2.0]), st.booleans()),
+                min_size=1, max_size=6))
+def test_a_call_is_served_whichever_way_its_arguments_are_passed(calls):
+    """Keyword arguments raised TypeError (the optimized module took positional ones only), where the model takes
+    them. Each call: how many of (x, scale, mask) it gives, how many of those go by keyword, the scale, and whether
+    it also passes the keyword-only flag (which the model itself then answers). Every answer is the model's, and a
+    plan is built once per call as positional arguments, however the calls pass them."""
+    torch.manual_seed(0)
+    model, x, mask = Keywords().eval(), torch.randn(1, 3, 8, 8), torch.rand(1, 4, 8, 8)
+    lines = []
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lines.append)
+    as_called = set()
+    for given_count, by_keyword, scale, flag in calls:
+        values = dict(list({"x": x, "scale": scale, "mask": mask}.items())[:given_count + 1])
+        names = list(values)
+        by_keyword = min(by_keyword, len(names))
+        args = tuple(values[n] for n in names[:len(names) - by_keyword])
+        keywords = {n: values[n] for n in names[len(names) - by_keyword:]}
+        if flag:
+            keywords["flag"] = True
+        with torch.no_grad():
+            assert close(fast(*args, **keywords), model(*args, **keywords))
+        if not flag:  # as positional arguments: (x,), (x, scale) or (x, scale, mask)
+            as_called.add((given_count, scale if given_count else None))
+    assert builder.built == len(as_called)
+    assert all("plans are made for positional arguments" in line for line in lines if "flag" in line)
+    fast.close()
+
+
+def test_a_keyword_only_argument_is_answered_by_the_model_or_refused_when_strict_and_an_unknown_one_is_the_models_error():
+    torch.manual_seed(0)
+    model, x = Keywords().eval(), torch.randn(1, 3, 8, 8)
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lambda line: None)
+    with torch.no_grad():
+        assert close(fast(x, flag=True), model(x, flag=True))
+        with pytest.raises(TypeError) as theirs:
+            model(x, colour="red")
+        with pytest.raises(TypeError) as ours:
+            fast(x, colour="red")
+    assert str(ours.value) == str(theirs.value)
+    strict = GuardedModule(model, call_fuzz.QuickBuilder(0), strict=True, say=lambda line: None)
+    with pytest.raises(SignatureMismatch, match=r"keyword argument\(s\) flag: .*\(strict=False\)"):
+        strict(x, flag=True)
+    fast.close()
+    strict.close()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import queue
 import sys
 import threading
@@ -141,10 +142,16 @@ class GuardedModule(torch.nn.Module):
         self._private: tuple[int, torch.nn.Module] | None = None
         self._generation = 0  # counts the weight changes seen: a build from older weights is not kept
         self._plans_made = 0
+        self._said_keywords: set[tuple[str, ...]] = set()
         for plan in plans:
             self._keep(plan)
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self, *inputs: Any, **keywords: Any) -> Any:
+        if keywords:  # one plan serves a call whichever way its arguments are passed
+            positional = positional_call(self._forward_signature, inputs, keywords)
+            if positional is None:
+                return self._keywords_answered_by_model(inputs, keywords)
+            inputs = positional
         changed = self.watch.changed()
         if changed:
             if self.watch.in_training():
@@ -207,6 +214,34 @@ class GuardedModule(torch.nn.Module):
         if self.strict:
             raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
         return self._model_answers(inputs)
+
+    @functools.cached_property
+    def _forward_signature(self) -> inspect.Signature | None:
+        try:
+            return inspect.signature(self.model.forward)
+        except (TypeError, ValueError):  # (a forward inspect cannot read: keywords go to the model itself)
+            return None
+
+    def _keywords_answered_by_model(self, inputs: tuple, keywords: dict[str, Any]) -> Any:
+        """A call whose keywords cannot all be passed by position (a keyword-only parameter, ``**kwargs``): the
+        model answers, or with ``strict`` the call is refused. One the forward does not take at all gets the
+        model's own error."""
+        names = tuple(sorted(keywords))
+        signature = self._forward_signature
+        try:
+            takes = signature is not None and signature.bind(*inputs, **keywords) is not None
+        except TypeError:
+            takes = False
+        if takes:
+            why = (f"keyword argument(s) {', '.join(names)}: the forward takes some of them by keyword only (or "
+                   "through **kwargs), and plans are made for positional arguments")
+            if self.strict:
+                raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
+            if names not in self._said_keywords:
+                self._said_keywords.add(names)
+                self.say(f"{why}: the model itself answers such calls")
+        with TRACING.calling():
+            return self.model(*inputs, **keywords)
 
     def _model_answers(self, inputs: tuple) -> Any:
         with TRACING.calling():  # never while a plan's build traces (opsched.graph.tracing)
@@ -353,6 +388,38 @@ class GuardedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
+
+
+def positional_call(signature: inspect.Signature | None, inputs: tuple,
+                    keywords: dict[str, Any]) -> tuple | None:
+    """A call of a forward of ``signature`` with ``inputs`` and ``keywords``, as positional arguments alone: each
+    parameter left out before the last one given takes its default. The model answers both the same, and the
+    plan made for one serves the other. None where the call cannot be so passed (a keyword-only parameter,
+    ``**kwargs``, a name the forward does not take, no signature).
+
+    >>> def forward(x, scale=1.0, mask=None, *, flag=False): ...
+    >>> positional_call(inspect.signature(forward), ("x",), {"mask": "m"})
+    ('x', 1.0, 'm')
+    >>> positional_call(inspect.signature(forward), ("x",), {"flag": True}) is None
+    True
+    """
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(*inputs, **keywords)
+    except TypeError:
+        return None
+    parameters = list(signature.parameters.values())
+    if any(p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD) for p in parameters if p.name in bound.arguments):
+        return None
+    last = max(k for k, p in enumerate(parameters) if p.name in bound.arguments)
+    positional: list[Any] = []
+    for p in parameters[:last + 1]:
+        if p.kind is p.VAR_POSITIONAL:
+            positional.extend(bound.arguments.get(p.name, ()))
+        else:  # (bind took the call: a parameter left out has a default)
+            positional.append(bound.arguments.get(p.name, p.default))
+    return tuple(positional)
 
 
 def _traced_with_fx(plan: Plan) -> bool:
