@@ -97,21 +97,65 @@ def _trace(model: torch.nn.Module, args: tuple, label: str) -> tuple[fx.GraphMod
     try:
         with torch.no_grad():
             exported = torch.export.export(model, args)
+    except Exception as export_error:  # noqa: BLE001 - any failure moves on to torch.fx
+        return _fx_trace(model, args, label, export_error)
+    functional = None
+    if _may_write(exported):  # (rare: decomposing every model to be sure would cost seconds on the large ones)
+        functional = exported.run_decompositions({})
+        signature = functional.graph_signature
+        written = sorted([f"parameter {p}" for p in signature.parameters_to_mutate.values()]
+                         + [f"buffer {b}" for b in signature.buffers_to_mutate.values()]
+                         + [f"input {i}" for i in signature.user_inputs_to_mutate.values()])
+        if written:
+            # a plan runs on a copy of the model, which its calls would change and the model's would not (and each
+            # of the model's own calls would be a weight change to the plans); its units run at once, in another
+            # order, on the inputs: never the same answers (an input written in place failed every schedule's
+            # verification, 0.9 of the output's magnitude apart)
+            raise CaptureError(f"cannot capture {label}: its forward writes {', '.join(written)} in place; opsched "
+                               "plans models whose forward leaves their state and inputs as it found them")
+    try:
         gm = exported.module()
         if not _make_inplace_functional(gm):
             # Some in-place op is seen through an alias: let torch functionalize the whole program.
-            gm = exported.run_decompositions({}).module()
+            gm = (functional or exported.run_decompositions({})).module()
             _make_inplace_functional(gm)
         return gm, "torch.export"
     except Exception as export_error:  # noqa: BLE001 - any failure moves on to torch.fx
-        try:
-            gm = fx.symbolic_trace(model)
-            with torch.no_grad():
-                ShapeProp(gm).propagate(*args)
-            return gm, "torch.fx"
-        except Exception as fx_error:
-            raise CaptureError(f"cannot capture {label}: torch.export failed ({first_line(export_error)}); "
-                               f"torch.fx failed ({first_line(fx_error)})") from fx_error
+        return _fx_trace(model, args, label, export_error)
+
+
+def _may_write(exported: torch.export.ExportedProgram) -> bool:
+    """Whether an exported forward may write in place into a buffer, a parameter or an input (``self.calls += 1``,
+    ``self.buf[0] = x``, ``x.mul_(2)``): the program torch.export makes keeps such writes as in-place operators on
+    their placeholders, or on what may alias them (a view, or ``to`` and ``reshape``, which alias only at times);
+    its signature lists the writes only once functionalized."""
+    placeholders = {n.name for n in exported.graph.nodes if n.op == "placeholder"}
+    for node in exported.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        arguments = node.target._schema.arguments
+        given = {**dict(zip((a.name for a in arguments), node.args)), **node.kwargs}
+        for argument in arguments:
+            value = given.get(argument.name)
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            while isinstance(value, fx.Node) and value.op == "call_function" and _is_view(value) and value.args:
+                value = value.args[0]  # a write through a view writes its base
+            if isinstance(value, fx.Node) and value.name in placeholders:
+                return True
+    return False
+
+
+def _fx_trace(model: torch.nn.Module, args: tuple, label: str,
+              export_error: Exception) -> tuple[fx.GraphModule, str]:
+    try:
+        gm = fx.symbolic_trace(model)
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*args)
+        return gm, "torch.fx"
+    except Exception as fx_error:
+        raise CaptureError(f"cannot capture {label}: torch.export failed ({first_line(export_error)}); "
+                           f"torch.fx failed ({first_line(fx_error)})") from fx_error
 
 
 def _make_inplace_functional(gm: fx.GraphModule) -> bool:
