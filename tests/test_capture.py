@@ -161,8 +161,21 @@ def test_output_that_ignores_the_inputs_is_refused():
         def forward(self, x):
             return self.w * 2
 
-    with pytest.raises(CaptureError, match="does not depend on the inputs"):
+    with pytest.raises(CaptureError, match="output 0 does not depend on the inputs"):
         opsched.capture(Const(), (torch.randn(2),))
+
+
+def test_an_output_that_is_not_a_tensor_is_named_in_the_refusal():
+    class WithNone(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 1)
+
+        def forward(self, x):
+            return self.conv(x), None
+
+    with pytest.raises(CaptureError, match="output 1 is None, not a tensor"):
+        opsched.capture(WithNone(), (torch.randn(1, 3, 4, 4),))
 
 
 def test_units_read_weights_under_flat_names_and_activate_in_place_only_what_they_made():

@@ -311,9 +311,12 @@ def _group_units(gm: fx.GraphModule, label: str) -> Graph:
         graph_nodes.append(_make_node(unit, heavy[uid], uid in sepconv, external, unit_names[uid],
                                       [source_name[a] for a in external], op_names, const, gm))
     out_names = []
-    for a in flat_out:
-        if not isinstance(a, fx.Node) or a not in source_name:
-            raise CaptureError(f"cannot capture {label}: an output does not depend on the inputs")
+    for k, a in enumerate(flat_out):
+        if not isinstance(a, fx.Node):
+            raise CaptureError(f"cannot capture {label}: output {k} is {a!r}, not a tensor; opsched plans forwards "
+                               "whose outputs are tensors (a None, a number or a string among them is not planned)")
+        if a not in source_name:
+            raise CaptureError(f"cannot capture {label}: output {k} does not depend on the inputs")
         out_names.append(source_name[a])
     return Graph(graph_nodes, inputs=[n.name for n in inputs], outputs=out_names, name=label, out_spec=out_spec)
 
