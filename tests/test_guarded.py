@@ -1093,34 +1093,47 @@ class Keywords(torch.nn.Module):
         return -y if flag else y
 
 
+HOW = ("absent", "positional", "keyword")
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 3), st.sampled_from([1.0, 2.0]), st.booleans()),
-                min_size=1, max_size=6))
+@given(st.lists(st.tuples(st.sampled_from(HOW), st.sampled_from([1.0, 2.0]), st.sampled_from(HOW),
+                          st.sampled_from(["given", "None"]), st.booleans()), min_size=1, max_size=6))
 def test_a_call_is_served_whichever_way_its_arguments_are_passed(calls):
     """Keyword arguments raised TypeError (the optimized module took positional ones only), where the model takes
-    them. Each call: how many of (x, scale, mask) it gives, how many of those go by keyword, the scale, and whether
-    it also passes the keyword-only flag (which the model itself then answers). Every answer is the model's, and a
-    plan is built once per call as positional arguments, however the calls pass them."""
+    them. Each call passes x, then scale and mask each left out, by position or by keyword (scale 1.0 and mask None
+    being the defaults), and maybe the keyword-only flag (which the model itself then answers). Every answer is the
+    model's, and one plan is built for each call as positional arguments, a keyword at its default at the end left
+    out (``fast(x, mask=None)`` is ``fast(x)``)."""
     torch.manual_seed(0)
     model, x, mask = Keywords().eval(), torch.randn(1, 3, 8, 8), torch.rand(1, 4, 8, 8)
     lines = []
     builder = call_fuzz.QuickBuilder(0)
     fast = GuardedModule(model, builder, wait=True, say=lines.append)
-    as_called = set()
-    for given_count, by_keyword, scale, flag in calls:
-        values = dict(list({"x": x, "scale": scale, "mask": mask}.items())[:given_count + 1])
-        names = list(values)
-        by_keyword = min(by_keyword, len(names))
-        args = tuple(values[n] for n in names[:len(names) - by_keyword])
-        keywords = {n: values[n] for n in names[len(names) - by_keyword:]}
+    as_positional = set()
+    for scale_how, scale, mask_how, mask_given, flag in calls:
+        if mask_how == "positional" and scale_how != "positional":
+            mask_how = "keyword"  # (no positional argument after one left out)
+        mask_value = mask if mask_given == "given" else None
+        args, keywords, length = [x], {}, 1
+        for name, how, value, default in (("scale", scale_how, scale, 1.0), ("mask", mask_how, mask_value, None)):
+            if how == "positional":
+                args.append(value)
+                length += 1
+            elif how == "keyword":
+                keywords[name] = value
+                if value is not default and not (isinstance(value, float) and value == default):
+                    length = 3 if name == "mask" else max(length, 2)
         if flag:
             keywords["flag"] = True
         with torch.no_grad():
             assert close(fast(*args, **keywords), model(*args, **keywords))
-        if not flag:  # as positional arguments: (x,), (x, scale) or (x, scale, mask)
-            as_called.add((given_count, scale if given_count else None))
-    assert builder.built == len(as_called)
-    assert all("plans are made for positional arguments" in line for line in lines if "flag" in line)
+        if not flag:
+            scale_value = scale if scale_how != "absent" else 1.0
+            as_positional.add((length, scale_value if length > 1 else None, mask_given if length > 2 else None))
+    assert builder.built == len(as_positional)
+    if any(flag for *_, flag in calls):
+        assert any("flag" in line and "plans are made for positional arguments" in line for line in lines), lines
     fast.close()
 
 

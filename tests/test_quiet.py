@@ -75,18 +75,28 @@ def test_a_quiet_thread_drops_its_own_chatter_and_no_other_threads(capfd):
         "stderr from the main thread"] * 3  # (torch's own handler writes the logs there too)
 
 
-def test_a_torch_logger_made_while_a_thread_is_quiet_is_quiet_there_too():
+@pytest.mark.parametrize("parent", ["torch", "torch._dynamo"])
+def test_a_torch_logger_made_while_a_thread_is_quiet_is_quiet_there_too(parent):
     # torch.export's first run imports modules that make loggers: they have no filter of their own yet. A handler
-    # on the torch logger (torch's own, or one a user adds to keep torch's logs in a file) still drops their records
+    # above them (torch's own, on the torch logger and on each log torch registers, or one a user adds to keep
+    # torch's logs in a file) still drops their records
     kept = _Kept()
-    logging.getLogger("torch").addHandler(kept)
+    logging.getLogger(parent).addHandler(kept)
+    child = f"{parent}.opsched_test.made_while_quiet"
     try:
         with this_thread_quiet():
-            logging.getLogger("torch.opsched_test.made_while_quiet").warning("a record from a logger made meanwhile")
-        logging.getLogger("torch.opsched_test.made_while_quiet").warning("one once the thread is not quiet")
+            logging.getLogger(child).warning("a record from a logger made meanwhile")
+        logging.getLogger(child).warning("one once the thread is not quiet")
     finally:
-        logging.getLogger("torch").removeHandler(kept)
+        logging.getLogger(parent).removeHandler(kept)
     assert kept.messages == ["one once the thread is not quiet"]
+
+
+def test_a_process_without_stderr_is_left_without_it(monkeypatch):
+    monkeypatch.setattr(sys, "stderr", None)  # pythonw, some daemons
+    with this_thread_quiet():
+        warnings.warn("dropped")
+    assert sys.stderr is None
 
 
 def test_an_error_filter_does_not_reach_a_quiet_thread():

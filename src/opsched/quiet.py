@@ -9,7 +9,7 @@ warnings, torch logs and error output. Instead each of them is given, once, a ho
 quiet thread and lets the rest through:
 
 - a warnings filter, first in ``warnings.filters``, whose category matches only on a quiet thread;
-- a logging filter on each ``torch`` logger and on torch's own handler, on the record's own thread;
+- a logging filter on each ``torch`` logger and its handlers, on the record's own thread;
 - ``sys.stderr`` replaced, while any thread is quiet, by a stream that writes nowhere for quiet threads;
 - ``torch._C._jit_onnx_log``, through which the TorchScript exporter prints the graph of a failed export to
   standard output whatever the log's setting (PyTorch 2.14), passed through for other threads.
@@ -39,7 +39,6 @@ import torch
 
 _quiet: Counter[int] = Counter()  # thread ident -> how many this_thread_quiet it is inside
 _lock = threading.Lock()
-_stderr_swapped: list[Any] = []  # the stream sys.stderr was while a quiet stream stands in for it
 
 
 def _is_quiet() -> bool:
@@ -94,16 +93,16 @@ def _install_hooks() -> None:
     first = warnings.filters[0] if warnings.filters else None
     if first is None or first[2] is not QuietWarning:  # first, so that no "error" filter comes before it
         warnings.filterwarnings("ignore", category=QuietWarning)
-    for name, logger in list(logging.Logger.manager.loggerDict.items()):
-        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
-            logger.addFilter(_LOG_FILTER)  # (a no-op where it is there already)
-    torch_logger = logging.getLogger("torch")
-    torch_logger.addFilter(_LOG_FILTER)
-    # and on torch's own handler, which the records of torch's loggers reach (it does not propagate further):
-    # a logger torch makes while a capture runs (its first torch.export imports modules that make some) has no
-    # filter of its own yet
-    for handler in torch_logger.handlers:
-        handler.addFilter(_LOG_FILTER)
+    torch_loggers = [logging.getLogger("torch")] + [
+        logger for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if name.startswith("torch.") and isinstance(logger, logging.Logger)]
+    for logger in torch_loggers:
+        logger.addFilter(_LOG_FILTER)  # (a no-op where it is there already)
+        # and on their handlers (torch gives its registered logs handlers of their own, and a user may add some),
+        # which a logger torch makes while a capture runs reaches: it has no filter of its own yet (torch.export's
+        # first run imports modules that make some)
+        for handler in logger.handlers:
+            handler.addFilter(_LOG_FILTER)
     log = getattr(torch._C, "_jit_onnx_log", None)
     if log is not None and not getattr(log, "opsched_quiet", False):
         torch._C._jit_onnx_log = _onnx_log_passing_other_threads(log)
@@ -116,8 +115,8 @@ def this_thread_quiet() -> Iterator[None]:
     me = threading.get_ident()
     with _lock:
         _install_hooks()
-        if not _stderr_swapped:
-            _stderr_swapped.append(sys.stderr)
+        # (again where a thread of the user's set a stream of its own meanwhile; none where there is none)
+        if sys.stderr is not None and not isinstance(sys.stderr, _OtherThreadsOnly):
             sys.stderr = _OtherThreadsOnly(sys.stderr)
         _quiet[me] += 1
     try:
@@ -127,7 +126,5 @@ def this_thread_quiet() -> Iterator[None]:
             _quiet[me] -= 1
             if not _quiet[me]:
                 del _quiet[me]
-            if not _quiet and _stderr_swapped:
-                swapped = _stderr_swapped.pop()
-                if isinstance(sys.stderr, _OtherThreadsOnly):  # else the user set their own meanwhile: theirs
-                    sys.stderr = swapped
+            while not _quiet and isinstance(sys.stderr, _OtherThreadsOnly):  # (a stream set meanwhile: left)
+                sys.stderr = sys.stderr._stream

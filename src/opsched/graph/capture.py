@@ -101,7 +101,11 @@ def _trace(model: torch.nn.Module, args: tuple, label: str) -> tuple[fx.GraphMod
         return _fx_trace(model, args, label, export_error)
     functional = None
     if _may_write(exported):  # (rare: decomposing every model to be sure would cost seconds on the large ones)
-        functional = exported.run_decompositions({})
+        try:
+            functional = exported.run_decompositions({})
+        except Exception as e:  # a tensor attribute written ("register it as buffer"), say
+            raise CaptureError(f"cannot capture {label}: torch.export cannot tell what its forward writes in place "
+                               f"({first_line(e)})") from e
         signature = functional.graph_signature
         written = sorted([f"parameter {p}" for p in signature.parameters_to_mutate.values()]
                          + [f"buffer {b}" for b in signature.buffers_to_mutate.values()]
@@ -131,18 +135,24 @@ def _may_write(exported: torch.export.ExportedProgram) -> bool:
     its signature lists the writes only once functionalized."""
     placeholders = {n.name for n in exported.graph.nodes if n.op == "placeholder"}
     for node in exported.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function":
+            continue
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return True  # a region of its own (set_grad_enabled, autocast): its subgraph may write; let torch say
+        if not isinstance(node.target, torch._ops.OpOverload):
             continue
         arguments = node.target._schema.arguments
         given = {**dict(zip((a.name for a in arguments), node.args)), **node.kwargs}
         for argument in arguments:
-            value = given.get(argument.name)
             if argument.alias_info is None or not argument.alias_info.is_write:
                 continue
-            while isinstance(value, fx.Node) and value.op == "call_function" and _is_view(value) and value.args:
-                value = value.args[0]  # a write through a view writes its base
-            if isinstance(value, fx.Node) and value.name in placeholders:
-                return True
+            value = given.get(argument.name)
+            for written in value if isinstance(value, (list, tuple)) else (value,):  # (Tensor(a!)[]: _foreach_)
+                while isinstance(written, fx.Node) and written.op == "call_function" and _is_view(written) \
+                        and written.args:
+                    written = written.args[0]  # a write through a view writes its base
+                if isinstance(written, fx.Node) and written.name in placeholders:
+                    return True
     return False
 
 

@@ -228,13 +228,14 @@ class GuardedModule(torch.nn.Module):
         model's own error."""
         names = tuple(sorted(keywords))
         signature = self._forward_signature
-        try:
-            takes = signature is not None and signature.bind(*inputs, **keywords) is not None
+        try:  # (a forward inspect cannot read: refused too, where strict)
+            takes = signature is None or signature.bind(*inputs, **keywords) is not None
         except TypeError:
             takes = False
         if takes:
-            why = (f"keyword argument(s) {', '.join(names)}: the forward takes some of them by keyword only (or "
-                   "through **kwargs), and plans are made for positional arguments")
+            how = ("the forward's parameters cannot be read" if signature is None else
+                   "the forward takes some of them by keyword only (or through **kwargs)")
+            why = f"keyword argument(s) {', '.join(names)}: {how}, and plans are made for positional arguments"
             if self.strict:
                 raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
             if names not in self._said_keywords:
@@ -400,6 +401,8 @@ def positional_call(signature: inspect.Signature | None, inputs: tuple,
     >>> def forward(x, scale=1.0, mask=None, *, flag=False): ...
     >>> positional_call(inspect.signature(forward), ("x",), {"mask": "m"})
     ('x', 1.0, 'm')
+    >>> positional_call(inspect.signature(forward), ("x",), {"scale": 1.0, "mask": None})
+    ('x',)
     >>> positional_call(inspect.signature(forward), ("x",), {"flag": True}) is None
     True
     """
@@ -419,7 +422,16 @@ def positional_call(signature: inspect.Signature | None, inputs: tuple,
             positional.extend(bound.arguments.get(p.name, ()))
         else:  # (bind took the call: a parameter left out has a default)
             positional.append(bound.arguments.get(p.name, p.default))
+    # a keyword at its default at the end (attention_mask=None) is the call without it: the same plan
+    while len(positional) > len(inputs) and _is_default(positional[-1], parameters[len(positional) - 1].default):
+        positional.pop()
     return tuple(positional)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether ``value`` is ``default`` (of a plain type, an equal value of the same type: 1 is not 1.0)."""
+    return value is default or (type(value) is type(default) and type(default) in (bool, int, float, str)
+                                and value == default)
 
 
 def _traced_with_fx(plan: Plan) -> bool:
