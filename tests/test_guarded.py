@@ -1153,3 +1153,44 @@ def test_a_keyword_only_argument_is_answered_by_the_model_or_refused_when_strict
         strict(x, flag=True)
     fast.close()
     strict.close()
+
+
+class PaddedEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=True)
+
+    def forward(self, x, padding):
+        return self.encoder(x, src_key_padding_mask=padding)
+
+
+def test_attentions_fast_path_is_part_of_the_signature():
+    """Called without gradients, nn.TransformerEncoderLayer takes PyTorch's fast path (torch.backends.mha), which
+    answers zeros at padded positions; a captured program does not take it. A plan made with the fast path off
+    answered its own values once the fast path was turned on, where the model answered zeros: silently wrong."""
+    torch.manual_seed(0)
+    model, x = PaddedEncoder().eval(), torch.randn(2, 6, 16)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[1, 4:] = True
+    was = torch.backends.mha.get_fastpath_enabled()
+    try:
+        torch.backends.mha.set_fastpath_enabled(False)
+        fast = opsched.optimize(model, (x, padding), wait=True, repeats=3, say=lambda line: None).module
+        torch.backends.mha.set_fastpath_enabled(True)
+        with torch.inference_mode():
+            want = model(x, padding)
+            assert want[1, 4:].abs().max() == 0  # the fast path's zeros: the case is here
+            assert close(fast(x, padding), want)
+        with pytest.raises(OpschedError, match=r"set_fastpath_enabled\(False\)"):  # and why no plan verifies
+            opsched.optimize(model, (x, padding), repeats=3, say=lambda line: None)
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+    fast.close()
+    planned = call_signature((x, padding))
+    torch.backends.mha.set_fastpath_enabled(not was)
+    try:
+        other = call_signature((x, padding))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
+    assert "attention's fast path (torch.backends.mha)" in difference(other, planned)

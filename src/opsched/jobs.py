@@ -162,7 +162,7 @@ def optimize_once(model: Any, example_inputs: Sequence[Any], *, method: str = "i
         outcome.notes.append("the plans ran on CUDA streams, each kernel launched from the host; at small batch, "
                              "where launches take longer than the kernels, --cuda-graph (cuda_graph=True) replays "
                              "each plan as one CUDA graph, beside the model captured as one (docs/gpu.md)")
-    require_a_plan(outcome)
+    require_a_plan(outcome, model)
     return outcome
 
 
@@ -264,12 +264,32 @@ class OptimizeBuilder:
         return made
 
 
-def require_a_plan(outcome: Outcome) -> None:
-    """Raise :class:`VerificationError` when ``outcome`` was measured and none of its schedules verified."""
+def require_a_plan(outcome: Outcome, model: Any = None) -> None:
+    """Raise :class:`VerificationError` when ``outcome`` was measured and none of its schedules verified; where
+    ``model`` holds a module with PyTorch's attention fast path on, saying so."""
     if outcome.evaluation is not None and outcome.evaluation.fastest("schedule") is None:
         schedules = set(outcome.schedules).union(*(other.schedules for other in outcome.also.values()))
         raise VerificationError("no schedule verified: " + "; ".join(
-            f"{n}: {why}" for n, why in outcome.evaluation.dropped.items() if n in schedules))
+            f"{n}: {why}" for n, why in outcome.evaluation.dropped.items() if n in schedules) + _fast_path_note(model))
+
+
+def _fast_path_note(model: Any) -> str:
+    """Why plans of a model with ``nn.MultiheadAttention`` or ``nn.TransformerEncoderLayer`` may not verify: called
+    without gradients, such a module takes PyTorch's fast path (with a padding mask, zeros at the padded
+    positions), which a captured program does not take."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module) or not torch.backends.mha.get_fastpath_enabled():
+        return ""
+    kinds = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+    found = sorted({type(m).__name__ for m in model.modules() if isinstance(m, kinds)})
+    if not found:
+        return ""
+    return (f" (the model's {' and '.join(found)} {'takes' if len(found) == 1 else 'take'} PyTorch's fast path when "
+            "called without gradients, which a "
+            "captured program does not: with a padding mask its padded positions come out 0; after "
+            "torch.backends.mha.set_fastpath_enabled(False) the model answers as its captured program, and "
+            "plans made then are kept to calls with the fast path off)")
 
 
 def optimize_batch(models: Sequence[Any], inputs: Any, *, strict: bool = False, wait: bool = False,

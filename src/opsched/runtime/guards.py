@@ -43,9 +43,12 @@ _DEVICE_TYPES = ("cpu", "cuda")
 
 
 def modes() -> tuple:
-    """The caller's thread state a plan depends on: autocast per device type (and its dtype) and the
-    deterministic-algorithms setting."""
-    return autocast_now(), torch.are_deterministic_algorithms_enabled()
+    """The caller's state a plan depends on: autocast per device type (and its dtype), the
+    deterministic-algorithms setting, and whether PyTorch's fast path for ``nn.MultiheadAttention`` and
+    ``nn.TransformerEncoderLayer`` is on (``torch.backends.mha``): called without gradients, the model takes it,
+    and with a padding mask it answers zeros at the padded positions, which a captured program does not take; a
+    plan verified with it off answered otherwise once it was turned on."""
+    return autocast_now(), torch.are_deterministic_algorithms_enabled(), torch.backends.mha.get_fastpath_enabled()
 
 
 def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
@@ -125,13 +128,15 @@ def _hashable(value: Any) -> Any:
 
 def describe(signature: tuple) -> str:
     """A signature in words, e.g. ``input 0 (2, 3, 224, 224) float32``."""
-    inputs, autocast, deterministic, _ = signature
+    inputs, autocast, deterministic, fastpath, _ = signature
     parts = [f"input {i} " + (f"{tuple(s[0])} {_dtype_name(s[2])}" if len(s) == 5 else repr(s[1]))
              for i, s in enumerate(inputs)]
     if autocast:
         parts.append(f"autocast {_autocast_words(autocast)}")
     if deterministic:
         parts.append("deterministic algorithms")
+    if not fastpath:
+        parts.append("attention's fast path off")
     return ", ".join(parts) or "no inputs"
 
 
@@ -146,8 +151,8 @@ def _autocast_words(autocast: tuple) -> str:
 def difference(got: tuple, want: tuple) -> str:
     """What differs between a call's signature ``got`` and a plan's ``want``, in words: the first difference,
     e.g. ``input 0: batch 3, plan made for 2``."""
-    inputs, autocast, deterministic, structure = got
-    planned, planned_autocast, planned_deterministic, planned_structure = want
+    inputs, autocast, deterministic, fastpath, structure = got
+    planned, planned_autocast, planned_deterministic, planned_fastpath, planned_structure = want
     if len(inputs) != len(planned):
         return f"{len(inputs)} inputs, plan made for {len(planned)}"
     if structure != planned_structure:
@@ -179,6 +184,9 @@ def difference(got: tuple, want: tuple) -> str:
     if deterministic != planned_deterministic:
         return f"deterministic algorithms {'on' if deterministic else 'off'}, plan made with them " \
                f"{'on' if planned_deterministic else 'off'}"
+    if fastpath != planned_fastpath:
+        return f"attention's fast path (torch.backends.mha) {'on' if fastpath else 'off'}, plan made with it " \
+               f"{'on' if planned_fastpath else 'off'}"
     return "nothing"
 
 
