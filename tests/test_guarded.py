@@ -1194,3 +1194,32 @@ def test_attentions_fast_path_is_part_of_the_signature():
     finally:
         torch.backends.mha.set_fastpath_enabled(was)
     assert "attention's fast path (torch.backends.mha)" in difference(other, planned)
+
+
+class Ramp(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.a(x) * torch.linspace(0, 1, x.shape[-1]) + self.b(x)  # a tensor of the default dtype
+
+
+def test_the_default_dtype_is_part_of_the_signature():
+    # a plan holds the tensors its forward made as they were when captured: after torch.set_default_dtype(float64)
+    # it answered float32 where the model answers float64
+    torch.manual_seed(0)
+    model, x = Ramp().eval(), torch.randn(2, 8)
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lambda line: None)
+    planned = call_signature((x,))
+    was = torch.get_default_dtype()
+    try:
+        with torch.no_grad():
+            fast(x)
+            torch.set_default_dtype(torch.float64)
+            got, want = fast(x), model(x)
+            assert got.dtype == want.dtype == torch.float64 and close(got, want)
+        assert difference(call_signature((x,)), planned) == "default dtype float64, plan made with float32"
+    finally:
+        torch.set_default_dtype(was)
+    fast.close()

@@ -47,8 +47,10 @@ def modes() -> tuple:
     deterministic-algorithms setting, and whether PyTorch's fast path for ``nn.MultiheadAttention`` and
     ``nn.TransformerEncoderLayer`` is on (``torch.backends.mha``): called without gradients, the model takes it,
     and with a padding mask it answers zeros at the padded positions, which a captured program does not take; a
-    plan verified with it off answered otherwise once it was turned on."""
-    return autocast_now(), torch.are_deterministic_algorithms_enabled(), torch.backends.mha.get_fastpath_enabled()
+    plan verified with it off answered otherwise once it was turned on; and the default dtype, of the tensors a
+    forward makes itself (``torch.linspace``), which a captured program holds as it was then."""
+    return (autocast_now(), torch.are_deterministic_algorithms_enabled(), torch.backends.mha.get_fastpath_enabled(),
+            torch.get_default_dtype())
 
 
 def flat_signature(inputs: tuple) -> tuple[list[Any], tuple]:
@@ -128,7 +130,7 @@ def _hashable(value: Any) -> Any:
 
 def describe(signature: tuple) -> str:
     """A signature in words, e.g. ``input 0 (2, 3, 224, 224) float32``."""
-    inputs, autocast, deterministic, fastpath, _ = signature
+    inputs, autocast, deterministic, fastpath, default_dtype, _ = signature
     parts = [f"input {i} " + (f"{tuple(s[0])} {_dtype_name(s[2])}" if len(s) == 5 else repr(s[1]))
              for i, s in enumerate(inputs)]
     if autocast:
@@ -137,6 +139,8 @@ def describe(signature: tuple) -> str:
         parts.append("deterministic algorithms")
     if not fastpath:
         parts.append("attention's fast path off")
+    if default_dtype != torch.float32:
+        parts.append(f"default dtype {_dtype_name(default_dtype)}")
     return ", ".join(parts) or "no inputs"
 
 
@@ -151,8 +155,8 @@ def _autocast_words(autocast: tuple) -> str:
 def difference(got: tuple, want: tuple) -> str:
     """What differs between a call's signature ``got`` and a plan's ``want``, in words: the first difference,
     e.g. ``input 0: batch 3, plan made for 2``."""
-    inputs, autocast, deterministic, fastpath, structure = got
-    planned, planned_autocast, planned_deterministic, planned_fastpath, planned_structure = want
+    inputs, autocast, deterministic, fastpath, default_dtype, structure = got
+    planned, planned_autocast, planned_deterministic, planned_fastpath, planned_default_dtype, planned_structure = want
     if len(inputs) != len(planned):
         return f"{len(inputs)} inputs, plan made for {len(planned)}"
     if structure != planned_structure:
@@ -187,6 +191,8 @@ def difference(got: tuple, want: tuple) -> str:
     if fastpath != planned_fastpath:
         return f"attention's fast path (torch.backends.mha) {'on' if fastpath else 'off'}, plan made with it " \
                f"{'on' if planned_fastpath else 'off'}"
+    if default_dtype != planned_default_dtype:
+        return f"default dtype {_dtype_name(default_dtype)}, plan made with {_dtype_name(planned_default_dtype)}"
     return "nothing"
 
 
