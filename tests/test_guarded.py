@@ -1223,3 +1223,40 @@ def test_the_default_dtype_is_part_of_the_signature():
     finally:
         torch.set_default_dtype(was)
     fast.close()
+
+
+class Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.temperature, self.use_b, self.seen = 1.0, True, (0, 0)
+
+    def forward(self, x):
+        self.seen = tuple(x.shape)  # a forward that keeps a size: set again, equal, on every call the model answers
+        y = self.a(x) / self.temperature
+        return y + self.b(x) if self.use_b else y
+
+
+@pytest.mark.parametrize("change", ["temperature", "flag", "hook"])
+def test_a_modules_attribute_or_hook_changed_is_followed(change):
+    # a captured program holds the attributes its forward read as they were: a temperature set to 2.0 after the
+    # plan was made was answered with 1.0, silently, as was a forward hook added to a module
+    torch.manual_seed(0)
+    model, x = Tempered().eval(), torch.randn(2, 8)
+    lines = []
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lines.append)
+    with torch.no_grad():
+        fast(x)
+    fast(x.clone().requires_grad_())  # the model answers (gradients asked), and its forward keeps a size
+    with torch.no_grad():
+        fast(x)  # which was its own doing: the plan answers, not rebuilt
+        assert builder.built == 1 and not any("changed" in line for line in lines), lines
+        if change == "temperature":
+            model.temperature = 2.0
+        elif change == "flag":
+            model.use_b = False
+        else:
+            model.a.register_forward_hook(lambda module, args, out: out * 3)
+        assert close(fast(x), model(x))
+    fast.close()

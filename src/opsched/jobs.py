@@ -107,19 +107,22 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
                "cuda_graph": cuda_graph}
     # weights not watched: the first plan too is built from weights of its own (opsched.models.sharing)
     built_from = model if follow_weights or graph is not None else copy.deepcopy(model)
+    from opsched.runtime.guards import attributes_of, copied, set_between
+
+    before = attributes_of(built_from)
     outcome = optimize_once(built_from, example_inputs, name=name, graph=graph, say=say, progress=progress,
                             **options)
     if outcome.evaluation is None:
         return outcome
     from opsched.models.spec import rebatch
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
-    from opsched.runtime.guards import copied
 
     builder = OptimizeBuilder({**options, "name": name})
     first = copied(tuple(example_inputs))  # the user's own tensors may change later
     outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, first)],
                                     strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1),
-                                    follow_weights=follow_weights, dynamic=dims)
+                                    follow_weights=follow_weights, dynamic=dims,
+                                    own_attributes=set_between(before, attributes_of(built_from)))
     outcome.guarded.say = say  # the job's own progress lines while it makes the batch sizes asked for
     for b in batch_sizes:
         outcome.guarded.prepare(*[rebatch(x, b) for x in example_inputs])

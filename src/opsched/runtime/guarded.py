@@ -49,12 +49,14 @@ from opsched.models.sharing import build_copy
 from opsched.runtime.dynamic import served_by
 from opsched.runtime.guards import (
     WeightWatch,
+    attributes_of,
     autocast_of,
     call_signature,
     copied,
     describe,
     difference,
     flat_signature,
+    set_between,
 )
 
 
@@ -124,7 +126,8 @@ class GuardedModule(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, builder: PlanBuilder, plans: Sequence[Plan] = (), *,
                  strict: bool = False, wait: bool = False, max_plans: int = 8, follow_weights: bool = True,
-                 dynamic: tuple = (), say: Callable[[str], Any] = say_on_stderr):
+                 dynamic: tuple = (), own_attributes: set[str] = frozenset(),
+                 say: Callable[[str], Any] = say_on_stderr):
         super().__init__()
         if max_plans < 1:
             raise OpschedError(f"max_plans must be at least 1, got {max_plans}")
@@ -132,6 +135,7 @@ class GuardedModule(torch.nn.Module):
         self.builder, self.strict, self.wait, self.max_plans, self.say = builder, strict, wait, max_plans, say
         self.dynamic = dynamic
         self.watch = WeightWatch(model, tensors=follow_weights)
+        self.watch.ignore(set(own_attributes))
         self.plans: OrderedDict[tuple, Plan] = OrderedDict()
         self._lock = threading.RLock()
         self._pending: dict[tuple, Future] = {}
@@ -241,12 +245,16 @@ class GuardedModule(torch.nn.Module):
             if names not in self._said_keywords:
                 self._said_keywords.add(names)
                 self.say(f"{why}: the model itself answers such calls")
-        with TRACING.calling():
-            return self.model(*inputs, **keywords)
+        return self._model_answers(inputs, keywords)
 
-    def _model_answers(self, inputs: tuple) -> Any:
+    def _model_answers(self, inputs: tuple, keywords: dict[str, Any] | None = None) -> Any:
+        before = attributes_of(self.model)
         with TRACING.calling():  # never while a plan's build traces (opsched.graph.tracing)
-            return self.model(*inputs)
+            answer = self.model(*inputs, **(keywords or {}))
+        # what its forward set is its own: not watched from now on, and the rest taken as they are
+        self.watch.ignore(set_between(before, attributes_of(self.model)))
+        self.watch.take_attributes()
+        return answer
 
     def _weights_changed(self, what: str) -> None:
         with self._lock:
@@ -281,6 +289,7 @@ class GuardedModule(torch.nn.Module):
         old = self.plans.get(signature)
         try:
             model = self._private_model(generation)
+            before = attributes_of(model)
             with autocast_of(signature):  # made, measured and verified in the call's autocast (thread-local)
                 if old is not None and old.stale:
                     plan = self.builder.rebuild(model, old)
@@ -288,6 +297,9 @@ class GuardedModule(torch.nn.Module):
                     plan = self.builder.resize(model, like, inputs)
                 else:
                     plan = self.builder.build(model, inputs)
+            # what the copy's forward set itself while the plan was verified and timed: the model's forward sets
+            # those too (by the same paths), and they are not followed
+            self.watch.ignore(set_between(before, attributes_of(model)))
             if _traced_with_fx(plan):
                 # its units hold the copy's own modules, which the next capture of the copy would swap out
                 # under it: the next build copies again
