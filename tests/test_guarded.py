@@ -1165,6 +1165,7 @@ class PaddedEncoder(torch.nn.Module):
         return self.encoder(x, src_key_padding_mask=padding)
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # (the fast path's, PyTorch's own)
 def test_attentions_fast_path_is_part_of_the_signature():
     """Called without gradients, nn.TransformerEncoderLayer takes PyTorch's fast path (torch.backends.mha), which
     answers zeros at padded positions; a captured program does not take it. A plan made with the fast path off
