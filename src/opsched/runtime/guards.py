@@ -316,6 +316,21 @@ class WeightWatch:
             self.attribute_paths = [self.attribute_paths[k] for k in keep]
             self.attribute_values = [self.attribute_values[k] for k in keep]
 
+    def attributes_now(self) -> list[Any]:
+        """The watched attributes' values now (see :meth:`forward_set`)."""
+        return list(map(dict.get, self.attribute_tables, self.attribute_names))
+
+    def forward_set(self, before: list[Any]) -> None:
+        """After the model itself answered a call: the attributes its forward set to another value since
+        ``before`` (:meth:`attributes_now`) are its own (:meth:`ignore`), and the rest are taken as they are."""
+        now = self.attributes_now()
+        if len(now) != len(before):  # (another thread's call left some out meanwhile)
+            self.attribute_values = now
+        elif not all(map(operator.is_, now, before)):
+            self.ignore({path for path, value, was in zip(self.attribute_paths, now, before)
+                         if value is not was and not _equal_plain(value, was)})
+            self.attribute_values = self.attributes_now()
+
     def take_attributes(self) -> None:
         """Take the modules' attributes and hooks as they are now: after the model itself answered a call, what
         its forward set meanwhile (a size it keeps) is its own doing, not a change to follow (a change made before
@@ -331,7 +346,7 @@ class WeightWatch:
         each was only set again to an equal plain value (a forward that caches a size), which is then taken."""
         now = list(map(dict.get, self.attribute_tables, self.attribute_names))
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
-            if value is not was and not (_plain(value) and _plain(was) and type(value) is type(was) and value == was):
+            if value is not was and not _equal_plain(value, was):
                 return f"{path} changed (set to {value!r:.60}, was {was!r:.60})"
         self.attribute_values = now
         return None
@@ -417,8 +432,8 @@ def set_between(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
     >>> set_between({"calls": 1, "shape": (2, 8)}, {"calls": 2, "shape": (2, 8)})
     {'calls'}
     """
-    return {where for where, value in after.items() if where in before and value is not before[where]
-            and not (_plain(value) and type(value) is type(before[where]) and value == before[where])}
+    return {where for where, value in after.items()
+            if where in before and value is not before[where] and not _equal_plain(value, before[where])}
 
 
 # the hooks a module's __call__ runs around its forward in inference (a captured program holds those there were)
@@ -430,6 +445,11 @@ def _global_hooks() -> list[dict]:
 
     return [table for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
             if isinstance(table := getattr(module, name, None), dict)]
+
+
+def _equal_plain(value: Any, was: Any) -> bool:
+    """Whether ``value`` and ``was`` are plain (:func:`_plain`), of one type, and equal: set again, no change."""
+    return type(value) is type(was) and _plain(value) and _plain(was) and value == was
 
 
 def _plain(value: Any) -> bool:
