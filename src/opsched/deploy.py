@@ -95,7 +95,7 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
     ``follow_weights`` as there). See the module's docstring for what is checked."""
     from opsched.jobs import OptimizeBuilder
     from opsched.runtime.guarded import GuardedModule, say_on_stderr
-    from opsched.runtime.guards import attributes_of, set_between
+    from opsched.runtime.guards import attributes_set_by
 
     head = load_schedule(path)
     if head.kind != "schedule":
@@ -120,12 +120,12 @@ def load(path: str | Path, model: torch.nn.Module, *, strict: bool = False, wait
         entries.append(((sig["inputs"], sig.get("input_structure")), str(sig.get("chosen", "eager")), dict(sig.get("measured_ms", {})),
                         str(sig.get("note", "")), schedule))
     built_from = model if follow_weights else copy.deepcopy(model)  # weights not watched: opsched.models.sharing
-    before = attributes_of(built_from)
-    plans = [_loaded_plan(path, built_from, builder, *entry, options) for entry in entries]
+    with attributes_set_by(built_from) as own:  # what its forward sets itself while the plans are verified
+        plans = [_loaded_plan(path, built_from, builder, *entry, options) for entry in entries]
     dynamic = dims_from_record(head.build["dynamic"], str(path)) if "dynamic" in (head.build or {}) else ()
     return GuardedModule(model, builder, plans, strict=strict, wait=wait, max_plans=max(max_plans, len(plans)),
                          follow_weights=follow_weights, dynamic=dynamic,
-                         own_attributes=set_between(before, attributes_of(built_from)), say=say or say_on_stderr)
+                         own_attributes=own, say=say or say_on_stderr)
 
 
 def _loaded_plan(path: str | Path, model: torch.nn.Module, builder: Any, record: list, chosen: str,

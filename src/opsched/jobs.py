@@ -107,11 +107,11 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
                "cuda_graph": cuda_graph}
     # weights not watched: the first plan too is built from weights of its own (opsched.models.sharing)
     built_from = model if follow_weights or graph is not None else copy.deepcopy(model)
-    from opsched.runtime.guards import attributes_of, copied, set_between
+    from opsched.runtime.guards import attributes_set_by, copied
 
-    before = attributes_of(built_from)
-    outcome = optimize_once(built_from, example_inputs, name=name, graph=graph, say=say, progress=progress,
-                            **options)
+    with attributes_set_by(built_from) as own:  # what its forward sets itself while it is measured
+        outcome = optimize_once(built_from, example_inputs, name=name, graph=graph, say=say, progress=progress,
+                                **options)
     if outcome.evaluation is None:
         return outcome
     from opsched.models.spec import rebatch
@@ -122,7 +122,7 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     outcome.guarded = GuardedModule(model, builder, [builder.plan_of(outcome, first)],
                                     strict=strict, wait=wait, max_plans=max(max_plans, len(batch_sizes) + 1),
                                     follow_weights=follow_weights, dynamic=dims,
-                                    own_attributes=set_between(before, attributes_of(built_from)))
+                                    own_attributes=own)
     outcome.guarded.say = say  # the job's own progress lines while it makes the batch sizes asked for
     for b in batch_sizes:
         outcome.guarded.prepare(*[rebatch(x, b) for x in example_inputs])

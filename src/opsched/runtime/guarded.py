@@ -49,14 +49,13 @@ from opsched.models.sharing import build_copy
 from opsched.runtime.dynamic import served_by
 from opsched.runtime.guards import (
     WeightWatch,
-    attributes_of,
+    attributes_set_by,
     autocast_of,
     call_signature,
     copied,
     describe,
     difference,
     flat_signature,
-    set_between,
 )
 
 
@@ -287,17 +286,16 @@ class GuardedModule(torch.nn.Module):
         old = self.plans.get(signature)
         try:
             model = self._private_model(generation)
-            before = attributes_of(model)
-            with autocast_of(signature):  # made, measured and verified in the call's autocast (thread-local)
-                if old is not None and old.stale:
+            # what the copy's forward sets itself while the plan is verified and timed: the model's forward sets
+            # those too (by the same paths), and they are not followed
+            with autocast_of(signature), attributes_set_by(model) as own:  # made, measured and verified in the
+                if old is not None and old.stale:                       # call's autocast (thread-local)
                     plan = self.builder.rebuild(model, old)
                 elif like is not None:
                     plan = self.builder.resize(model, like, inputs)
                 else:
                     plan = self.builder.build(model, inputs)
-            # what the copy's forward set itself while the plan was verified and timed: the model's forward sets
-            # those too (by the same paths), and they are not followed
-            self.watch.ignore(set_between(before, attributes_of(model)))
+            self.watch.ignore(own)
             if _traced_with_fx(plan):
                 # its units hold the copy's own modules, which the next capture of the copy would swap out
                 # under it: the next build copies again

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import itertools
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -327,8 +327,7 @@ class WeightWatch:
         if len(now) != len(before):  # (another thread's call left some out meanwhile)
             self.attribute_values = now
         elif not all(map(operator.is_, now, before)):
-            self.ignore({path for path, value, was in zip(self.attribute_paths, now, before)
-                         if value is not was and not _equal_plain(value, was)})
+            self.ignore(_set_again(self.attribute_paths, now, before))
             self.attribute_values = self.attributes_now()
 
     def take_attributes(self) -> None:
@@ -344,9 +343,10 @@ class WeightWatch:
     def _attribute_set(self) -> str | None:
         """Which attribute of a module was set to another value since :meth:`update`, in words, or None where
         each was only set again to an equal plain value (a forward that caches a size), which is then taken."""
-        now = list(map(dict.get, self.attribute_tables, self.attribute_names))
+        now = self.attributes_now()
+        moved = _set_again(self.attribute_paths, now, self.attribute_values)
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
-            if value is not was and not _equal_plain(value, was):
+            if path in moved:
                 return f"{path} changed (set to {value!r:.60}, was {was!r:.60})"
         self.attribute_values = now
         return None
@@ -421,19 +421,37 @@ def _attribute_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str,
 
 
 def attributes_of(model: torch.nn.Module) -> dict[str, Any]:
-    """The modules' own attributes of ``model`` by path, now (see :func:`set_between`)."""
+    """The modules' own attributes of ``model`` by path, now (see :func:`attributes_set_by`)."""
     return {where: table.get(key) for table, key, where in _attribute_slots([model])}
 
 
-def set_between(before: dict[str, Any], after: dict[str, Any]) -> set[str]:
-    """The attributes (by path) set to another value between two :func:`attributes_of` of one model, or of two
-    copies of it: around the model's own calls, what its forward sets itself.
+@contextlib.contextmanager
+def attributes_set_by(model: torch.nn.Module) -> Iterator[set[str]]:
+    """A set that holds, once the block ends, the attributes of ``model`` (by path) set to another value within
+    it: around the model's own calls (or a copy's: the paths are the same), what its forward sets itself.
 
-    >>> set_between({"calls": 1, "shape": (2, 8)}, {"calls": 2, "shape": (2, 8)})
+    >>> class Counts(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         self.calls += 1
+    ...         return x
+    >>> model = Counts()
+    >>> model.calls, model.shape = 0, (2, 8)
+    >>> with attributes_set_by(model) as found:
+    ...     _ = model(torch.ones(1))
+    ...     model.shape = (2, 8)  # set again, equal: no change
+    >>> found
     {'calls'}
     """
-    return {where for where, value in after.items()
-            if where in before and value is not before[where] and not _equal_plain(value, before[where])}
+    before, found = attributes_of(model), set()
+    yield found
+    after = attributes_of(model)
+    found |= _set_again([p for p in after if p in before], [after[p] for p in after if p in before],
+                        [before[p] for p in after if p in before])
+
+
+def _set_again(paths: Sequence[str], now: Sequence[Any], before: Sequence[Any]) -> set[str]:
+    """The ``paths`` whose value ``now`` is another than ``before``'s: another object, unless an equal plain one."""
+    return {path for path, value, was in zip(paths, now, before) if value is not was and not _equal_plain(value, was)}
 
 
 # the hooks a module's __call__ runs around its forward in inference (a captured program holds those there were)
