@@ -44,7 +44,8 @@ from support.small_models import METHOD_OPTIONS, RecipeModel, recipes
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 6e-2}
 METHODS = ("sequential", "greedy", "lios", "ios")
 ACTIONS = ("call", "call", "call", "batch", "spatial", "channels_last", "strided", "load_state_dict", "assign",
-           "in_place", "optimizer_step", "double", "autocast", "training", "grad", "threads", "save_load")
+           "in_place", "optimizer_step", "double", "autocast", "training", "grad", "threads", "save_load",
+           "attribute", "hook")
 
 
 class QuickBuilder(PlanBuilder):
@@ -131,6 +132,7 @@ class Sequence_:
         self.fast = GuardedModule(self.model, self.builder, wait=case["wait"], max_plans=3, dynamic=dynamic,
                                   say=self.lines.append)
         self.wrong: list[str] = []
+        self.hooks: list[Any] = []  # handles of the forward hooks the "hook" action added
         self.calls = 0
 
     def inputs(self, seed: int) -> tuple:
@@ -203,6 +205,15 @@ class Sequence_:
                 sum(o.float().square().mean() for o in out).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        elif action == "attribute":  # a setting of the model's own that its forward reads
+            model.as_dict = not model.as_dict
+        elif action == "hook":  # a forward hook added to a layer, or the last one added taken away
+            if self.hooks and rng.random() < 0.5:
+                self.hooks.pop().remove()
+            else:
+                layers = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+                if layers:
+                    self.hooks.append(rng.choice(layers).register_forward_hook(lambda m, args, out: out * 1.5))
         elif action == "double":
             self.dtype = torch.float64 if self.dtype == torch.float32 else torch.float32
             model.to(self.dtype)
