@@ -6,7 +6,9 @@ A sequence is a list of actions on one :class:`~opsched.runtime.guarded.GuardedM
 flatten-by-batch): calls at other batch and spatial sizes and memory layouts (channels_last, a strided slice),
 weight updates of every kind (``load_state_dict``, with ``assign=True``, in place under ``no_grad``, an
 optimizer step, ``.double()`` and back), calls under autocast, in training mode and asking for gradients,
-two threads calling at once, and a save and load into a fresh copy of the model. Plans are made by
+two threads calling at once, a save and load into a fresh copy of the model, and what the forward reads besides
+its weights changed: a setting of the model's own, an element of its list of outputs set in place, a global
+of its file, a forward hook. Plans are made by
 :class:`QuickBuilder` (capture, a random scheduler under random table latencies, compile, verify: no timing),
 so that hundreds of sequences run in a minute; the real builder (``opsched.optimize``) goes the same way
 through the guards.
@@ -39,13 +41,14 @@ from opsched.runtime.guards import Guard, call_signature
 from opsched.runtime.module import OptimizedModule
 from opsched.schedule import Measurement
 from opsched.schedulers import make_schedule
+from support import small_models
 from support.small_models import METHOD_OPTIONS, RecipeModel, recipes
 
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 6e-2}
 METHODS = ("sequential", "greedy", "lios", "ios")
 ACTIONS = ("call", "call", "call", "batch", "spatial", "channels_last", "strided", "load_state_dict", "assign",
            "in_place", "optimizer_step", "double", "autocast", "training", "grad", "threads", "save_load",
-           "attribute", "hook")
+           "attribute", "hook", "table", "global")
 
 
 class QuickBuilder(PlanBuilder):
@@ -207,6 +210,12 @@ class Sequence_:
             optimizer.zero_grad(set_to_none=True)
         elif action == "attribute":  # a setting of the model's own that its forward reads
             model.as_dict = not model.as_dict
+        elif action == "table":  # an element of a list the forward reads (which value is returned) set in place
+            steps = range(self.count, self.count + len(model.steps))
+            k = rng.randrange(len(model.outputs))
+            model.outputs[k] = rng.choice([i for i in steps if i not in model.outputs] or [model.outputs[k]])
+        elif action == "global":  # a constant of the model's file set again
+            small_models.OUTPUT_SCALE = rng.choice([0.5, 1.0, 2.0])
         elif action == "hook":  # a forward hook added to a layer, or the last one added taken away
             if self.hooks and rng.random() < 0.5:
                 self.hooks.pop().remove()
@@ -284,6 +293,7 @@ def _perturbed(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
 def run_sequence(case: dict[str, Any]) -> dict[str, Any]:
     """Run one sequence; return its counts. A wrong answer or shape is listed in ``wrong``; an exception that is
     not one of opsched's own is raised (a finding); one of opsched's own is counted in ``refused``."""
+    small_models.OUTPUT_SCALE = 1.0
     run = Sequence_(case)
     refused = []
     try:
@@ -297,5 +307,6 @@ def run_sequence(case: dict[str, Any]) -> dict[str, Any]:
         run.check_call(1, "at the end")
     finally:
         run.fast.close()
+        small_models.OUTPUT_SCALE = 1.0
     return {"calls": run.calls, "wrong": run.wrong, "refused": refused, "built": run.builder.built,
             "resized": run.builder.resized}

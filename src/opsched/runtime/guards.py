@@ -27,9 +27,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dis
 import functools
+import inspect
 import itertools
 import operator
+import sys
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -204,8 +208,10 @@ class WeightWatch:
     :meth:`update`, so that its address cannot be handed out again and look unchanged), stepped by an optimizer
     (the fused ones write without moving version counters), a module replaced, a module that was in eval
     mode left it, a module's own attribute set to another value (a temperature, a flag; an equal plain value set
-    again is not a change; PyTorch's own layers' settings are not watched: see :func:`_attribute_slots`), or a
-    forward hook added or removed (``attributes=False``: neither). About 0.2 µs a tensor in a loop, 0.3 µs right
+    again is not a change; PyTorch's own layers' settings are not watched: see :func:`_attribute_slots`) or changed
+    in place (a list's element, a config object's field, a plain tensor written: see :func:`snapshot`), a global
+    the modules' code reads set or changed (see :func:`_global_slots`), or a forward hook added or removed
+    (``attributes=False``: none of these). About 0.2 µs a tensor in a loop, 0.3 µs right
     after a plan's call (docs/calls.md).
 
     ``tensors=False`` watches the modules only (replaced, out of eval mode, their attributes and hooks), for
@@ -234,7 +240,7 @@ class WeightWatch:
         self.every_module = [module for model in models for module in model.modules()]
         # the modules' own attributes a forward may read (stride, eps, a temperature, a flag), which a captured
         # program holds as they were, and the hooks that wrap their forwards
-        attributes = [(table, key, where) for table, key, where in _attribute_slots(models)
+        attributes = [(table, key, where) for table, key, where in _watched_slots(models)
                       if where not in self.own_attributes] if self.watches_attributes else []
         self.attribute_tables = [table for table, *_ in attributes]
         self.attribute_names = [key for _, key, _ in attributes]
@@ -279,6 +285,8 @@ class WeightWatch:
             set_again = self._attribute_set()
             if set_again:
                 return set_again
+        if self.deep_objects and not unchanged(self.deep_snapshots, self.deep_objects):
+            return self._changed_in_place()
         # a hook added anywhere moves the handles' count, one removed empties a table that held it: only then
         # are the models' hook tables counted (ResNet-18's 138 cost 2 µs, too much for every call)
         if (_HANDLES.next_id != self.handles or list(map(len, self.hooked)) != self.hooked_counts) and self.hook_tables:
@@ -315,26 +323,37 @@ class WeightWatch:
             self.attribute_names = [self.attribute_names[k] for k in keep]
             self.attribute_paths = [self.attribute_paths[k] for k in keep]
             self.attribute_values = [self.attribute_values[k] for k in keep]
+            self._deep_ignore(paths)
 
-    def attributes_now(self) -> list[Any]:
-        """The watched attributes' values now (see :meth:`forward_set`)."""
+    def attributes_now(self) -> tuple[list[Any], set[str]]:
+        """The watched attributes' values now, and the paths of those changed in place since they were taken (see
+        :meth:`forward_set`)."""
+        return self.attributes_now_set(), self._moved_in_place()
+
+    def attributes_now_set(self) -> list[Any]:
         return list(map(dict.get, self.attribute_tables, self.attribute_names))
 
-    def forward_set(self, before: list[Any]) -> None:
-        """After the model itself answered a call: the attributes its forward set to another value since
-        ``before`` (:meth:`attributes_now`) are its own (:meth:`ignore`), and the rest are taken as they are."""
-        now = self.attributes_now()
-        if len(now) != len(before):  # (another thread's call left some out meanwhile)
+    def forward_set(self, before: tuple[list[Any], set[str]]) -> None:
+        """After the model itself answered a call: the attributes its forward set to another value, or changed in
+        place, since ``before`` (:meth:`attributes_now`) are its own (:meth:`ignore`), and the rest are taken as
+        they are (but those changed in place before the call: a change of the user's, for the next call to see)."""
+        values, moved_before = before
+        now = self.attributes_now_set()
+        if len(now) != len(values):  # (another thread's call left some out meanwhile)
             self.attribute_values = now
-        elif not all(map(operator.is_, now, before)):
-            self.ignore(_set_again(self.attribute_paths, now, before))
-            self.attribute_values = self.attributes_now()
+        elif not all(map(operator.is_, now, values)):
+            self.ignore(_set_again(self.attribute_paths, now, values))
+            self.attribute_values = self.attributes_now_set()
+        moved = self._moved_in_place() - moved_before
+        if moved:
+            self.ignore(moved)
 
     def take_attributes(self) -> None:
         """Take the modules' attributes and hooks as they are now: after the model itself answered a call, what
         its forward set meanwhile (a size it keeps) is its own doing, not a change to follow (a change made before
         the call was seen as the call began)."""
         self.attribute_values = list(map(dict.get, self.attribute_tables, self.attribute_names))
+        self._take_in_place()
         self.hook_counts = list(map(len, self.hook_tables))
         self.hooked = [table for table in self.hook_tables if table]
         self.hooked_counts = list(map(len, self.hooked))
@@ -343,13 +362,46 @@ class WeightWatch:
     def _attribute_set(self) -> str | None:
         """Which attribute of a module was set to another value since :meth:`update`, in words, or None where
         each was only set again to an equal plain value (a forward that caches a size), which is then taken."""
-        now = self.attributes_now()
+        now = self.attributes_now_set()
         moved = _set_again(self.attribute_paths, now, self.attribute_values)
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
             if path in moved:
                 return f"{path} changed (set to {value!r:.60}, was {was!r:.60})"
         self.attribute_values = now
         return None
+
+    def _take_in_place(self) -> None:
+        """Snapshot the watched values that can change in place (:func:`snapshot`), each object once (a config
+        object every layer holds is compared once a call)."""
+        objects, paths, snapshots, seen = [], [], [], set()
+        for path, value in zip(self.attribute_paths, self.attribute_values):
+            if id(value) in seen or not _changes_in_place(value):
+                continue
+            seen.add(id(value))
+            objects.append(value)
+            paths.append(path)
+            snapshots.append(snapshot(value))
+        self.deep_objects, self.deep_paths, self.deep_snapshots = objects, paths, snapshots
+
+    def _moved_in_place(self) -> set[str]:
+        """The paths of the values changed in place since :meth:`_take_in_place` (at once where none did)."""
+        if not self.deep_objects or unchanged(self.deep_snapshots, self.deep_objects):
+            return set()
+        return {path for path, was, value in zip(self.deep_paths, self.deep_snapshots, self.deep_objects)
+                if not unchanged([was], [value])}
+
+    def _changed_in_place(self) -> str | None:
+        """Which watched value changed in place since :meth:`update`, in words."""
+        for path, was, value in zip(self.deep_paths, self.deep_snapshots, self.deep_objects):
+            if not unchanged([was], [value]):
+                return f"{path} changed in place (now {_short(value)})"
+        return None
+
+    def _deep_ignore(self, paths: set[str]) -> None:
+        keep = [k for k, path in enumerate(self.deep_paths) if path not in paths]
+        self.deep_objects = [self.deep_objects[k] for k in keep]
+        self.deep_paths = [self.deep_paths[k] for k in keep]
+        self.deep_snapshots = [self.deep_snapshots[k] for k in keep]
 
     def _restructured(self) -> bool:
         """Whether the models' modules are other than they were (a submodule given another module)."""
@@ -421,37 +473,269 @@ def _attribute_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str,
 
 
 def attributes_of(model: torch.nn.Module) -> dict[str, Any]:
-    """The modules' own attributes of ``model`` by path, now (see :func:`attributes_set_by`)."""
-    return {where: table.get(key) for table, key, where in _attribute_slots([model])}
+    """The modules' own attributes of ``model``, and the globals their code reads, by path, now (see
+    :func:`attributes_set_by`)."""
+    return {where: table.get(key) for table, key, where in _watched_slots([model])}
 
 
 @contextlib.contextmanager
 def attributes_set_by(model: torch.nn.Module) -> Iterator[set[str]]:
-    """A set that holds, once the block ends, the attributes of ``model`` (by path) set to another value within
-    it: around the model's own calls (or a copy's: the paths are the same), what its forward sets itself.
+    """A set that holds, once the block ends, the attributes of ``model`` (by path) set to another value or
+    changed in place within it: around the model's own calls (or a copy's: the paths are the same), what its
+    forward sets itself.
 
     >>> class Counts(torch.nn.Module):
     ...     def forward(self, x):
     ...         self.calls += 1
+    ...         self.seen.append(x.shape)
     ...         return x
     >>> model = Counts()
-    >>> model.calls, model.shape = 0, (2, 8)
+    >>> model.calls, model.shape, model.seen = 0, (2, 8), []
     >>> with attributes_set_by(model) as found:
     ...     _ = model(torch.ones(1))
     ...     model.shape = (2, 8)  # set again, equal: no change
-    >>> found
-    {'calls'}
+    >>> sorted(found)
+    ['calls', 'seen']
     """
     before, found = attributes_of(model), set()
+    kept = {path: snapshot(value) for path, value in before.items() if _changes_in_place(value)}
     yield found
     after = attributes_of(model)
     found |= _set_again([p for p in after if p in before], [after[p] for p in after if p in before],
                         [before[p] for p in after if p in before])
+    found |= {path for path, was in kept.items() if path in after and not unchanged([was], [after[path]])}
 
 
 def _set_again(paths: Sequence[str], now: Sequence[Any], before: Sequence[Any]) -> set[str]:
     """The ``paths`` whose value ``now`` is another than ``before``'s: another object, unless an equal plain one."""
     return {path for path, value, was in zip(paths, now, before) if value is not was and not _equal_plain(value, was)}
+
+
+def _watched_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
+    """What a watch looks at besides the tensors and hooks: the modules' own attributes
+    (:func:`_attribute_slots`) and the globals their code reads (:func:`_global_slots`)."""
+    return _attribute_slots(models) + _global_slots(models)
+
+
+def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
+    """The module-level globals holding data (not a module, class or function) that the models' own code reads,
+    as (the globals' dict, the name, ``global NAME (its module)``): read by the ``forward`` of every class of the
+    models' modules, by the methods it names, and by the plain functions those read, three calls deep (not in
+    PyTorch's own code). A captured program
+    holds what it read as it was (``SCALE = 1.0`` in the model's file, set to 2.0 later; torch.compile guards on
+    the globals it reads the same way). Not followed: functions reached through an attribute (``helpers.scale()``
+    reads its module's globals unseen), nor methods of other objects.
+
+    >>> GAIN = 2.0
+    >>> class Scaled(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x * GAIN
+    >>> [(name, where) for _, name, where in _global_slots([Scaled()])]
+    [('GAIN', 'global GAIN (opsched.runtime.guards)')]
+    """
+    slots: dict[tuple[int, str], tuple[dict, str, str]] = {}
+    for kind in dict.fromkeys(type(module) for model in models for module in model.modules()):
+        for table, name in _class_globals(kind):
+            slots.setdefault((id(table), name), (table, name, f"global {name} ({table.get('__name__', '?')})"))
+    return list(slots.values())
+
+
+@functools.cache
+def _class_globals(kind: type) -> tuple[tuple[dict, str], ...]:
+    """The (globals' dict, name) of the data globals that class ``kind``'s ``forward`` reads, with the methods of
+    the class whose names it reads (``self.helper(x)``), and theirs (see :func:`_global_slots`); computed once a
+    class: the code does not change, the values are read from the dict."""
+    found: dict[tuple[int, str], tuple[dict, str]] = {}
+    seen: set[int] = set()
+    names, methods = ["forward"], set()
+    while names:
+        name = names.pop()
+        try:
+            member = inspect.getattr_static(kind, name)
+        except AttributeError:
+            continue
+        member = getattr(member, "__func__", member)  # staticmethod, classmethod
+        member = getattr(member, "fget", member)  # property
+        if not isinstance(member, types.FunctionType) or member in methods:
+            continue
+        methods.add(member)
+        _read_globals(member, found, seen, depth=3)
+        names.extend(_names_read(member.__code__))
+    return tuple(found.values())
+
+
+def _names_read(code: types.CodeType) -> set[str]:
+    """The names ``code`` reads (globals and attributes), its nested code's included."""
+    names, codes = set(), [code]
+    while codes:
+        code = codes.pop()
+        names.update(code.co_names)
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return names
+
+
+def _read_globals(function: types.FunctionType, found: dict, seen: set[int], depth: int) -> None:
+    """Add to ``found`` the data globals ``function`` reads (its nested code included), following the plain
+    functions it reads ``depth`` calls deep."""
+    if id(function.__code__) in seen or _pytorchs_or_builtin(function):
+        return
+    seen.add(id(function.__code__))
+    table = function.__globals__
+    codes = [function.__code__]
+    while codes:
+        code = codes.pop()
+        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        for instruction in dis.get_instructions(code):
+            if instruction.opname not in ("LOAD_GLOBAL", "STORE_GLOBAL") or instruction.argval not in table:
+                continue
+            value = table[instruction.argval]
+            if isinstance(value, types.FunctionType):
+                if depth > 1:
+                    _read_globals(value, found, seen, depth - 1)
+            elif _data(value):
+                found.setdefault((id(table), instruction.argval), (table, instruction.argval))
+
+
+def _pytorchs_or_builtin(thing: Any) -> bool:
+    """Whether ``thing`` (a class or function) is PyTorch's, or Python's own (the standard library's)."""
+    package = (getattr(thing, "__module__", None) or "builtins").partition(".")[0]
+    return package in ("torch", "builtins") or package in sys.stdlib_module_names
+
+
+def _data(value: Any) -> bool:
+    """Whether ``value`` is data a forward may read and a user may change: not a module, class, function or
+    method, nor an object of PyTorch's or the standard library's (a logger, a lock)."""
+    if isinstance(value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                          functools.partial, torch.nn.Module)):
+        return False
+    return _plain(value) or isinstance(value, (list, tuple, dict, set, frozenset, torch.Tensor)) or _plain_object(value)
+
+
+def _changes_in_place(value: Any) -> bool:
+    """Whether ``value`` can change without being set again: a list, dict or set, a tuple holding one, a tensor,
+    or a plain object (:func:`_plain_object`)."""
+    if isinstance(value, tuple):
+        return any(map(_changes_in_place, value))
+    return isinstance(value, (list, dict, set, torch.Tensor)) or _plain_object(value)
+
+
+def _plain_object(value: Any) -> bool:
+    """An object of the user's or a library's class that holds its fields in ``__dict__`` (a configuration, such
+    as Hugging Face's ``config``), neither a module nor a tensor nor PyTorch's or the standard library's."""
+    kind = type(value)
+    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type,
+                                                                  types.ModuleType, types.FunctionType))
+            and not _pytorchs_or_builtin(kind) and kind.__module__.partition(".")[0] != "numpy")
+
+
+# how much of a value a snapshot copies: past this, objects are compared by identity only
+_SNAPSHOT_DEPTH, _SNAPSHOT_SIZE = 6, 2_000
+
+
+def snapshot(value: Any) -> Any:
+    """A copy of ``value`` that :func:`unchanged` compares with it later, to see whether it changed in place:
+    lists, tuples, dicts and sets copied (their elements too), a plain object (:func:`_plain_object`) as its
+    fields, a tensor as its identity, version counter and storage, numbers and strings as they are, anything
+    else by identity; past 6 levels or 2,000 elements, by identity (each call compares what was copied). Numbers compare by ``==``: one set to an
+    equal number of another type (1 where 1.0 was) is not seen.
+
+    >>> table = [1.0, {"scale": 2}]
+    >>> kept = snapshot(table)
+    >>> unchanged([kept], [table])
+    True
+    >>> table[1]["scale"] = 3
+    >>> unchanged([kept], [table])
+    False
+    """
+    budget = [_SNAPSHOT_SIZE]
+    return _copy(value, _SNAPSHOT_DEPTH, budget)
+
+
+def _copy(value: Any, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if depth == 0 or budget[0] < 0:
+        return _Same(value)
+    if kind is list:
+        return [_copy(v, depth - 1, budget) for v in value]
+    if kind is dict:
+        return {k: _copy(v, depth - 1, budget) for k, v in value.items()}
+    if kind in (set, frozenset):
+        budget[0] -= len(value)
+        return kind(value)
+    if isinstance(value, tuple):  # (a named tuple compares equal to a plain one with its elements)
+        return tuple(_copy(v, depth - 1, budget) for v in value)
+    if isinstance(value, torch.Tensor):
+        return _TensorAt(value)
+    if _plain_object(value):
+        return _Fields(value, _copy(vars(value), depth - 1, budget))
+    return _Same(value)
+
+
+def unchanged(snapshots: Sequence[Any], values: Sequence[Any]) -> bool:
+    """Whether each of ``values`` is as its :func:`snapshot` was taken. The snapshot is on the left of each
+    comparison, so that its own elements compare first (by identity where they must); a comparison that cannot
+    answer (an array set where a number was) is a change."""
+    try:
+        return all(map(operator.eq, snapshots, values))
+    except Exception:  # noqa: BLE001 - any comparison that fails: another value than the one taken
+        return False
+
+
+_SCALARS = frozenset({bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size})
+
+
+class _Same:
+    """A snapshot's element compared by identity (a module, an array, a function)."""
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.value
+
+
+class _TensorAt(_Same):
+    """A tensor as a snapshot holds it: the same tensor, not written in place (its version counter) nor given
+    other storage since."""
+
+    __slots__ = ("storage", "version")
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__(value)
+        self.version = value._version if _has_version(value) else None
+        self.storage = value.data_ptr()
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.value and (self.version is None or other._version == self.version) \
+            and other.data_ptr() == self.storage
+
+
+class _Fields(_Same):
+    """A plain object as a snapshot holds it: the same object, with fields equal to ``fields`` (a snapshot)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, value: Any, fields: dict):
+        super().__init__(value)
+        self.fields = fields
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.value and self.fields == vars(other)
+
+
+def _short(value: Any) -> str:
+    """``value`` in a few words: its repr, cut to 60 characters."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a repr that fails says nothing useful
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # the hooks a module's __call__ runs around its forward in inference (a captured program holds those there were)
@@ -466,8 +750,14 @@ def _global_hooks() -> list[dict]:
 
 
 def _equal_plain(value: Any, was: Any) -> bool:
-    """Whether ``value`` and ``was`` are plain (:func:`_plain`), of one type, and equal: set again, no change."""
-    return type(value) is type(was) and _plain(value) and _plain(was) and value == was
+    """Whether ``value`` is ``was`` set again: of one type, and both plain (:func:`_plain`) and equal, or a list,
+    dict, tuple or set equal to it element by element (as :func:`snapshot` compares them: torch.export gives a
+    module's list attributes back as copies)."""
+    if type(value) is not type(was):
+        return False
+    if _plain(value) and _plain(was):
+        return value == was
+    return type(value) in (list, dict, tuple, set, frozenset) and unchanged([snapshot(was)], [value])
 
 
 def _plain(value: Any) -> bool:
