@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -1271,6 +1272,53 @@ _LEAVES = st.one_of(st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), st.bo
 _VALUES = st.recursive(_LEAVES, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=2), inner, max_size=3),
     st.tuples(inner, inner)), max_leaves=12)
+
+
+CALLS = 0  # a global CountsInAGlobal's forward sets itself
+
+
+class CountsInAGlobal(Configured):
+    def forward(self, x):
+        global CALLS
+        CALLS += 1
+        return super().forward(x)
+
+
+def test_a_global_set_while_a_plan_is_built_in_the_background_stays_watched():
+    # the call fuzzer's finding: a build's copy of the model has its own attributes but shares its globals, so a
+    # global the user set while a plan was built looked set by the forward, was left out, and its next change was
+    # answered with the old value; a global the forward sets itself (CALLS) is its own and never rebuilds a plan
+    global GAIN
+    GAIN = 1.0
+    torch.manual_seed(0)
+    model, x = CountsInAGlobal().eval(), torch.randn(2, 8)
+    started, go = threading.Event(), threading.Event()
+
+    class Held(call_fuzz.QuickBuilder):
+        def build(self, model, inputs):
+            started.set()
+            go.wait(60)
+            return super().build(model, inputs)
+
+    builder = Held(0)
+    fast = GuardedModule(model, builder, say=lambda line: None)
+    try:
+        with torch.no_grad():
+            fast(x)  # the model answers; the plan is built in the background, held
+            assert started.wait(60)
+            GAIN = 3.0
+            go.set()
+            fast.wait_for_builds()
+            assert close(fast(x), model(x))
+            built = builder.built
+            fast(x)
+            assert builder.built == built  # CALLS moved, and is the forward's own
+            GAIN = 1.0
+            assert close(fast(x), model(x))
+    finally:
+        GAIN = 1.0
+        go.set()
+        fast.close()
 
 
 def _mutate(value, path, new):

@@ -29,7 +29,6 @@ import collections
 import contextlib
 import dis
 import functools
-import inspect
 import itertools
 import operator
 import sys
@@ -315,7 +314,11 @@ class WeightWatch:
 
     def ignore(self, paths: set[str]) -> None:
         """Stop watching the attributes at ``paths``: the models' forwards set them themselves (a counter, a size
-        kept), which is no change of the user's to follow, and which a plan, not running the forward, never sets."""
+        kept), which is no change of the user's to follow, and which a plan, not running the forward, never sets.
+        Not globals: those the code sets are not watched (:func:`_read_globals`), and the rest change only when
+        the user sets them, also while a plan is built in the background on another thread (a build's copy of the
+        model has its own attributes, but shares its globals)."""
+        paths = {path for path in paths if not path.startswith("global ")}
         if paths - self.own_attributes:
             self.own_attributes |= paths
             keep = [k for k, where in enumerate(self.attribute_paths) if where not in paths]
@@ -524,7 +527,8 @@ def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, st
     PyTorch's own code). A captured program
     holds what it read as it was (``SCALE = 1.0`` in the model's file, set to 2.0 later; torch.compile guards on
     the globals it reads the same way). Not followed: functions reached through an attribute (``helpers.scale()``
-    reads its module's globals unseen), nor methods of other objects.
+    reads its module's globals unseen), nor methods of other objects. A global that code sets is its own, and not
+    watched; one that code not followed sets is seen as a change, and the plans are made again.
 
     >>> GAIN = 2.0
     >>> class Scaled(torch.nn.Module):
@@ -542,26 +546,25 @@ def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, st
 
 @functools.cache
 def _class_globals(kind: type) -> tuple[tuple[dict, str], ...]:
-    """The (globals' dict, name) of the data globals that class ``kind``'s ``forward`` reads, with the methods of
-    the class whose names it reads (``self.helper(x)``), and theirs (see :func:`_global_slots`); computed once a
-    class: the code does not change, the values are read from the dict."""
+    """The (globals' dict, name) of the data globals that class ``kind``'s ``forward`` reads (each of its classes'
+    own), with the methods of the classes whose names it reads (``self.helper(x)``), and theirs (see :func:`_global_slots`), but not those
+    the code sets; computed once a class: the code does not change, the values are read from the dict."""
     found: dict[tuple[int, str], tuple[dict, str]] = {}
     seen: set[int] = set()
     names, methods = ["forward"], set()
+    classes = [klass for klass in kind.__mro__ if not _pytorchs_or_builtin(klass)]
     while names:
         name = names.pop()
-        try:
-            member = inspect.getattr_static(kind, name)
-        except AttributeError:
-            continue
-        member = getattr(member, "__func__", member)  # staticmethod, classmethod
-        member = getattr(member, "fget", member)  # property
-        if not isinstance(member, types.FunctionType) or member in methods:
-            continue
-        methods.add(member)
-        _read_globals(member, found, seen, depth=3)
-        names.extend(_names_read(member.__code__))
-    return tuple(found.values())
+        for klass in classes:  # each class's own, for super().forward() and overridden helpers
+            member = vars(klass).get(name)
+            member = getattr(member, "__func__", member)  # staticmethod, classmethod
+            member = getattr(member, "fget", member)  # property
+            if not isinstance(member, types.FunctionType) or member in methods:
+                continue
+            methods.add(member)
+            _read_globals(member, found, seen, depth=3)
+            names.extend(_names_read(member.__code__))
+    return tuple(slot for slot in found.values() if slot is not None)
 
 
 def _names_read(code: types.CodeType) -> set[str]:
@@ -576,7 +579,8 @@ def _names_read(code: types.CodeType) -> set[str]:
 
 def _read_globals(function: types.FunctionType, found: dict, seen: set[int], depth: int) -> None:
     """Add to ``found`` the data globals ``function`` reads (its nested code included), following the plain
-    functions it reads ``depth`` calls deep."""
+    functions it reads ``depth`` calls deep; a global the code sets (``global n; n += 1``) is its own, and marked
+    None."""
     if id(function.__code__) in seen or _pytorchs_or_builtin(function):
         return
     seen.add(id(function.__code__))
@@ -586,14 +590,17 @@ def _read_globals(function: types.FunctionType, found: dict, seen: set[int], dep
         code = codes.pop()
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         for instruction in dis.get_instructions(code):
-            if instruction.opname not in ("LOAD_GLOBAL", "STORE_GLOBAL") or instruction.argval not in table:
+            name = instruction.argval
+            if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                found[(id(table), name)] = None
+            if instruction.opname != "LOAD_GLOBAL" or name not in table:
                 continue
-            value = table[instruction.argval]
+            value = table[name]
             if isinstance(value, types.FunctionType):
                 if depth > 1:
                     _read_globals(value, found, seen, depth - 1)
             elif _data(value):
-                found.setdefault((id(table), instruction.argval), (table, instruction.argval))
+                found.setdefault((id(table), name), (table, name))
 
 
 def _pytorchs_or_builtin(thing: Any) -> bool:
