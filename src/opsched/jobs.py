@@ -215,8 +215,8 @@ class OptimizeBuilder:
             return self.build(model, plan.inputs)
         if not verdict.ok:
             return dataclasses.replace(plan, module=None, chosen="eager", stale=False,
-                                       note=f"the plan rebuilt from the new weights does not verify: {verdict.why}")
-        return dataclasses.replace(plan, module=module, stale=False, note="rebuilt from the new weights")
+                                       note=f"the plan rebuilt from the model as it is now does not verify: {verdict.why}")
+        return dataclasses.replace(plan, module=module, stale=False, note="rebuilt from the model as it is now")
 
     def resize(self, model: Any, plan: Any, inputs: tuple) -> Any:
         """The plan for ``inputs``, which differ from ``plan``'s only in the sizes of dimensions declared dynamic

@@ -264,7 +264,7 @@ class GuardedModule(torch.nn.Module):
             self._private = None
             self.watch.update()
         if stale:
-            self.say(f"{what}: {len(stale)} plan(s) will be rebuilt from the new weights")
+            self.say(f"{what}: {len(stale)} plan(s) will be rebuilt from the model as it is now")
 
     def _private_model(self, generation: int) -> torch.nn.Module:
         """The copy of the model to build from, copied once the weights of ``generation`` were seen (so never

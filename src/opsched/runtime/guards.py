@@ -394,10 +394,11 @@ class WeightWatch:
                 if not unchanged([was], [value])}
 
     def _changed_in_place(self) -> str | None:
-        """Which watched value changed in place since :meth:`update`, in words."""
+        """Which watched value changed in place since :meth:`update`, in words: the first element or field that
+        differs (``config.negate changed in place (now True, was False)``)."""
         for path, was, value in zip(self.deep_paths, self.deep_snapshots, self.deep_objects):
             if not unchanged([was], [value]):
-                return f"{path} changed in place (now {_short(value)})"
+                return differs_where(was, value, path)
         return None
 
     def _deep_ignore(self, paths: set[str]) -> None:
@@ -736,10 +737,50 @@ class _Fields(_Same):
         return other is self.value and self.fields == vars(other)
 
 
+def differs_where(was: Any, value: Any, path: str) -> str:
+    """Where ``value`` (at ``path``) first differs from its :func:`snapshot` ``was``, in words.
+
+    >>> table = {"scales": [1.0, 2.0]}
+    >>> kept = snapshot(table)
+    >>> table["scales"][1] = 3.0
+    >>> differs_where(kept, table, "head.table")
+    "head.table['scales'][1] changed in place (now 3.0, was 2.0)"
+    """
+    while True:
+        if isinstance(was, _Fields) and was.value is value and type(was.fields) is dict:
+            was, value, attribute = was.fields, vars(value), True
+        else:
+            attribute = False
+        inner = _first_difference(was, value)
+        if inner is None:
+            shown_was = was.value if isinstance(was, _Same) else was
+            if isinstance(was, _TensorAt) and was.value is value:
+                return f"{path} changed in place (written)"
+            return f"{path} changed in place (now {_short(value)}, was {_short(shown_was)})"
+        key, was, value = inner
+        path = f"{path}.{key}" if attribute else f"{path}[{key!r}]"
+
+
+def _first_difference(was: Any, value: Any) -> tuple[Any, Any, Any] | None:
+    """The first (key, its snapshot, its value) where container ``value`` differs from ``was``, or None where
+    they are not containers of one kind and length (the difference is the value itself)."""
+    if isinstance(was, list) and type(value) is list and len(was) == len(value) or \
+            isinstance(was, tuple) and isinstance(value, tuple) and len(was) == len(value):
+        pairs = enumerate(zip(was, value))
+    elif isinstance(was, dict) and isinstance(value, dict) and was.keys() == value.keys():
+        pairs = ((key, (was[key], value[key])) for key in was)
+    else:
+        return None
+    for key, (a, b) in pairs:
+        if not unchanged([a], [b]):
+            return key, a, b
+    return None
+
+
 def _short(value: Any) -> str:
     """``value`` in a few words: its repr, cut to 60 characters."""
     try:
-        text = repr(value)
+        text = " ".join(repr(value).split())  # (a configuration's repr spans lines)
     except Exception:  # noqa: BLE001 - a repr that fails says nothing useful
         text = f"a {type(value).__name__}"
     return text if len(text) <= 60 else text[:57] + "..."
