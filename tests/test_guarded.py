@@ -18,7 +18,7 @@ from support import call_fuzz
 from support.small_models import branchy, schedule_all
 
 import opsched
-from opsched.errors import OpschedError, SignatureMismatch, StaleWeights
+from opsched.errors import NoGradient, OpschedError, SignatureMismatch, StaleWeights
 from opsched.runtime import guards
 from opsched.runtime.guarded import GuardedModule
 from opsched.runtime.guards import WeightWatch, call_signature, difference
@@ -1196,6 +1196,30 @@ def test_attentions_fast_path_is_part_of_the_signature():
     finally:
         torch.backends.mha.set_fastpath_enabled(was)
     assert "attention's fast path (torch.backends.mha)" in difference(other, planned)
+
+
+def test_outputs_in_grad_mode_require_gradients_and_refuse_a_backward_pass():
+    # a plan's outputs are inference tensors: called in grad mode they silently lost the gradients the model's
+    # outputs carry (cross_entropy on them gave a loss needing none; a loss adding a weight penalty trained the
+    # penalty alone). Now they require gradients as the model's do, and a backward pass through them is refused.
+    torch.manual_seed(0)
+    model, x, y = Tempered().eval(), torch.randn(2, 8), torch.tensor([1, 3])
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    with torch.no_grad():
+        fast(x)
+    for module in (fast, next(iter(fast.plans.values())).module):  # optimize's module, and a plan's own
+        out, want = module(x), model(x)
+        assert out.requires_grad and want.requires_grad and close(out.detach(), want.detach())
+        with pytest.raises(NoGradient, match="train the model itself"):
+            torch.nn.functional.cross_entropy(out, y).backward()
+        with pytest.raises(NoGradient):
+            (module(x).square().mean() + model.a.weight.square().sum()).backward()
+        with torch.no_grad():
+            assert not module(x).requires_grad
+    model.requires_grad_(False)  # frozen: the model's outputs need no gradients, nor do the plan's
+    assert not fast(x).requires_grad and builder.built == 1
+    fast.close()
 
 
 GAIN = 1.0  # a constant of the model's file, which Configured's forward reads

@@ -41,3 +41,8 @@ class SignatureMismatch(OpschedError, ValueError):
 class StaleWeights(OpschedError, RuntimeError):
     """A plan called after the model's weights changed, where it cannot rebuild what it derived from them (a
     module from ``opsched.compile``): the message says which weight changed."""
+
+
+class NoGradient(OpschedError, RuntimeError):
+    """A backward pass through an output of an optimized module: its plans run in inference mode and carry no
+    gradient to the model's weights, where the model's own outputs would."""

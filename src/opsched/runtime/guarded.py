@@ -47,6 +47,7 @@ from opsched.graph.fold import forget_folds
 from opsched.graph.tracing import TRACING
 from opsched.models.sharing import build_copy
 from opsched.runtime.dynamic import served_by
+from opsched.runtime.gradients import in_grad_mode
 from opsched.runtime.guards import (
     WeightWatch,
     attributes_set_by,
@@ -169,9 +170,9 @@ class GuardedModule(torch.nn.Module):
             with contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
                 self.plans.move_to_end(signature)
             if hasattr(plan.module, "run"):
-                return plan.module.run(flat)
+                return in_grad_mode(plan.module.run(flat), self.watch.tensors)
             with TRACING.calling():
-                return plan.module(*inputs)
+                return in_grad_mode(plan.module(*inputs), self.watch.tensors)
         inputs_of = signature[0]
         if any(len(s) == 5 and s[4] for s in inputs_of):
             return self._refused(inputs, "an input asks for gradients, which a plan does not give (it runs in "

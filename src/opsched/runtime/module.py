@@ -29,6 +29,7 @@ from opsched.graph.ops import draws_random
 from opsched.graph.tracing import TRACING
 from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.choice import check_choice
+from opsched.runtime.gradients import in_grad_mode
 from opsched.runtime.guards import Guard
 from opsched.runtime.kernels import ChosenKernels, Operator, plan_kernels
 from opsched.runtime.packed import eager_layout, eager_strides
@@ -99,7 +100,10 @@ class OptimizedModule(torch.nn.Module):
         self.guard = guard
 
     def forward(self, *inputs: Any) -> Any:
-        return self.run(self.guard.check(inputs) if self.guard is not None else pytree.tree_leaves(inputs))
+        if self.guard is None:
+            return self.run(pytree.tree_leaves(inputs))
+        outputs = self.run(self.guard.check(inputs))
+        return outputs if self.guard.weights is None else in_grad_mode(outputs, self.guard.weights.tensors)
 
     def run(self, flat: list[Any]) -> Any:
         """Run the plan on the flat list of inputs, unchecked: for a caller that has checked the guard itself."""
