@@ -1222,6 +1222,41 @@ def test_outputs_in_grad_mode_require_gradients_and_refuse_a_backward_pass():
     fast.close()
 
 
+def test_the_optimized_module_stands_in_for_the_model():
+    # fast.train() left the model in eval mode (the plans answered without its dropout, silently), fast.double()
+    # converted nothing, and fast.state_dict() and fast.parameters() were empty: what a user does to the optimized
+    # module is now done to the model, so that it trains as the model, and answers as it after
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4)).eval()
+    x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    with torch.no_grad():
+        fast(x)
+    assert fast.state_dict().keys() == model.state_dict().keys()
+    assert [id(p) for p in fast.parameters()] == [id(p) for p in model.parameters()]
+    optimizer = torch.optim.SGD(fast.parameters(), lr=0.1)
+    fast.train()
+    assert model.training and all(m.training for m in model.modules())
+    for _ in range(3):  # the model answers in training mode, with its dropout and its gradients
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(fast(x), y).backward()
+        optimizer.step()
+    with torch.no_grad():
+        assert not torch.equal(fast(x), fast(x))  # dropout
+    fast.eval()
+    with torch.no_grad():
+        assert not model.training and close(fast(x), model(x))  # a plan made again from the trained weights
+    built = builder.built
+    fast.load_state_dict({k: v + 0.5 for k, v in model.state_dict().items()})
+    fast.double()
+    assert model[0].weight.dtype == torch.float64
+    with torch.no_grad():
+        got, want = fast(x.double()), model(x.double())
+    assert got.dtype == torch.float64 and close(got, want, 1e-9) and builder.built > built
+    fast.close()
+
+
 GAIN = 1.0  # a constant of the model's file, which Configured's forward reads
 
 

@@ -34,7 +34,7 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -398,6 +398,36 @@ class GuardedModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
+
+    # The model's own module methods: the optimized module stands in for the model, so that what a user does to
+    # one is done to the model (before, ``fast.train()`` left the model in eval mode and the plans answered without
+    # its dropout, and ``fast.double()`` converted nothing). The watch then sees the change at the next call.
+
+    def train(self, mode: bool = True) -> GuardedModule:
+        """Put the model in training mode (its calls are then answered by the model itself) or back in eval mode."""
+        self.model.train(mode)
+        return super().train(mode)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> GuardedModule:
+        # .to(), .double(), .half(), .float(), .cpu(), .cuda(), .type(): converts the model's tensors
+        self.model._apply(fn, recurse)
+        return self
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The model's state dict, with its keys."""
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Load ``state_dict`` into the model (the plans are rebuilt from it at the next call)."""
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters (an optimizer over ``fast.parameters()`` trains the model)."""
+        return self.model.named_parameters(*args, **kwargs)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's buffers."""
+        return self.model.named_buffers(*args, **kwargs)
 
 
 def positional_call(signature: inspect.Signature | None, inputs: tuple,
