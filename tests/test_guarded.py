@@ -1336,6 +1336,43 @@ _VALUES = st.recursive(_LEAVES, lambda inner: st.one_of(
     st.tuples(inner, inner)), max_leaves=12)
 
 
+def test_a_global_of_another_module_read_through_it_is_watched(tmp_path, monkeypatch):
+    # `import settings` at the top of the model's file, then `x * settings.SCALE` and `settings.shifted(x)`: the
+    # other module's globals, read through it, were held by the plan as captured
+    (tmp_path / "settings_of_test.py").write_text("SCALE = 1.0\nOFFSET = 0.0\n\n\ndef shifted(x):\n    return x + OFFSET\n")
+    (tmp_path / "model_of_test.py").write_text(textwrap.dedent("""
+        import torch
+        import settings_of_test as settings
+
+
+        class ReadsSettings(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(8, 8)
+
+            def forward(self, x):
+                return settings.shifted(self.a(x) * settings.SCALE)
+        """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import model_of_test
+    import settings_of_test as settings
+
+    torch.manual_seed(0)
+    model, x = model_of_test.ReadsSettings().eval(), torch.randn(2, 8)
+    lines = []
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lines.append)
+    try:
+        with torch.no_grad():
+            fast(x)
+            settings.SCALE = 2.0
+            assert close(fast(x), model(x)), lines
+            settings.OFFSET = 1.0
+            assert close(fast(x), model(x)), lines
+        assert any(line.startswith("global OFFSET (settings_of_test) changed") for line in lines), lines
+    finally:
+        fast.close()
+
+
 CALLS = 0  # a global CountsInAGlobal's forward sets itself
 
 

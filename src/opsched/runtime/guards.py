@@ -527,9 +527,11 @@ def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, st
     models' modules, by the methods it names, and by the plain functions those read, three calls deep (not in
     PyTorch's own code). A captured program
     holds what it read as it was (``SCALE = 1.0`` in the model's file, set to 2.0 later; torch.compile guards on
-    the globals it reads the same way). Not followed: functions reached through an attribute (``helpers.scale()``
-    reads its module's globals unseen), nor methods of other objects. A global that code sets is its own, and not
-    watched; one that code not followed sets is seen as a change, and the plans are made again.
+    the globals it reads the same way). A module read there (``settings.SCALE``, ``settings.shifted(x)``,
+    where ``import settings`` is at the top of the file) is followed as well, unless it is PyTorch's, NumPy's or the
+    standard library's. Not followed: methods of other objects, and a module reached through an object's
+    attribute. A global that code sets is its own, and not watched; one that code not followed sets is seen as a
+    change, and the plans are made again.
 
     >>> GAIN = 2.0
     >>> class Scaled(torch.nn.Module):
@@ -579,29 +581,51 @@ def _names_read(code: types.CodeType) -> set[str]:
 
 
 def _read_globals(function: types.FunctionType, found: dict, seen: set[int], depth: int) -> None:
-    """Add to ``found`` the data globals ``function`` reads (its nested code included), following the plain
-    functions it reads ``depth`` calls deep; a global the code sets (``global n; n += 1``) is its own, and marked
-    None."""
+    """Add to ``found`` the data globals ``function`` reads (its nested code included), and the data attributes
+    it reads of the modules it reads (``settings.SCALE``, where ``settings`` is a module of the user's or a
+    library's, not PyTorch's, NumPy's or the standard library's), following the plain functions it reads
+    (``helpers.scale``) ``depth`` calls deep. A global the code sets (``global n; n += 1``, ``settings.n = 1``)
+    is its own, and marked None."""
     if id(function.__code__) in seen or _pytorchs_or_builtin(function):
         return
     seen.add(id(function.__code__))
-    table = function.__globals__
+    globals_ = function.__globals__
     codes = [function.__code__]
     while codes:
         code = codes.pop()
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+        module = None  # the globals of the module the instruction before read, whose attribute this may read
         for instruction in dis.get_instructions(code):
-            name = instruction.argval
-            if instruction.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                found[(id(table), name)] = None
-            if instruction.opname != "LOAD_GLOBAL" or name not in table:
+            name, op = instruction.argval, instruction.opname
+            if op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+                found[(id(globals_), name)] = None
+            elif op in ("STORE_ATTR", "DELETE_ATTR") and module is not None:
+                found[(id(module), name)] = None
+            if op == "LOAD_GLOBAL":
+                table = globals_
+            elif op in ("LOAD_ATTR", "LOAD_METHOD") and module is not None:
+                table = module
+            else:
+                module = None
+                continue
+            module = None
+            if name not in table:
                 continue
             value = table[name]
-            if isinstance(value, types.FunctionType):
+            if isinstance(value, types.ModuleType):
+                if not _pytorchs_or_builtin_module(value):
+                    module = vars(value)
+            elif isinstance(value, types.FunctionType):
                 if depth > 1:
                     _read_globals(value, found, seen, depth - 1)
             elif _data(value):
                 found.setdefault((id(table), name), (table, name))
+
+
+def _pytorchs_or_builtin_module(module: types.ModuleType) -> bool:
+    """Whether ``module`` is PyTorch's, NumPy's or the standard library's."""
+    package = module.__name__.partition(".")[0]
+    return package in ("torch", "numpy", "builtins") or package in sys.stdlib_module_names
 
 
 def _pytorchs_or_builtin(thing: Any) -> bool:
