@@ -1254,6 +1254,31 @@ def test_the_optimized_module_stands_in_for_the_model():
     with torch.no_grad():
         got, want = fast(x.double()), model(x.double())
     assert got.dtype == torch.float64 and close(got, want, 1e-9) and builder.built > built
+    # inside another module, as the model would be: its parameters, submodules, state dict and loading reach it
+    head = torch.nn.Linear(4, 2).double()
+    parent, alone = torch.nn.Sequential(fast, head), torch.nn.Sequential(model, head)
+    assert [n for n, _ in parent.named_parameters()] == [n for n, _ in alone.named_parameters()]
+    assert list(parent.state_dict()) == list(alone.state_dict()) and getattr(fast, "0") is model[0]
+    assert sum(isinstance(m, torch.nn.Dropout) for m in parent.modules()) == 1
+    parent.load_state_dict({k: v * 0.5 for k, v in alone.state_dict().items()})
+    with torch.no_grad():
+        assert close(model[0].weight, alone[0][0].weight) and close(parent(x.double()), alone(x.double()), 1e-9)
+    fast.close()
+
+
+def test_torch_compile_of_the_optimized_module_runs_it_as_it_is():
+    # dynamo traced the guarded forward and broke its graph on the locks and the watch, with a warning for each
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model, x = Tempered().eval(), torch.randn(2, 8)
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lambda line: None)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        assert close(torch.compile(fast)(x), model(x))
+    # the one break: the forward, skipped as asked
+    assert all("torch.compiler.disable" in why for why in counters["graph_break"]), dict(counters["graph_break"])
     fast.close()
 
 

@@ -34,7 +34,7 @@ import sys
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +149,20 @@ class GuardedModule(torch.nn.Module):
         self._said_keywords: set[tuple[str, ...]] = set()
         for plan in plans:
             self._keep(plan)
+        # the model's own tables of submodules, parameters and buffers (see "The model's own module methods")
+        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+            object.__setattr__(self, table, getattr(model, table))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # the wrapper's own attributes are set where they are; any other goes to the model's tables, as on the model
+        if name in self.__dict__:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    # torch.compile(fast) runs this as it is: the plans are compiled already, and dynamo would break its graph on
+    # the locks and the watch, with a warning for each
+    @torch.compiler.disable
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
         if keywords:  # one plan serves a call whichever way its arguments are passed
             positional = positional_call(self._forward_signature, inputs, keywords)
@@ -399,9 +412,11 @@ class GuardedModule(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"{type(self.model).__name__}, {len(self.plans)} plan(s), max_plans={self.max_plans}"
 
-    # The model's own module methods: the optimized module stands in for the model, so that what a user does to
-    # one is done to the model (before, ``fast.train()`` left the model in eval mode and the plans answered without
-    # its dropout, and ``fast.double()`` converted nothing). The watch then sees the change at the next call.
+    # The model's own module methods. The optimized module stands in for the model: it holds the model's own tables
+    # of submodules, parameters and buffers, so that what PyTorch does to one, directly or through a module holding
+    # it (parameters(), modules(), load_state_dict, fast.fc), it does to the model; and these reach the model itself
+    # (before, fast.train() left the model in eval mode and the plans answered without its dropout, and
+    # fast.double() converted nothing). The watch sees each change at the next call.
 
     def train(self, mode: bool = True) -> GuardedModule:
         """Put the model in training mode (its calls are then answered by the model itself) or back in eval mode."""
@@ -421,13 +436,9 @@ class GuardedModule(torch.nn.Module):
         """Load ``state_dict`` into the model (the plans are rebuilt from it at the next call)."""
         return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """The model's parameters (an optimizer over ``fast.parameters()`` trains the model)."""
-        return self.model.named_parameters(*args, **kwargs)
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's buffers."""
-        return self.model.named_buffers(*args, **kwargs)
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # (a module holding this one loads through here: the model's own, which its class may override)
+        self.model._load_from_state_dict(*args, **kwargs)
 
 
 def positional_call(signature: inspect.Signature | None, inputs: tuple,
