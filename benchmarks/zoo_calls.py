@@ -1,0 +1,146 @@
+"""Optimized modules of models nobody here tuned for, called as users call them, every answer compared with the
+model's own: a sweep of torchvision and timm models, each wrapped as ``opsched.optimize`` wraps it (a
+:class:`~opsched.runtime.guarded.GuardedModule`) over plans made by the call fuzzer's builder (captured, a random
+scheduler under random costs, compiled, verified against the model: no timing, so that many models fit in
+minutes), then called:
+
+- with new values, at batch 2, with a ``channels_last`` input, in grad mode (the outputs must require gradients
+  as the model's do);
+- after ``load_state_dict`` with changed weights, under bfloat16 autocast;
+- after ``fast.train()`` (the model answers, with its dropout: both called from the same random state) and
+  ``fast.eval()``;
+- after ``fast.double()``, with a float64 input.
+
+Counts per model: calls, wrong answers (values beyond the dtype's tolerance, another shape, dtype or structure,
+or outputs that do not require gradients where the model's do), tracebacks (an exception the model itself does
+not raise), plans built. Appends one JSON line per model to ``--out`` and prints a line per model.
+
+    python benchmarks/zoo_calls.py [--models timm:ghostnet_100 ...] [--image-size 64] [--out docs/zoo_calls.jsonl]
+"""
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from sweep import machine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.call_fuzz import TOLERANCE, QuickBuilder
+
+from opsched.compare import compare_outputs
+from opsched.models import load_model
+from opsched.runtime.guarded import GuardedModule
+
+MODELS = ["torchvision:resnet18", "torchvision:mobilenet_v3_small", "torchvision:efficientnet_b0",
+          "torchvision:regnet_x_400mf", "torchvision:shufflenet_v2_x0_5", "torchvision:squeezenet1_1",
+          "torchvision:googlenet", "torchvision:densenet121", "torchvision:mnasnet0_5", "torchvision:convnext_tiny",
+          "timm:ghostnet_100", "timm:mixnet_s", "timm:rexnet_100", "timm:dla34", "timm:hrnet_w18_small",
+          "timm:vit_tiny_patch16_224", "timm:deit_tiny_patch16_224", "timm:levit_128s", "timm:mobilevit_xxs",
+          "timm:poolformer_s12", "timm:efficientformer_l1", "timm:tinynet_a", "timm:resmlp_12_224",
+          "timm:pit_ti_224", "timm:edgenext_xx_small", "timm:convmixer_768_32", "timm:cspresnet50",
+          "timm:nf_resnet26", "timm:gcresnet33ts", "timm:selecsls42b"]
+
+
+def answers(got, want, dtype_tolerance: bool = True) -> str:
+    """'' where ``got`` is ``want`` (the model's answer) within float noise, else what differs."""
+    if pytree.tree_structure(got) != pytree.tree_structure(want):
+        return f"structure {pytree.tree_structure(got)} where the model gives {pytree.tree_structure(want)}"
+    for k, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want))):
+        if not isinstance(w, torch.Tensor):
+            continue
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"output {k}: {tuple(g.shape)} {g.dtype} where the model gives {tuple(w.shape)} {w.dtype}"
+        if g.requires_grad != w.requires_grad:
+            return f"output {k}: requires_grad {g.requires_grad} where the model's is {w.requires_grad}"
+        verdict = compare_outputs(g.detach(), w.detach(), TOLERANCE.get(w.dtype, 1e-4))
+        if not verdict.ok:
+            return f"output {k}: {verdict.why}"
+    return ""
+
+
+def one(spec: str, image_size: int) -> dict:
+    """Every call of the sweep on one model."""
+    loaded = load_model(spec, batch=1, image_size=image_size)
+    model, (x,) = loaded.model.eval(), tuple(loaded.inputs)
+    builder = QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    wrong, failed, calls = [], [], 0
+
+    def call(label: str, inputs: tuple, grad: bool = False, autocast: bool = False, seed: int | None = None) -> None:
+        nonlocal calls
+        calls += 1
+        context = torch.enable_grad() if grad else torch.no_grad()
+        results = []
+        for who in (fast, model):
+            if seed is not None:
+                torch.manual_seed(seed)
+            try:
+                with context, torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                    results.append(("ok", who(*inputs)))
+            except Exception as e:  # noqa: BLE001 - compared with what the model does
+                results.append(("raised", e))
+        (got_kind, got), (want_kind, want) = results
+        if want_kind == "raised":
+            if got_kind != "raised":
+                wrong.append(f"{label}: answered where the model raises {type(want).__name__}")
+            return
+        if got_kind == "raised":
+            failed.append(f"{label}: {type(got).__name__}: {str(got).splitlines()[0][:200] if str(got) else ''}")
+            return
+        why = answers(got, want)
+        if why:
+            wrong.append(f"{label}: {why}")
+
+    started = time.perf_counter()
+    try:
+        call("first call", (x,))
+        call("new values", (torch.randn_like(x),))
+        call("batch 2", (torch.randn(2, *x.shape[1:]),))
+        call("channels_last", (torch.randn_like(x).contiguous(memory_format=torch.channels_last),))
+        call("grad mode", (torch.randn_like(x),), grad=True)
+        g = torch.Generator().manual_seed(1)
+        model.load_state_dict({k: v + 0.01 * torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point()
+                               else v for k, v in model.state_dict().items()})
+        call("after load_state_dict", (torch.randn_like(x),))
+        call("bfloat16 autocast", (torch.randn_like(x),), autocast=True)
+        fast.train()
+        call("after fast.train()", (torch.randn(2, *x.shape[1:]),), seed=3)
+        fast.eval()
+        call("after fast.eval()", (torch.randn_like(x),))
+        fast.double()
+        call("after fast.double()", (torch.randn_like(x).double(),))
+    except Exception:  # noqa: BLE001 - the harness's own failure, recorded
+        failed.append("harness: " + traceback.format_exc().strip().splitlines()[-1])
+    finally:
+        fast.close()
+    return {"model": spec, "image_size": image_size, "calls": calls, "wrong": wrong, "tracebacks": failed,
+            "plans_built": builder.built, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--out", default="docs/zoo_calls.jsonl")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for spec in args.models:
+        try:
+            row = one(spec, args.image_size)
+        except Exception as e:  # noqa: BLE001 - a model that cannot be loaded or wrapped: said, and the sweep goes on
+            row = {"model": spec, "image_size": args.image_size, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        row.update(machine())
+        with Path(args.out).open("a") as sink:
+            sink.write(json.dumps(row) + "\n")
+        print(f"{spec}: {row.get('calls', 0)} calls, {len(row.get('wrong', []))} wrong, "
+              f"{len(row.get('tracebacks', []))} tracebacks, {row.get('seconds', '-')} s "
+              f"{row.get('error', '')} {row.get('wrong', [])[:1]} {row.get('tracebacks', [])[:1]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
