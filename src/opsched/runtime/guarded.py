@@ -4,7 +4,7 @@ signature, behind guards, and answered by the model itself wherever no plan serv
 On each call, :class:`GuardedModule`
 
 1. looks at the model's weights (:class:`~opsched.runtime.guards.WeightWatch`): when one changed, every plan
-   built from the old weights is dropped and rebuilt from the new ones (its schedule kept: the model is captured
+   built from the old weights is dropped and rebuilt from the model as it is now (its schedule kept: the model is captured
    again, the same schedule compiled and verified; a plan that chose a peer is made again whole);
 2. computes the call's signature (:func:`~opsched.runtime.guards.call_signature`) and runs the plan made for it;
 3. for a signature no plan serves: answers with the model itself, exactly, and builds a plan for it in the
@@ -47,7 +47,6 @@ from opsched.graph.fold import forget_folds
 from opsched.graph.tracing import TRACING
 from opsched.models.sharing import build_copy
 from opsched.runtime.dynamic import served_by
-from opsched.runtime.gradients import in_grad_mode
 from opsched.runtime.guards import (
     WeightWatch,
     attributes_set_by,
@@ -58,6 +57,7 @@ from opsched.runtime.guards import (
     difference,
     flat_signature,
 )
+from opsched.runtime.outputs import as_the_model_gives, grad_pattern
 
 
 def say_on_stderr(text: str) -> None:
@@ -81,6 +81,8 @@ class Plan:
     note: str = ""
     stale: bool = False  # built from weights that have changed since: rebuilt at its signature's next call
     made: int | None = None  # the order plans were made in (the first is the plan file's head)
+    # for each output, whether the model's requires gradients in grad mode (seen at the first such call)
+    needs_grad: tuple[bool, ...] | None = None
 
     def summary(self) -> str:
         line = f"{describe(self.signature)}: {self.chosen}"
@@ -132,6 +134,7 @@ class GuardedModule(torch.nn.Module):
         if max_plans < 1:
             raise OpschedError(f"max_plans must be at least 1, got {max_plans}")
         object.__setattr__(self, "model", model)  # not a submodule: its state_dict stays the model's own
+        object.__setattr__(self, "training", model.training)
         self.builder, self.strict, self.wait, self.max_plans, self.say = builder, strict, wait, max_plans, say
         self.dynamic = dynamic
         self.watch = WeightWatch(model, tensors=follow_weights)
@@ -162,7 +165,7 @@ class GuardedModule(torch.nn.Module):
 
     # torch.compile(fast) runs this as it is: the plans are compiled already, and dynamo would break its graph on
     # the locks and the watch, with a warning for each
-    @torch.compiler.disable
+    @torch._disable_dynamo  # (torch.compiler.disable would import dynamo with this module: 0.8 s)
     def forward(self, *inputs: Any, **keywords: Any) -> Any:
         if keywords:  # one plan serves a call whichever way its arguments are passed
             positional = positional_call(self._forward_signature, inputs, keywords)
@@ -177,15 +180,7 @@ class GuardedModule(torch.nn.Module):
         flat, signature = flat_signature(inputs)
         plan = self.plans.get(signature)
         if plan is not None and not plan.stale:
-            if plan.module is None:  # eager chosen, or nothing verified: the model answers
-                return self._model_answers(inputs)
-            # (one C call, atomic under the GIL; the table is only ever iterated as a copy made by one C call)
-            with contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
-                self.plans.move_to_end(signature)
-            if hasattr(plan.module, "run"):
-                return in_grad_mode(plan.module.run(flat), self.watch.tensors)
-            with TRACING.calling():
-                return in_grad_mode(plan.module(*inputs), self.watch.tensors)
+            return self._planned(plan, signature, inputs, flat)
         inputs_of = signature[0]
         if any(len(s) == 5 and s[4] for s in inputs_of):
             return self._refused(inputs, "an input asks for gradients, which a plan does not give (it runs in "
@@ -206,9 +201,31 @@ class GuardedModule(torch.nn.Module):
                                     "strict=False")
         if self.wait or self.strict or exiting():  # no background builds once the interpreter exits
             self._build_now(signature, inputs, like)
-            return self.forward(*inputs)
+            plan = self.plans.get(signature)
+            # (the plan just made answers; what changed while it was made is seen at the next call, rather than
+            # made again here, which a forward that changes a global itself would repeat without end)
+            return self._model_answers(inputs) if plan is None or plan.stale else \
+                self._planned(plan, signature, inputs, flat)
         self._build_later(signature, inputs, why, like)
         return self._model_answers(inputs)
+
+    def _planned(self, plan: Plan, signature: tuple, inputs: tuple, flat: list[Any]) -> Any:
+        """The answer of ``plan`` (made for ``signature``, not stale) to a call, as the model would give it."""
+        if plan.module is None:  # eager chosen, or nothing verified: the model answers
+            return self._model_answers(inputs)
+        # (one C call, atomic under the GIL; the table is only ever iterated as a copy made by one C call)
+        with contextlib.suppress(KeyError):  # dropped meanwhile by a build: it still answers
+            self.plans.move_to_end(signature)
+        weights = self.watch.tensors
+        if plan.needs_grad is None and torch.is_grad_enabled() and any(t.requires_grad for t in weights):
+            # which outputs the model's gradients reach: the model answers the plan's first such call
+            answer = self._model_answers(inputs)
+            plan.needs_grad = grad_pattern(answer)
+            return answer
+        if hasattr(plan.module, "run"):
+            return as_the_model_gives(plan.module.run(flat), weights, plan.needs_grad)
+        with TRACING.calling():
+            return as_the_model_gives(plan.module(*inputs), weights, plan.needs_grad)
 
     def _sized_like(self, signature: tuple) -> tuple[Plan | None, str]:
         """The plan (the most recently used first) whose schedule serves ``signature`` through its dynamic
@@ -309,7 +326,7 @@ class GuardedModule(torch.nn.Module):
                     plan = self.builder.resize(model, like, inputs)
                 else:
                     plan = self.builder.build(model, inputs)
-            self.watch.ignore(own)
+            self.watch.ignore(own, by_build=True)
             if _traced_with_fx(plan):
                 # its units hold the copy's own modules, which the next capture of the copy would swap out
                 # under it: the next build copies again
@@ -420,8 +437,9 @@ class GuardedModule(torch.nn.Module):
 
     def train(self, mode: bool = True) -> GuardedModule:
         """Put the model in training mode (its calls are then answered by the model itself) or back in eval mode."""
-        self.model.train(mode)
-        return super().train(mode)
+        self.model.train(mode)  # (its own train(), which may keep some layers in eval mode: not undone here)
+        object.__setattr__(self, "training", mode)
+        return self
 
     def _apply(self, fn: Callable, recurse: bool = True) -> GuardedModule:
         # .to(), .double(), .half(), .float(), .cpu(), .cuda(), .type(): converts the model's tensors

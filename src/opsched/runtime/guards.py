@@ -25,13 +25,16 @@ call. A write through ``tensor.data`` bypasses PyTorch's version counter and is 
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dis
 import functools
+import inspect
 import itertools
 import operator
 import sys
+import threading
 import types
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -221,6 +224,7 @@ class WeightWatch:
     def __init__(self, *models: torch.nn.Module, tensors: bool = True, attributes: bool = True):
         self.models, self.watches_tensors, self.watches_attributes = models, tensors, attributes
         self.own_attributes: set[str] = set()  # those the models' forwards set themselves (see ignore)
+        self.moved_in_builds: dict[str, bool] = {}  # the globals seen changing across the last build (see ignore)
         self._walk()
 
     def _walk(self) -> None:
@@ -284,8 +288,11 @@ class WeightWatch:
             set_again = self._attribute_set()
             if set_again:
                 return set_again
-        if self.deep_objects and not unchanged(self.deep_snapshots, self.deep_objects):
-            return self._changed_in_place()
+        objects, _, snapshots = self.deep  # (one tuple: another thread's ignore() replaces it whole)
+        if objects and not unchanged(snapshots, objects):
+            moved = self._moved_in_place()
+            if moved:
+                return differs_where(*moved[0])
         # a hook added anywhere moves the handles' count, one removed empties a table that held it: only then
         # are the models' hook tables counted (ResNet-18's 138 cost 2 µs, too much for every call)
         if (_HANDLES.next_id != self.handles or list(map(len, self.hooked)) != self.hooked_counts) and self.hook_tables:
@@ -312,26 +319,34 @@ class WeightWatch:
             return self._stepped()
         return None
 
-    def ignore(self, paths: set[str]) -> None:
+    def ignore(self, paths: set[str], by_build: bool = False) -> None:
         """Stop watching the attributes at ``paths``: the models' forwards set them themselves (a counter, a size
         kept), which is no change of the user's to follow, and which a plan, not running the forward, never sets.
-        Not globals: those the code sets are not watched (:func:`_read_globals`), and the rest change only when
-        the user sets them, also while a plan is built in the background on another thread (a build's copy of the
-        model has its own attributes, but shares its globals)."""
-        paths = {path for path in paths if not path.startswith("global ")}
-        if paths - self.own_attributes:
-            self.own_attributes |= paths
-            keep = [k for k, where in enumerate(self.attribute_paths) if where not in paths]
-            self.attribute_tables = [self.attribute_tables[k] for k in keep]
-            self.attribute_names = [self.attribute_names[k] for k in keep]
-            self.attribute_paths = [self.attribute_paths[k] for k in keep]
-            self.attribute_values = [self.attribute_values[k] for k in keep]
-            self._deep_ignore(paths)
+        ``by_build``: seen changing across a build in the background, whose copy of the model has its own
+        attributes but shares the globals, which the user may have set meanwhile: a global is then left out only
+        once seen changing across two builds in a row (a counter the forward keeps), so that a user's change is
+        followed and the forward's own costs one rebuild, not one per call."""
+        globals_moved = {path for path in paths if path.startswith("global ")}
+        if by_build:
+            twice = {path for path in globals_moved if self.moved_in_builds.get(path)}
+            self.moved_in_builds = dict.fromkeys(globals_moved - twice, True)
+            paths = (paths - globals_moved) | twice
+        with _IGNORING:
+            if paths - self.own_attributes:
+                self.own_attributes |= paths
+                keep = [k for k, where in enumerate(self.attribute_paths) if where not in paths]
+                self.attribute_tables = [self.attribute_tables[k] for k in keep]
+                self.attribute_names = [self.attribute_names[k] for k in keep]
+                self.attribute_paths = [self.attribute_paths[k] for k in keep]
+                self.attribute_values = [self.attribute_values[k] for k in keep]
+                objects, deep_paths, snapshots = self.deep
+                keep = [k for k, path in enumerate(deep_paths) if path not in paths]
+                self.deep = ([objects[k] for k in keep], [deep_paths[k] for k in keep], [snapshots[k] for k in keep])
 
     def attributes_now(self) -> tuple[list[Any], set[str]]:
         """The watched attributes' values now, and the paths of those changed in place since they were taken (see
         :meth:`forward_set`)."""
-        return self.attributes_now_set(), self._moved_in_place()
+        return self.attributes_now_set(), {path for *_, path in self._moved_in_place()}
 
     def attributes_now_set(self) -> list[Any]:
         return list(map(dict.get, self.attribute_tables, self.attribute_names))
@@ -347,14 +362,14 @@ class WeightWatch:
         elif not all(map(operator.is_, now, values)):
             self.ignore(_set_again(self.attribute_paths, now, values))
             self.attribute_values = self.attributes_now_set()
-        moved = self._moved_in_place() - moved_before
+        moved = {path for *_, path in self._moved_in_place()} - moved_before
         if moved:
             self.ignore(moved)
+        if not moved_before:  # (values set again, equal, are new objects: their snapshots are taken again)
+            self._take_in_place()
 
     def take_attributes(self) -> None:
-        """Take the modules' attributes and hooks as they are now: after the model itself answered a call, what
-        its forward set meanwhile (a size it keeps) is its own doing, not a change to follow (a change made before
-        the call was seen as the call began)."""
+        """Take the modules' attributes (and what they hold), the globals and the hooks as they are now."""
         self.attribute_values = list(map(dict.get, self.attribute_tables, self.attribute_names))
         self._take_in_place()
         self.hook_counts = list(map(len, self.hook_tables))
@@ -369,8 +384,9 @@ class WeightWatch:
         moved = _set_again(self.attribute_paths, now, self.attribute_values)
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
             if path in moved:
-                return f"{path} changed (set to {value!r:.60}, was {was!r:.60})"
+                return f"{path} changed (set to {_short(value)}, was {_short(was)})"
         self.attribute_values = now
+        self._take_in_place()  # (an equal list set again is another object: its snapshot is taken again)
         return None
 
     def _take_in_place(self) -> None:
@@ -384,28 +400,16 @@ class WeightWatch:
             objects.append(value)
             paths.append(path)
             snapshots.append(snapshot(value))
-        self.deep_objects, self.deep_paths, self.deep_snapshots = objects, paths, snapshots
+        self.deep = (objects, paths, snapshots)
 
-    def _moved_in_place(self) -> set[str]:
-        """The paths of the values changed in place since :meth:`_take_in_place` (at once where none did)."""
-        if not self.deep_objects or unchanged(self.deep_snapshots, self.deep_objects):
-            return set()
-        return {path for path, was, value in zip(self.deep_paths, self.deep_snapshots, self.deep_objects)
-                if not unchanged([was], [value])}
-
-    def _changed_in_place(self) -> str | None:
-        """Which watched value changed in place since :meth:`update`, in words: the first element or field that
-        differs (``config.negate changed in place (now True, was False)``)."""
-        for path, was, value in zip(self.deep_paths, self.deep_snapshots, self.deep_objects):
-            if not unchanged([was], [value]):
-                return differs_where(was, value, path)
-        return None
-
-    def _deep_ignore(self, paths: set[str]) -> None:
-        keep = [k for k, path in enumerate(self.deep_paths) if path not in paths]
-        self.deep_objects = [self.deep_objects[k] for k in keep]
-        self.deep_paths = [self.deep_paths[k] for k in keep]
-        self.deep_snapshots = [self.deep_snapshots[k] for k in keep]
+    def _moved_in_place(self) -> list[tuple[Any, Any, str]]:
+        """(its snapshot, the value, its path) for each value changed in place since :meth:`_take_in_place`, as
+        :func:`differs_where` takes them (at once where none did)."""
+        objects, paths, snapshots = self.deep
+        if not objects or unchanged(snapshots, objects):
+            return []
+        return [(was, value, path) for path, was, value in zip(paths, snapshots, objects)
+                if not unchanged([was], [value])]
 
     def _restructured(self) -> bool:
         """Whether the models' modules are other than they were (a submodule given another module)."""
@@ -541,21 +545,28 @@ def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, st
     [('GAIN', 'global GAIN (opsched.runtime.guards)')]
     """
     slots: dict[tuple[int, str], tuple[dict, str, str]] = {}
+    own: set[tuple[int, str]] = set()  # set by some class's code: the forward's own, whichever class reads them
     for kind in dict.fromkeys(type(module) for model in models for module in model.modules()):
-        for table, name in _class_globals(kind):
+        if _foreign(kind.__module__):
+            continue
+        read, written = _class_globals(kind)
+        own |= written
+        for table, name in read:
             slots.setdefault((id(table), name), (table, name, f"global {name} ({table.get('__name__', '?')})"))
-    return list(slots.values())
+    return [slot for key, slot in slots.items() if key not in own]
 
 
-@functools.cache
-def _class_globals(kind: type) -> tuple[tuple[dict, str], ...]:
+@functools.lru_cache(maxsize=4096)  # (bounded: a class made per copy, as torch.fx's, is not kept for good)
+def _class_globals(kind: type) -> tuple[tuple[tuple[dict, str], ...], frozenset[tuple[int, str]]]:
     """The (globals' dict, name) of the data globals that class ``kind``'s ``forward`` reads (each of its classes'
-    own), with the methods of the classes whose names it reads (``self.helper(x)``), and theirs (see :func:`_global_slots`), but not those
-    the code sets; computed once a class: the code does not change, the values are read from the dict."""
+    own), with the methods of the classes whose names it reads (``self.helper(x)``), and theirs (see
+    :func:`_global_slots`); and the (id of the dict, name) of those the code sets. Computed once a class: the
+    code does not change, the values are read from the dict."""
     found: dict[tuple[int, str], tuple[dict, str]] = {}
+    written: set[tuple[int, str]] = set()
     seen: set[int] = set()
     names, methods = ["forward"], set()
-    classes = [klass for klass in kind.__mro__ if not _pytorchs_or_builtin(klass)]
+    classes = [klass for klass in kind.__mro__ if not _foreign(klass.__module__)]
     while names:
         name = names.pop()
         for klass in classes:  # each class's own, for super().forward() and overridden helpers
@@ -565,9 +576,9 @@ def _class_globals(kind: type) -> tuple[tuple[dict, str], ...]:
             if not isinstance(member, types.FunctionType) or member in methods:
                 continue
             methods.add(member)
-            _read_globals(member, found, seen, depth=3)
-            names.extend(_names_read(member.__code__))
-    return tuple(slot for slot in found.values() if slot is not None)
+            _read_globals(member, found, written, seen, depth=3)
+            names.extend(_names_read(inspect.unwrap(member).__code__))
+    return tuple(found.values()), frozenset(written)
 
 
 def _names_read(code: types.CodeType) -> set[str]:
@@ -580,13 +591,19 @@ def _names_read(code: types.CodeType) -> set[str]:
     return names
 
 
-def _read_globals(function: types.FunctionType, found: dict, seen: set[int], depth: int) -> None:
-    """Add to ``found`` the data globals ``function`` reads (its nested code included), and the data attributes
-    it reads of the modules it reads (``settings.SCALE``, where ``settings`` is a module of the user's or a
-    library's, not PyTorch's, NumPy's or the standard library's), following the plain functions it reads
-    (``helpers.scale``) ``depth`` calls deep. A global the code sets (``global n; n += 1``, ``settings.n = 1``)
-    is its own, and marked None."""
-    if id(function.__code__) in seen or _pytorchs_or_builtin(function):
+# instructions that leave the value read before them where it was (a module whose attribute is read next)
+_PASSING = frozenset({"EXTENDED_ARG", "NOP", "CACHE", "COPY", "PRECALL"})
+
+
+def _read_globals(function: types.FunctionType, found: dict, written: set, seen: set[int], depth: int) -> None:
+    """Add to ``found`` the data globals ``function`` reads (its nested code included; the function a decorator
+    wraps, ``functools.wraps`` style, rather than the wrapper), and the data attributes it reads of the modules it
+    reads (``settings.SCALE``, where ``settings`` is a module of the user's or a library's, not PyTorch's,
+    NumPy's or the standard library's), following the plain functions it reads (``helpers.scale``) ``depth``
+    calls deep; and to ``written`` those the code sets (``global n; n += 1``, ``settings.n += 1``): the
+    forward's own."""
+    function = inspect.unwrap(function)
+    if id(function.__code__) in seen or _foreign(function.__module__):
         return
     seen.add(id(function.__code__))
     globals_ = function.__globals__
@@ -595,12 +612,16 @@ def _read_globals(function: types.FunctionType, found: dict, seen: set[int], dep
         code = codes.pop()
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
         module = None  # the globals of the module the instruction before read, whose attribute this may read
+        modules_read: list[dict] = []
+        stored = set()  # attribute names this code sets (on a module read here, at least)
         for instruction in dis.get_instructions(code):
             name, op = instruction.argval, instruction.opname
+            if op in _PASSING:
+                continue
             if op in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-                found[(id(globals_), name)] = None
-            elif op in ("STORE_ATTR", "DELETE_ATTR") and module is not None:
-                found[(id(module), name)] = None
+                written.add((id(globals_), name))
+            elif op in ("STORE_ATTR", "DELETE_ATTR"):
+                stored.add(name)
             if op == "LOAD_GLOBAL":
                 table = globals_
             elif op in ("LOAD_ATTR", "LOAD_METHOD") and module is not None:
@@ -613,25 +634,22 @@ def _read_globals(function: types.FunctionType, found: dict, seen: set[int], dep
                 continue
             value = table[name]
             if isinstance(value, types.ModuleType):
-                if not _pytorchs_or_builtin_module(value):
+                if not _foreign(value.__name__):
                     module = vars(value)
+                    modules_read.append(module)
             elif isinstance(value, types.FunctionType):
                 if depth > 1:
-                    _read_globals(value, found, seen, depth - 1)
+                    _read_globals(value, found, written, seen, depth - 1)
             elif _data(value):
                 found.setdefault((id(table), name), (table, name))
+        written.update((id(table), name) for table in modules_read for name in stored)
 
 
-def _pytorchs_or_builtin_module(module: types.ModuleType) -> bool:
-    """Whether ``module`` is PyTorch's, NumPy's or the standard library's."""
-    package = module.__name__.partition(".")[0]
+def _foreign(module_name: str | None) -> bool:
+    """Whether code or data of the module named ``module_name`` is PyTorch's, NumPy's or Python's own (the
+    standard library's), whose state a model's forward does not keep: not followed."""
+    package = (module_name or "builtins").partition(".")[0]
     return package in ("torch", "numpy", "builtins") or package in sys.stdlib_module_names
-
-
-def _pytorchs_or_builtin(thing: Any) -> bool:
-    """Whether ``thing`` (a class or function) is PyTorch's, or Python's own (the standard library's)."""
-    package = (getattr(thing, "__module__", None) or "builtins").partition(".")[0]
-    return package in ("torch", "builtins") or package in sys.stdlib_module_names
 
 
 def _data(value: Any) -> bool:
@@ -652,12 +670,16 @@ def _changes_in_place(value: Any) -> bool:
 
 
 def _plain_object(value: Any) -> bool:
-    """An object of the user's or a library's class that holds its fields in ``__dict__`` (a configuration, such
-    as Hugging Face's ``config``), neither a module nor a tensor nor PyTorch's or the standard library's."""
+    """An object that holds its fields in ``__dict__`` (a configuration, such as Hugging Face's ``config``, or
+    ``argparse.Namespace``), of the user's or a library's class, neither a module nor a tensor nor PyTorch's or
+    the standard library's (a logger, a lock), but its two namespaces."""
     kind = type(value)
     return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type,
                                                                   types.ModuleType, types.FunctionType))
-            and not _pytorchs_or_builtin(kind) and kind.__module__.partition(".")[0] != "numpy")
+            and (not _foreign(kind.__module__) or kind in _NAMESPACES))
+
+
+_NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
 
 
 # how much of a value a snapshot copies: past this, objects are compared by identity only
@@ -668,8 +690,10 @@ def snapshot(value: Any) -> Any:
     """A copy of ``value`` that :func:`unchanged` compares with it later, to see whether it changed in place:
     lists, tuples, dicts and sets copied (their elements too), a plain object (:func:`_plain_object`) as its
     fields, a tensor as its identity, version counter and storage, numbers and strings as they are, anything
-    else by identity; past 6 levels or 2,000 elements, by identity (each call compares what was copied). Numbers compare by ``==``: one set to an
-    equal number of another type (1 where 1.0 was) is not seen.
+    else by identity; their subclasses (an ``OrderedDict``, a named tuple, a dict with fields) by their type,
+    items and fields. Past 6 levels, or a container whose elements would take the copy past 2,000, by identity
+    (so that each call compares little). Numbers compare by ``==``: one set to an equal number of another type
+    (1 where 1.0 was) is not seen.
 
     >>> table = [1.0, {"scale": 2}]
     >>> kept = snapshot(table)
@@ -688,19 +712,27 @@ def _copy(value: Any, depth: int, budget: list[int]) -> Any:
     kind = type(value)
     if kind in _SCALARS:
         return value
-    if depth == 0 or budget[0] < 0:
+    if isinstance(value, torch.Tensor):
+        return _TensorAt(value)
+    if depth == 0 or (isinstance(value, (list, tuple, dict, set, frozenset)) and len(value) > budget[0]):
         return _Same(value)
     if kind is list:
+        budget[0] -= len(value)
         return [_copy(v, depth - 1, budget) for v in value]
+    if kind is tuple:
+        budget[0] -= len(value)
+        return tuple(_copy(v, depth - 1, budget) for v in value)
     if kind is dict:
+        budget[0] -= len(value)
         return {k: _copy(v, depth - 1, budget) for k, v in value.items()}
     if kind in (set, frozenset):
         budget[0] -= len(value)
         return kind(value)
-    if isinstance(value, tuple):  # (a named tuple compares equal to a plain one with its elements)
-        return tuple(_copy(v, depth - 1, budget) for v in value)
-    if isinstance(value, torch.Tensor):
-        return _TensorAt(value)
+    if isinstance(value, (list, tuple, dict, set, frozenset)):  # a subclass: its type, items and fields
+        items = _copy(dict(value) if isinstance(value, dict) else
+                      (set(value) if isinstance(value, (set, frozenset)) else list(value)), depth, budget)
+        fields = _copy(vars(value), depth - 1, budget) if hasattr(value, "__dict__") else None
+        return _Items(value, items, fields)
     if _plain_object(value):
         return _Fields(value, _copy(vars(value), depth - 1, budget))
     return _Same(value)
@@ -741,11 +773,19 @@ class _TensorAt(_Same):
     def __init__(self, value: torch.Tensor):
         super().__init__(value)
         self.version = value._version if _has_version(value) else None
-        self.storage = value.data_ptr()
+        self.storage = _storage(value)
 
     def __eq__(self, other: object) -> bool:
         return other is self.value and (self.version is None or other._version == self.version) \
-            and other.data_ptr() == self.storage
+            and _storage(other) == self.storage
+
+
+def _storage(tensor: torch.Tensor) -> int | None:
+    """Where ``tensor``'s data is, or None for a tensor without storage (a sparse one)."""
+    try:
+        return tensor.data_ptr()
+    except RuntimeError:
+        return None
 
 
 class _Fields(_Same):
@@ -759,6 +799,25 @@ class _Fields(_Same):
 
     def __eq__(self, other: object) -> bool:
         return other is self.value and self.fields == vars(other)
+
+
+class _Items(_Same):
+    """A subclass of list, tuple, dict or set as a snapshot holds it: a value of the same type, with equal items
+    and fields (snapshots), whether or not the same object (torch.export gives a module's containers back as
+    copies)."""
+
+    __slots__ = ("fields", "items")
+
+    def __init__(self, value: Any, items: Any, fields: dict | None):
+        super().__init__(value)
+        self.items, self.fields = items, fields
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self.value):
+            return False
+        items = self.items
+        now = dict(other) if isinstance(items, dict) else (set(other) if isinstance(items, set) else list(other))
+        return items == now and (self.fields is None or self.fields == vars(other))
 
 
 def differs_where(was: Any, value: Any, path: str) -> str:
@@ -840,6 +899,7 @@ def _plain(value: Any) -> bool:
 
 
 _VERSION = operator.attrgetter("_version")
+_IGNORING = threading.Lock()  # one ignore() at a time: the builder's thread and a caller's may both leave some out
 _TRAINING = operator.attrgetter("training")
 
 # How many modules any module of the process was given (PyTorch's registration hook): a watch looks at its

@@ -29,9 +29,9 @@ from opsched.graph.ops import draws_random
 from opsched.graph.tracing import TRACING
 from opsched.runtime import DEVICES, make_executor
 from opsched.runtime.choice import check_choice
-from opsched.runtime.gradients import in_grad_mode
 from opsched.runtime.guards import Guard
 from opsched.runtime.kernels import ChosenKernels, Operator, plan_kernels
+from opsched.runtime.outputs import as_the_model_gives
 from opsched.runtime.packed import eager_layout, eager_strides
 from opsched.runtime.program import StreamProgram, compile_program
 from opsched.schedule import Schedule, validate
@@ -103,7 +103,7 @@ class OptimizedModule(torch.nn.Module):
         if self.guard is None:
             return self.run(pytree.tree_leaves(inputs))
         outputs = self.run(self.guard.check(inputs))
-        return outputs if self.guard.weights is None else in_grad_mode(outputs, self.guard.weights.tensors)
+        return as_the_model_gives(outputs, self.guard.weights.tensors if self.guard.weights is not None else [])
 
     def run(self, flat: list[Any]) -> Any:
         """Run the plan on the flat list of inputs, unchecked: for a caller that has checked the guard itself."""
