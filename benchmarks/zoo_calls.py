@@ -4,8 +4,8 @@ model's own: a sweep of torchvision and timm models, each wrapped as ``opsched.o
 scheduler under random costs, compiled, verified against the model: no timing, so that many models fit in
 minutes), then called:
 
-- with new values, at batch 2, with a ``channels_last`` input, in grad mode (the outputs must require gradients
-  as the model's do);
+- with new values, at batch 2, with a ``channels_last`` input, twice in grad mode (the outputs must require
+  gradients as the model's do; the model itself answers a plan's first call in grad mode, to see which do);
 - after ``load_state_dict`` with changed weights, under bfloat16 autocast;
 - after ``fast.train()`` (the model answers, with its dropout: both called from the same random state) and
   ``fast.eval()``;
@@ -132,7 +132,8 @@ def one(spec: str, image_size: int) -> dict:
         call("new values", (torch.randn_like(x),))
         call("batch 2", (torch.randn(2, *x.shape[1:]),))
         call("channels_last", (torch.randn_like(x).contiguous(memory_format=torch.channels_last),))
-        call("grad mode", (torch.randn_like(x),), grad=True)
+        call("grad mode", (torch.randn_like(x),), grad=True)  # (the model answers a plan's first such call)
+        call("grad mode again", (torch.randn_like(x),), grad=True)
         g = torch.Generator().manual_seed(1)
         changed = model.state_dict()  # (changed in its place: its metadata, which some models' loading reads, kept)
         for k, v in changed.items():
