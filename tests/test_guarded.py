@@ -1290,6 +1290,28 @@ def test_the_optimized_module_stands_in_for_the_model():
     fast.close()
 
 
+def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_path):
+    # copy.deepcopy(fast), or of a module holding it (an exponential moving average's copy), raised "cannot pickle
+    # '_thread.lock' object"; torch.save(fast) raised pickle's error on a lambda inside
+    torch.manual_seed(0)
+    model, x = Tempered().eval(), torch.randn(2, 8)
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    with torch.no_grad():
+        fast(x)
+        parent = torch.nn.Sequential(fast)
+        twin = copy.deepcopy(parent)[0]
+        assert twin.model is not model and twin.model.a.weight is not model.a.weight
+        assert twin.plans.keys() == fast.plans.keys()  # this one's schedules, compiled again for the copy
+        model.a.weight.mul_(2)  # the original changed: the copy answers as its own model
+        assert close(twin(x), twin.model(x)) and not close(twin(x), model(x))
+        assert builder.built == 2 and close(fast(x), model(x))
+    with pytest.raises(OpschedError, match="fast.save"):
+        torch.save(fast, tmp_path / "fast.pt")
+    fast.close()
+    twin.close()
+
+
 def test_torch_compile_of_the_optimized_module_runs_it_as_it_is():
     # dynamo traced the guarded forward and broke its graph on the locks and the watch, with a warning for each
     from torch._dynamo.utils import counters

@@ -27,6 +27,8 @@ copied no new plan is made (the model answers those calls).
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import inspect
 import queue
@@ -457,6 +459,24 @@ class GuardedModule(torch.nn.Module):
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         # (a module holding this one loads through here: the model's own, which its class may override)
         self.model._load_from_state_dict(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> GuardedModule:
+        """An optimized module over a copy of the model (``copy.deepcopy`` of it, or of a module holding it: an
+        exponential moving average's copy): its plans are this one's schedules, compiled again for the copy's
+        weights at their signature's next call (the model answers meanwhile, unless ``wait``)."""
+        model = copy.deepcopy(self.model, memo)
+        plans = [dataclasses.replace(plan, module=None, stale=True) if plan.module is not None else plan
+                 for plan in list(self.plans.values())]
+        twin = GuardedModule(model, self.builder, plans, strict=self.strict, wait=self.wait, max_plans=self.max_plans,
+                             follow_weights=self.watch.watches_tensors, dynamic=self.dynamic,
+                             own_attributes=set(self.watch.own_attributes), say=self.say)
+        memo[id(self)] = twin
+        return twin
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise OpschedError("an optimized module is not pickled (it holds compiled plans and threads): save its plans "
+                           "with fast.save(path) and load them with opsched.load(path, model), or save "
+                           "fast.state_dict()")
 
 
 def positional_call(signature: inspect.Signature | None, inputs: tuple,
