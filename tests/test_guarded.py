@@ -1359,6 +1359,11 @@ def _set_gain(model):
     GAIN = 3.0
 
 
+def _set_again_and_changed(model, fast, x):
+    model.table = [1.0, 2.0]  # set again, equal (no change), and at once, before any call:
+    model.config.extra["bias"] = 1.0  # changed in place: the first must not hide the second
+
+
 def _replaced_then_set(model, fast, x):
     model.table = [1.0, 2.0]  # set again, equal: no change, but another object
     with torch.no_grad():
@@ -1376,6 +1381,8 @@ IN_PLACE = {  # the change, and the line that says it
     "a dict in a config object": (lambda model: model.config.extra.__setitem__("bias", 1.0),
                                   "config.extra['bias'] changed in place (now 1.0, was 0.0)"),
     "a list replaced by an equal one, then its element set": (_replaced_then_set, "table[1] changed in place"),
+    "one attribute set again equal, another's element set": (_set_again_and_changed,
+                                                             "config.extra['bias'] changed in place"),
     "an OrderedDict's item": (lambda model: model.config.extra.__setitem__("bias", 1.0), "config.extra"),
     "a SimpleNamespace's field": (lambda model: setattr(model.config, "negate", True), "config.negate"),
 }

@@ -385,6 +385,9 @@ class WeightWatch:
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
             if path in moved:
                 return f"{path} changed (set to {_short(value)}, was {_short(was)})"
+        in_place = self._moved_in_place()  # (before the snapshots are taken again below, which would hide it)
+        if in_place:
+            return differs_where(*in_place[0])
         self.attribute_values = now
         self._take_in_place()  # (an equal list set again is another object: its snapshot is taken again)
         return None
@@ -399,7 +402,10 @@ class WeightWatch:
             seen.add(id(value))
             objects.append(value)
             paths.append(path)
-            snapshots.append(snapshot(value))
+            try:
+                snapshots.append(snapshot(value))
+            except Exception:  # noqa: BLE001 - changed while it was copied (another thread): by identity then
+                snapshots.append(_Same(value))
         self.deep = (objects, paths, snapshots)
 
     def _moved_in_place(self) -> list[tuple[Any, Any, str]]:
