@@ -4,8 +4,8 @@ signature, behind guards, and answered by the model itself wherever no plan serv
 On each call, :class:`GuardedModule`
 
 1. looks at the model's weights (:class:`~opsched.runtime.guards.WeightWatch`): when one changed, every plan
-   built from the old weights is dropped and rebuilt from the model as it is now (its schedule kept: the model is captured
-   again, the same schedule compiled and verified; a plan that chose a peer is made again whole);
+   built from the old weights is dropped and rebuilt from the model as it is now (its schedule kept: the model is
+   captured again, the same schedule compiled and verified; a plan that chose a peer is made again whole);
 2. computes the call's signature (:func:`~opsched.runtime.guards.call_signature`) and runs the plan made for it;
 3. for a signature no plan serves: answers with the model itself, exactly, and builds a plan for it in the
    background through the same runner as the first (captured, scheduled, verified, timed against eager, one build
@@ -159,7 +159,8 @@ class GuardedModule(torch.nn.Module):
             object.__setattr__(self, table, getattr(model, table))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # the wrapper's own attributes are set where they are; any other goes to the model's tables, as on the model
+        # the wrapper's own attributes are set where they are; a module, parameter or buffer goes to the model's
+        # tables, as on the model (a plain value stays on the wrapper: set the model's own on fast.model)
         if name in self.__dict__:
             object.__setattr__(self, name, value)
         else:
@@ -463,7 +464,7 @@ class GuardedModule(torch.nn.Module):
     def __deepcopy__(self, memo: dict) -> GuardedModule:
         """An optimized module over a copy of the model (``copy.deepcopy`` of it, or of a module holding it: an
         exponential moving average's copy): its plans are this one's schedules, compiled again for the copy's
-        weights at their signature's next call (the model answers meanwhile, unless ``wait``)."""
+        weights at their signature's next call (the model answers meanwhile, unless ``wait`` or ``strict``)."""
         model = copy.deepcopy(self.model, memo)
         plans = [dataclasses.replace(plan, module=None, stale=True) if plan.module is not None else plan
                  for plan in list(self.plans.values())]

@@ -322,10 +322,10 @@ class WeightWatch:
     def ignore(self, paths: set[str], by_build: bool = False) -> None:
         """Stop watching the attributes at ``paths``: the models' forwards set them themselves (a counter, a size
         kept), which is no change of the user's to follow, and which a plan, not running the forward, never sets.
-        ``by_build``: seen changing across a build in the background, whose copy of the model has its own
-        attributes but shares the globals, which the user may have set meanwhile: a global is then left out only
-        once seen changing across two builds in a row (a counter the forward keeps), so that a user's change is
-        followed and the forward's own costs one rebuild, not one per call."""
+        ``by_build``: seen changing across a build (in the background, or before answering), whose copy of the
+        model has its own attributes but shares the globals, which the user may have set meanwhile: a global is
+        then left out only once seen changing across two builds in a row (a counter the forward keeps), so that a
+        user's change is followed and the forward's own costs one rebuild, not one per call."""
         globals_moved = {path for path in paths if path.startswith("global ")}
         if by_build:
             twice = {path for path in globals_moved if self.moved_in_builds.get(path)}
@@ -534,14 +534,15 @@ def _watched_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, s
 def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
     """The module-level globals holding data (not a module, class or function) that the models' own code reads,
     as (the globals' dict, the name, ``global NAME (its module)``): read by the ``forward`` of every class of the
-    models' modules, by the methods it names, and by the plain functions those read, three calls deep (not in
-    PyTorch's own code). A captured program
+    models' modules, by the methods it names (and theirs), and by the plain functions those read and the ones these
+    read, two calls down (not in PyTorch's own code). A captured program
     holds what it read as it was (``SCALE = 1.0`` in the model's file, set to 2.0 later; torch.compile guards on
     the globals it reads the same way). A module read there (``settings.SCALE``, ``settings.shifted(x)``,
     where ``import settings`` is at the top of the file) is followed as well, unless it is PyTorch's, NumPy's or the
     standard library's. Not followed: methods of other objects, and a module reached through an object's
     attribute. A global that code sets is its own, and not watched; one that code not followed sets is seen as a
-    change, and the plans are made again.
+    change, unless the model's own call set it or it changed across two builds in a row
+    (:meth:`WeightWatch.ignore`).
 
     >>> GAIN = 2.0
     >>> class Scaled(torch.nn.Module):
@@ -606,8 +607,8 @@ def _read_globals(function: types.FunctionType, found: dict, written: set, seen:
     wraps, ``functools.wraps`` style, rather than the wrapper), and the data attributes it reads of the modules it
     reads (``settings.SCALE``, where ``settings`` is a module of the user's or a library's, not PyTorch's,
     NumPy's or the standard library's), following the plain functions it reads (``helpers.scale``) ``depth``
-    calls deep; and to ``written`` those the code sets (``global n; n += 1``, ``settings.n += 1``): the
-    forward's own."""
+    calls deep (the method's, two below it); and to ``written`` those the code sets (``global n; n += 1``,
+    ``settings.n += 1``): the forward's own."""
     function = inspect.unwrap(function)
     if id(function.__code__) in seen or _foreign(function.__module__):
         return

@@ -52,7 +52,7 @@ class _Refused(torch.autograd.Function):
 def as_the_model_gives(outputs: Any, weights: Sequence[torch.Tensor], needs_grad: Sequence[bool] | None = None) -> Any:
     """A plan's ``outputs`` (nested as the model returns them) as the caller gets them; ``weights``: the model's,
     ``needs_grad``: for each output leaf, whether the model's requires gradients when its weights do (None: each
-    floating-point one)."""
+    floating-point or complex one)."""
     if torch.is_inference_mode_enabled():
         return outputs
     weight = next((t for t in weights if t.requires_grad), None) if torch.is_grad_enabled() else None
