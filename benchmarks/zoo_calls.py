@@ -19,20 +19,17 @@ not raise), plans made, and plans that could not be made with why (the model ans
 """
 
 import argparse
-import json
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
-from sweep import machine
+from sweep import appender
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from support.call_fuzz import TOLERANCE, QuickBuilder
+from support.call_fuzz import QuickBuilder, differs
 
-from opsched.compare import compare_outputs
 from opsched.models import load_model
 from opsched.runtime.guarded import GuardedModule
 
@@ -44,23 +41,6 @@ MODELS = ["torchvision:resnet18", "torchvision:mobilenet_v3_small", "torchvision
           "timm:poolformer_s12", "timm:efficientformer_l1", "timm:tinynet_a", "timm:resmlp_12_224",
           "timm:pit_ti_224", "timm:edgenext_xx_small", "timm:convmixer_768_32", "timm:cspresnet50",
           "timm:nf_resnet26", "timm:gcresnet33ts", "timm:selecsls42b"]
-
-
-def answers(got, want, dtype_tolerance: bool = True) -> str:
-    """'' where ``got`` is ``want`` (the model's answer) within float noise, else what differs."""
-    if pytree.tree_structure(got) != pytree.tree_structure(want):
-        return f"structure {pytree.tree_structure(got)} where the model gives {pytree.tree_structure(want)}"
-    for k, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want))):
-        if not isinstance(w, torch.Tensor):
-            continue
-        if g.shape != w.shape or g.dtype != w.dtype:
-            return f"output {k}: {tuple(g.shape)} {g.dtype} where the model gives {tuple(w.shape)} {w.dtype}"
-        if g.requires_grad != w.requires_grad:
-            return f"output {k}: requires_grad {g.requires_grad} where the model's is {w.requires_grad}"
-        verdict = compare_outputs(g.detach(), w.detach(), TOLERANCE.get(w.dtype, 1e-4))
-        if not verdict.ok:
-            return f"output {k}: {verdict.why}"
-    return ""
 
 
 class Recorded(QuickBuilder):
@@ -122,7 +102,7 @@ def one(spec: str, image_size: int) -> dict:
         if got_kind == "raised":
             failed.append(f"{label}: {type(got).__name__}: {str(got).splitlines()[0][:200] if str(got) else ''}")
             return
-        why = answers(got, want)
+        why = differs(got, want, grads=True)
         if why:
             wrong.append(f"{label}: {why}")
 
@@ -164,14 +144,13 @@ def main() -> None:
     parser.add_argument("--out", default="docs/zoo_calls.jsonl")
     args = parser.parse_args()
     torch.manual_seed(0)
+    append = appender(args.out)  # as each model finishes: a long run interrupted keeps what it measured
     for spec in args.models:
         try:
             row = one(spec, args.image_size)
         except Exception as e:  # noqa: BLE001 - a model that cannot be loaded or wrapped: said, and the sweep goes on
             row = {"model": spec, "image_size": args.image_size, "error": f"{type(e).__name__}: {str(e)[:300]}"}
-        row.update(machine())
-        with Path(args.out).open("a") as sink:
-            sink.write(json.dumps(row) + "\n")
+        row = append(row)
         print(f"{spec}: {row.get('calls', 0)} calls, {row.get('plans_built', 0)} plans made and "
               f"{len(row.get('plans_failed', []))} not, {len(row.get('wrong', []))} wrong, "
               f"{len(row.get('tracebacks', []))} tracebacks, {row.get('seconds', '-')} s "

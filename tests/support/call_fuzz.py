@@ -108,6 +108,27 @@ def _tolerance(flat: Sequence[Any], model: torch.nn.Module, inputs: tuple) -> fl
     return max((TOLERANCE.get(d, 1e-4) for d in dtypes), default=1e-4)
 
 
+def differs(got: Any, want: Any, grads: bool = False) -> str:
+    """What differs between an answer ``got`` and the model's ``want``: their structure, an output's shape or
+    dtype (with ``grads``, whether it requires gradients), or its values beyond its own dtype's tolerance (under
+    autocast one output may be float32, an element-wise product, another bfloat16, a convolution, whose rounding
+    the first one's tolerance would call wrong); '' where nothing does."""
+    if pytree.tree_structure(got) != pytree.tree_structure(want):
+        return f"structure {pytree.tree_structure(got)} where the model gives {pytree.tree_structure(want)}"
+    pairs = [(k, g, w) for k, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
+             if isinstance(w, torch.Tensor)]
+    for k, g, w in pairs:
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return f"output {k}: {tuple(g.shape)} {g.dtype} where the model gives {tuple(w.shape)} {w.dtype}"
+        if grads and g.requires_grad != w.requires_grad:
+            return f"output {k}: requires_grad {g.requires_grad} where the model's is {w.requires_grad}"
+    for k, g, w in pairs:
+        verdict = compare_outputs(g.detach(), w.detach(), TOLERANCE.get(w.dtype, 1e-4))
+        if not verdict.ok:
+            return f"output {k}: {verdict.why}"
+    return ""
+
+
 @st.composite
 def sequences(draw: st.DrawFn, max_actions: int = 8) -> dict[str, Any]:
     """A random model (:func:`support.small_models.recipes`, float32) and a random sequence of actions."""
@@ -161,20 +182,9 @@ class Sequence_:
                 want = self._reference(inputs)
                 got = self.fast(*inputs)
         self.calls += 1
-        if pytree.tree_structure(got) != pytree.tree_structure(want):
-            self.wrong.append(f"{what}: structure {pytree.tree_structure(got)} vs {pytree.tree_structure(want)}")
-            return
-        for g, w in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
-            if g.shape != w.shape or g.dtype != w.dtype:
-                self.wrong.append(f"{what}: {tuple(g.shape)} {g.dtype} where the model gives {tuple(w.shape)} {w.dtype}")
-                return
-        for k, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want))):
-            # each output at its own dtype's tolerance: under autocast one output may be float32 (an element-wise
-            # product), another bfloat16 (a convolution), whose rounding the first one's tolerance would call wrong
-            verdict = compare_outputs(g, w, TOLERANCE.get(w.dtype, 1e-4))
-            if not verdict.ok:
-                self.wrong.append(f"{what}: output {k}: {verdict.why}")
-                return
+        why = differs(got, want)
+        if why:
+            self.wrong.append(f"{what}: {why}")
 
     def _reference(self, inputs: tuple) -> Any:
         """The model's own answer. It waits while a plan is traced in the background, as opsched's own calls do:

@@ -224,7 +224,7 @@ class WeightWatch:
     def __init__(self, *models: torch.nn.Module, tensors: bool = True, attributes: bool = True):
         self.models, self.watches_tensors, self.watches_attributes = models, tensors, attributes
         self.own_attributes: set[str] = set()  # those the models' forwards set themselves (see ignore)
-        self.moved_in_builds: dict[str, bool] = {}  # the globals seen changing across the last build (see ignore)
+        self.moved_in_builds: set[str] = set()  # the globals seen changing across the last build (see ignore)
         self._walk()
 
     def _walk(self) -> None:
@@ -328,8 +328,8 @@ class WeightWatch:
         user's change is followed and the forward's own costs one rebuild, not one per call."""
         globals_moved = {path for path in paths if path.startswith("global ")}
         if by_build:
-            twice = {path for path in globals_moved if self.moved_in_builds.get(path)}
-            self.moved_in_builds = dict.fromkeys(globals_moved - twice, True)
+            twice = globals_moved & self.moved_in_builds
+            self.moved_in_builds = globals_moved - twice
             paths = (paths - globals_moved) | twice
         with _IGNORING:
             if paths - self.own_attributes:
@@ -346,9 +346,10 @@ class WeightWatch:
     def attributes_now(self) -> tuple[list[Any], set[str]]:
         """The watched attributes' values now, and the paths of those changed in place since they were taken (see
         :meth:`forward_set`)."""
-        return self.attributes_now_set(), {path for *_, path in self._moved_in_place()}
+        return self.attribute_values_now(), {path for *_, path in self._moved_in_place()}
 
-    def attributes_now_set(self) -> list[Any]:
+    def attribute_values_now(self) -> list[Any]:
+        """The watched attributes' values now."""
         return list(map(dict.get, self.attribute_tables, self.attribute_names))
 
     def forward_set(self, before: tuple[list[Any], set[str]]) -> None:
@@ -356,12 +357,12 @@ class WeightWatch:
         place, since ``before`` (:meth:`attributes_now`) are its own (:meth:`ignore`), and the rest are taken as
         they are (but those changed in place before the call: a change of the user's, for the next call to see)."""
         values, moved_before = before
-        now = self.attributes_now_set()
+        now = self.attribute_values_now()
         if len(now) != len(values):  # (another thread's call left some out meanwhile)
             self.attribute_values = now
         elif not all(map(operator.is_, now, values)):
             self.ignore(_set_again(self.attribute_paths, now, values))
-            self.attribute_values = self.attributes_now_set()
+            self.attribute_values = self.attribute_values_now()
         moved = {path for *_, path in self._moved_in_place()} - moved_before
         if moved:
             self.ignore(moved)
@@ -370,7 +371,7 @@ class WeightWatch:
 
     def take_attributes(self) -> None:
         """Take the modules' attributes (and what they hold), the globals and the hooks as they are now."""
-        self.attribute_values = list(map(dict.get, self.attribute_tables, self.attribute_names))
+        self.attribute_values = self.attribute_values_now()
         self._take_in_place()
         self.hook_counts = list(map(len, self.hook_tables))
         self.hooked = [table for table in self.hook_tables if table]
@@ -380,7 +381,7 @@ class WeightWatch:
     def _attribute_set(self) -> str | None:
         """Which attribute of a module was set to another value since :meth:`update`, in words, or None where
         each was only set again to an equal plain value (a forward that caches a size), which is then taken."""
-        now = self.attributes_now_set()
+        now = self.attribute_values_now()
         moved = _set_again(self.attribute_paths, now, self.attribute_values)
         for path, value, was in zip(self.attribute_paths, now, self.attribute_values):
             if path in moved:
@@ -590,12 +591,16 @@ def _class_globals(kind: type) -> tuple[tuple[tuple[dict, str], ...], frozenset[
 
 def _names_read(code: types.CodeType) -> set[str]:
     """The names ``code`` reads (globals and attributes), its nested code's included."""
-    names, codes = set(), [code]
+    return {name for inner in _nested(code) for name in inner.co_names}
+
+
+def _nested(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code nested in it (functions, lambdas and comprehensions it defines)."""
+    codes = [code]
     while codes:
         code = codes.pop()
-        names.update(code.co_names)
         codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return names
+        yield code
 
 
 # instructions that leave the value read before them where it was (a module whose attribute is read next)
@@ -614,10 +619,7 @@ def _read_globals(function: types.FunctionType, found: dict, written: set, seen:
         return
     seen.add(id(function.__code__))
     globals_ = function.__globals__
-    codes = [function.__code__]
-    while codes:
-        code = codes.pop()
-        codes.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    for code in _nested(function.__code__):
         module = None  # the globals of the module the instruction before read, whose attribute this may read
         modules_read: list[dict] = []
         stored = set()  # attribute names this code sets (on a module read here, at least)
