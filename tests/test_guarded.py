@@ -1308,6 +1308,8 @@ def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_pat
         assert builder.built == 2 and close(fast(x), model(x))
     with pytest.raises(OpschedError, match="fast.save"):
         torch.save(fast, tmp_path / "fast.pt")
+    shallow = copy.copy(fast)  # (benchmarks/guard_cost.py's way to watch the same plans otherwise)
+    assert shallow.plans is fast.plans and shallow.model is model
     fast.close()
     twin.close()
 

@@ -474,6 +474,13 @@ class GuardedModule(torch.nn.Module):
         memo[id(self)] = twin
         return twin
 
+    def __copy__(self) -> GuardedModule:
+        # copy.copy: the same model, plans and watch, as before pickling was refused below (copy.copy goes through
+        # __reduce_ex__ otherwise)
+        twin = object.__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        return twin
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise OpschedError("an optimized module is not pickled (it holds compiled plans and threads): save its plans "
                            "with fast.save(path) and load them with opsched.load(path, model), or save "
