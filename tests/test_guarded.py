@@ -13,6 +13,7 @@ import threading
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -1345,11 +1346,12 @@ class Configured(torch.nn.Module):
         super().__init__()
         self.a = torch.nn.Linear(8, 8)
         self.table, self.offset, self.config = [1.0, 2.0], torch.zeros(8), Settings()
+        self.mean = np.zeros(8, dtype=np.float32)
         self.history = []  # the forward's own: appended to on every call the model answers
 
     def forward(self, x):
         self.history.append(tuple(x.shape))
-        y = self.helper(x) * self.table[1] + self.offset + self.config.extra["bias"]
+        y = self.helper(x) * self.table[1] + self.offset + self.config.extra["bias"] + torch.from_numpy(self.mean)
         return -y if self.config.negate else y
 
     def helper(self, x):
@@ -1377,6 +1379,7 @@ IN_PLACE = {  # the change, and the line that says it
     "a list's element": (lambda model: model.table.__setitem__(1, 5.0), "table[1] changed in place (now 5.0, was 2.0)"),
     "a list replaced by an equal one": (lambda model: setattr(model, "table", [1.0, 2.0]), None),
     "a plain tensor attribute written": (lambda model: model.offset.add_(1), "offset changed in place (written)"),
+    "a NumPy array attribute written": (lambda model: model.mean.__setitem__(2, 1.0), "mean changed in place (written)"),
     "a global read by a method": (_set_gain, "global GAIN (test_guarded) changed (set to 3.0, was 1.0)"),
     "a config object's field": (lambda model: setattr(model.config, "negate", True),
                                 "config.negate changed in place (now True, was False)"),
@@ -1388,6 +1391,95 @@ IN_PLACE = {  # the change, and the line that says it
     "an OrderedDict's item": (lambda model: model.config.extra.__setitem__("bias", 1.0), "config.extra"),
     "a SimpleNamespace's field": (lambda model: setattr(model.config, "negate", True), "config.negate"),
 }
+
+
+SHIFT = np.zeros(4, dtype=np.float32)  # read by Shifted's forward
+
+
+class Shifted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x) + torch.from_numpy(SHIFT)
+
+
+def test_a_global_numpy_array_written_in_place_is_followed():
+    # a global holding an array was not watched at all (only numbers, strings, containers, tensors and plain
+    # objects counted as data): written in place, or set to another array, it was answered with the old values
+    global SHIFT
+    torch.manual_seed(0)
+    model, x, lines = Shifted().eval(), torch.randn(2, 4), []
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lines.append)
+    try:
+        with torch.no_grad():
+            fast(x)
+            SHIFT[1] = 2.0
+            assert close(fast(x), model(x))
+            SHIFT = np.full(4, 3.0, dtype=np.float32)
+            assert close(fast(x), model(x))
+        assert builder.built == 3, lines
+        assert any(line.startswith("global SHIFT (test_guarded) changed in place (written)") for line in lines), lines
+    finally:
+        SHIFT = np.zeros(4, dtype=np.float32)
+        fast.close()
+
+
+class Layered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4)
+        self.act, self.pool = torch.nn.LeakyReLU(0.1), torch.nn.MaxPool2d(3, 2)
+        self.up = torch.nn.Upsample(scale_factor=2)
+
+    def forward(self, x):
+        return self.up(self.pool(self.act(self.norm(self.conv(x)))))
+
+
+LAYER_SETTINGS = {  # the change, and the line that says it (None: nothing the forward reads changed)
+    "a convolution's padding": (("conv", "padding", (2, 2)), "conv.padding changed (set to (2, 2), was (1, 1))"),
+    "a convolution's stride": (("conv", "stride", (2, 2)), "conv.stride changed"),
+    "a convolution's dilation": (("conv", "dilation", (2, 2)), "conv.dilation changed"),
+    "a convolution's padding mode": (("conv", "padding_mode", "reflect"), "conv.padding_mode changed"),
+    "a norm's eps": (("norm", "eps", 0.5), "norm.eps changed (set to 0.5, was 1e-05)"),
+    "an activation's slope": (("act", "negative_slope", 0.5), "act.negative_slope changed"),
+    "a pooling's rounding": (("pool", "ceil_mode", True), "pool.ceil_mode changed"),
+    "an upsampling's scale": (("up", "scale_factor", 3.0), "up.scale_factor changed"),
+    "a setting set again, equal": (("conv", "stride", (1, 1)), None),
+    "a setting only the layer's __init__ reads": (("conv", "in_channels", 5), None),
+}
+
+
+def _built_and_said(model, x, act, prime=lambda fast, builder, lines: None):
+    """How many plans a GuardedModule of ``model`` built, and the lines it said, over a call on ``x``, ``prime``,
+    ``act(fast)`` and a call checked against the model's answer."""
+    lines = []
+    builder = call_fuzz.QuickBuilder(0)
+    fast = GuardedModule(model, builder, wait=True, say=lines.append)
+    try:
+        with torch.no_grad():
+            fast(x)
+        prime(fast, builder, lines)
+        with torch.no_grad():
+            act(fast)
+            assert close(fast(x), model(x))
+        return builder.built, lines
+    finally:
+        fast.close()
+
+
+@pytest.mark.parametrize("change", LAYER_SETTINGS)
+def test_settings_of_pytorchs_layers_are_followed(change):
+    # each of these was answered with the plan's old settings, silently: wrong values, or the old shape where
+    # the model's output had another
+    torch.manual_seed(0)
+    model, x = Layered().eval(), torch.randn(1, 3, 15, 15)
+    (layer, name, value), said = LAYER_SETTINGS[change]
+    built, lines = _built_and_said(model, x, lambda fast: setattr(getattr(model, layer), name, value))
+    assert built == 1 + (said is not None), lines
+    assert said is None or any(line.startswith(said) for line in lines), lines
 
 
 @pytest.mark.parametrize("change", IN_PLACE)
@@ -1403,24 +1495,21 @@ def test_what_the_forward_reads_changed_in_place_is_followed(change):
         model.config.extra = collections.OrderedDict(bias=0.0)
     elif change == "a SimpleNamespace's field":
         model.config = types.SimpleNamespace(negate=False, extra={"bias": 0.0})
-    lines = []
-    builder = call_fuzz.QuickBuilder(0)
-    fast = GuardedModule(model, builder, wait=True, say=lines.append)
-    try:
-        with torch.no_grad():
-            fast(x)
+
+    def prime(fast, builder, lines):
         fast(x.clone().requires_grad_())  # the model answers, and appends to its history: its own doing
         with torch.no_grad():
             fast(x)
-            assert builder.built == 1 and not any("changed" in line for line in lines), lines
-            act, said = IN_PLACE[change]
-            act(*(model, fast, x)[:act.__code__.co_argcount])
-            assert close(fast(x), model(x))
-        assert builder.built == 1 + (said is not None), lines  # set again to an equal list: nothing to rebuild
-        assert said is None or any(line.startswith(said) for line in lines), lines
+        assert builder.built == 1 and not any("changed" in line for line in lines), lines
+
+    act, said = IN_PLACE[change]
+    try:
+        built, lines = _built_and_said(model, x, lambda fast: act(*(model, fast, x)[:act.__code__.co_argcount]),
+                                      prime)
     finally:
         GAIN = 1.0
-        fast.close()
+    assert built == 1 + (said is not None), lines  # set again to an equal list: nothing to rebuild
+    assert said is None or any(line.startswith(said) for line in lines), lines
 
 
 _LEAVES = st.one_of(st.integers(-3, 3), st.floats(-2, 2, allow_nan=False), st.booleans(), st.none(),

@@ -48,7 +48,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 6e-2}
 METHODS = ("sequential", "greedy", "lios", "ios")
 ACTIONS = ("call", "call", "call", "batch", "spatial", "channels_last", "strided", "load_state_dict", "assign",
            "in_place", "optimizer_step", "double", "autocast", "training", "grad", "threads", "save_load",
-           "attribute", "hook", "table", "global")
+           "attribute", "hook", "table", "global", "setting")
 
 
 class QuickBuilder(PlanBuilder):
@@ -224,6 +224,16 @@ class Sequence_:
             steps = range(self.count, self.count + len(model.steps))
             k = rng.randrange(len(model.outputs))
             model.outputs[k] = rng.choice([i for i in steps if i not in model.outputs] or [model.outputs[k]])
+        elif action == "setting":  # a setting of one of PyTorch's layers the forward reads: a norm's eps, a padding
+            layers = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+                      or (isinstance(m, torch.nn.Conv2d) and m.padding != (0, 0))]
+            if layers:
+                layer = rng.choice(layers)
+                if isinstance(layer, torch.nn.BatchNorm2d):  # (each time another value than the one it has)
+                    layer.eps = rng.choice([eps for eps in (1e-5, 0.1, 1.0) if eps != layer.eps])
+                else:
+                    layer.padding_mode = rng.choice([mode for mode in ("zeros", "reflect", "replicate", "circular")
+                                                     if mode != layer.padding_mode])
         elif action == "global":  # a constant of the model's file set again
             small_models.OUTPUT_SCALE = rng.choice([0.5, 1.0, 2.0])
         elif action == "hook":  # a forward hook added to a layer, or the last one added taken away

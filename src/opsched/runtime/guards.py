@@ -209,17 +209,18 @@ class WeightWatch:
     version counter), given other storage (``.data =``, ``.to()``; the old storage is kept alive until the next
     :meth:`update`, so that its address cannot be handed out again and look unchanged), stepped by an optimizer
     (the fused ones write without moving version counters), a module replaced, a module that was in eval
-    mode left it, a module's own attribute set to another value (a temperature, a flag; an equal plain value set
-    again is not a change; PyTorch's own layers' settings are not watched: see :func:`_attribute_slots`) or changed
-    in place (a list's element, a config object's field, a plain tensor written: see :func:`snapshot`), a global
+    mode left it, a module's own attribute set to another value (a temperature, a flag, a convolution's padding;
+    an equal plain value set again is not a change; of PyTorch's own layers, the settings their forward reads: see
+    :func:`_attribute_slots`) or changed in place (a list's element, a config object's field, a plain tensor written: see :func:`snapshot`), a global
     the modules' code reads set or changed (see :func:`_global_slots`), or a forward hook added or removed
     (``attributes=False``: none of these). About 0.2 µs a tensor in a loop, 0.3 µs right
     after a plan's call (docs/calls.md).
 
     ``tensors=False`` watches the modules only (replaced, out of eval mode, their attributes and hooks), for
-    weights that their owner promises not to change or to announce with :meth:`update`: 1.7 µs a call for
-    ResNet-18 (17 attributes of torchvision's modules; its 138 hook tables counted only after a hook was
-    registered somewhere), where its tensors' look takes about 20 more."""
+    weights that their owner promises not to change or to announce with :meth:`update`: about 7 µs a call for
+    ResNet-18 (17 attributes of torchvision's modules and 196 settings of PyTorch's layers, about 28 ns each; its
+    138 hook tables counted only after a hook was registered somewhere), where its tensors' look takes about 17
+    more."""
 
     def __init__(self, *models: torch.nn.Module, tensors: bool = True, attributes: bool = True):
         self.models, self.watches_tensors, self.watches_attributes = models, tensors, attributes
@@ -476,15 +477,38 @@ def _mode_free(module: torch.nn.Module) -> bool:
 
 
 def _attribute_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
-    """Each module's own attributes a forward may read, as (its ``__dict__``, the name, the path): not PyTorch's
-    private ones (``_parameters``, hooks), nor ``training`` (watched on its own), nor those of PyTorch's own layers
-    (a convolution's stride, a norm's eps: settings made when the layer is; watching them, with every hook table
-    counted on every call, cost about 40 µs a call on sixteen LeNets), but those of every other module
-    (torchvision's, timm's, the user's)."""
+    """Each module's own attributes a forward may read, as (its ``__dict__``, the name, the path): of PyTorch's own
+    layers, the settings their code reads (:func:`_settings_read`: a convolution's stride and padding, a norm's eps,
+    a slope, a scale factor; not ``in_channels``, which only ``__init__`` reads); of every other module
+    (torchvision's, timm's, the user's), each attribute but the private ones (``_parameters``, hooks). Never
+    ``training``, which is watched on its own."""
     return [(module.__dict__, key, f"{path}.{key}" if path else key)
             for model in models for path, module in model.named_modules()
-            if not type(module).__module__.startswith("torch.nn.")
-            for key in module.__dict__ if not key.startswith("_") and key != "training"]
+            for key in _read_by_forward(module)]
+
+
+def _read_by_forward(module: torch.nn.Module) -> list[str]:
+    """The names in ``module.__dict__`` its forward may read (see :func:`_attribute_slots`)."""
+    kind = type(module)
+    if kind.__module__.startswith("torch.nn."):
+        read = _settings_read(kind)
+        return [key for key in module.__dict__ if key in read and key != "training"]
+    return [key for key in module.__dict__ if not key.startswith("_") and key != "training"]
+
+
+@functools.lru_cache(maxsize=1024)
+def _settings_read(kind: type) -> frozenset[str]:
+    """The names the code of PyTorch's layer ``kind`` reads: its ``forward`` and the methods of its own that this
+    names, and theirs, down to ``torch.nn.Module`` (whose call machinery reads the hooks, not the settings).
+
+    >>> sorted(_settings_read(torch.nn.LeakyReLU) & set(vars(torch.nn.LeakyReLU(0.2))))
+    ['inplace', 'negative_slope']
+    >>> "in_channels" in _settings_read(torch.nn.Conv2d), "stride" in _settings_read(torch.nn.Conv2d)
+    (False, True)
+    """
+    classes = [klass for klass in kind.__mro__ if klass.__module__.startswith("torch.nn.")
+               and klass is not torch.nn.Module]
+    return frozenset(name for method in _methods_reached(classes) for name in _names_read(inspect.unwrap(method).__code__))
 
 
 def attributes_of(model: torch.nn.Module) -> dict[str, Any]:
@@ -573,20 +597,27 @@ def _class_globals(kind: type) -> tuple[tuple[tuple[dict, str], ...], frozenset[
     found: dict[tuple[int, str], tuple[dict, str]] = {}
     written: set[tuple[int, str]] = set()
     seen: set[int] = set()
+    for method in _methods_reached([klass for klass in kind.__mro__ if not _foreign(klass.__module__)]):
+        _read_globals(method, found, written, seen, depth=3)
+    return tuple(found.values()), frozenset(written)
+
+
+def _methods_reached(classes: Sequence[type]) -> Iterator[types.FunctionType]:
+    """The ``forward`` of each of ``classes`` (each class's own, for ``super().forward()`` and overridden helpers),
+    the methods of theirs whose names it reads (``self.helper(x)``, a property), and theirs: each function once, as
+    a decorator wraps it (:func:`inspect.unwrap` gives its own)."""
     names, methods = ["forward"], set()
-    classes = [klass for klass in kind.__mro__ if not _foreign(klass.__module__)]
     while names:
         name = names.pop()
-        for klass in classes:  # each class's own, for super().forward() and overridden helpers
+        for klass in classes:
             member = vars(klass).get(name)
             member = getattr(member, "__func__", member)  # staticmethod, classmethod
             member = getattr(member, "fget", member)  # property
             if not isinstance(member, types.FunctionType) or member in methods:
                 continue
             methods.add(member)
-            _read_globals(member, found, written, seen, depth=3)
+            yield member
             names.extend(_names_read(inspect.unwrap(member).__code__))
-    return tuple(found.values()), frozenset(written)
 
 
 def _names_read(code: types.CodeType) -> set[str]:
@@ -667,15 +698,16 @@ def _data(value: Any) -> bool:
     if isinstance(value, (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
                           functools.partial, torch.nn.Module)):
         return False
-    return _plain(value) or isinstance(value, (list, tuple, dict, set, frozenset, torch.Tensor)) or _plain_object(value)
+    return _plain(value) or isinstance(value, (list, tuple, dict, set, frozenset, torch.Tensor)) or _is_array(value) \
+        or _plain_object(value)
 
 
 def _changes_in_place(value: Any) -> bool:
-    """Whether ``value`` can change without being set again: a list, dict or set, a tuple holding one, a tensor,
-    or a plain object (:func:`_plain_object`)."""
+    """Whether ``value`` can change without being set again: a list, dict or set, a tuple holding one, a tensor, a
+    NumPy array, or a plain object (:func:`_plain_object`)."""
     if isinstance(value, tuple):
         return any(map(_changes_in_place, value))
-    return isinstance(value, (list, dict, set, torch.Tensor)) or _plain_object(value)
+    return isinstance(value, (list, dict, set, torch.Tensor)) or _is_array(value) or _plain_object(value)
 
 
 def _plain_object(value: Any) -> bool:
@@ -698,10 +730,10 @@ _SNAPSHOT_DEPTH, _SNAPSHOT_SIZE = 6, 2_000
 def snapshot(value: Any) -> Any:
     """A copy of ``value`` that :func:`unchanged` compares with it later, to see whether it changed in place:
     lists, tuples, dicts and sets copied (their elements too), a plain object (:func:`_plain_object`) as its
-    fields, a tensor as its identity, version counter and storage, numbers and strings as they are, anything
-    else by identity; their subclasses (an ``OrderedDict``, a named tuple, a dict with fields) by their type,
-    items and fields. Past 6 levels, or a container whose elements would take the copy past 2,000, by identity
-    (so that each call compares little). Numbers compare by ``==``: one set to an equal number of another type
+    fields, a tensor as its identity, version counter and storage, a NumPy array as its identity, shape, dtype and
+    bytes, numbers and strings as they are, anything else by identity; their subclasses (an ``OrderedDict``, a
+    named tuple, a dict with fields) by their type, items and fields. Past 6 levels, or a container or array whose
+    elements would take the copy past 2,000, by identity (so that each call compares little). Numbers compare by ``==``: one set to an equal number of another type
     (1 where 1.0 was) is not seen.
 
     >>> table = [1.0, {"scale": 2}]
@@ -723,6 +755,11 @@ def _copy(value: Any, depth: int, budget: list[int]) -> Any:
         return value
     if isinstance(value, torch.Tensor):
         return _TensorAt(value)
+    if _is_array(value):
+        if value.size > budget[0] or value.dtype.hasobject:  # (objects in it: by identity)
+            return _Same(value)
+        budget[0] -= value.size
+        return _ArrayAt(value)
     if depth == 0 or (isinstance(value, (list, tuple, dict, set, frozenset)) and len(value) > budget[0]):
         return _Same(value)
     if kind is list:
@@ -797,6 +834,27 @@ def _storage(tensor: torch.Tensor) -> int | None:
         return None
 
 
+class _ArrayAt(_Same):
+    """A NumPy array as a snapshot holds it: the same array, with the same shape, dtype and bytes (a copy of them,
+    compared on each call: arrays of up to 2,000 elements are snapshot so)."""
+
+    __slots__ = ("data", "kind", "shape")
+
+    def __init__(self, value: Any):
+        super().__init__(value)
+        self.shape, self.kind, self.data = value.shape, value.dtype, value.tobytes()
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.value and other.shape == self.shape and other.dtype == self.kind \
+            and other.tobytes() == self.data
+
+
+def _is_array(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array (without importing NumPy where nothing did)."""
+    kind = type(value)
+    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
+
+
 class _Fields(_Same):
     """A plain object as a snapshot holds it: the same object, with fields equal to ``fields`` (a snapshot)."""
 
@@ -846,7 +904,7 @@ def differs_where(was: Any, value: Any, path: str) -> str:
         inner = _first_difference(was, value)
         if inner is None:
             shown_was = was.value if isinstance(was, _Same) else was
-            if isinstance(was, _TensorAt) and was.value is value:
+            if isinstance(was, (_TensorAt, _ArrayAt)) and was.value is value:
                 return f"{path} changed in place (written)"
             return f"{path} changed in place (now {_short(value)}, was {_short(shown_was)})"
         key, was, value = inner
