@@ -625,6 +625,12 @@ def _quick(model, x, **options):
     return fast
 
 
+def _waiting(model):
+    """An optimized module of ``model`` that makes each plan before answering, quietly, and its builder."""
+    builder = call_fuzz.QuickBuilder(0)
+    return GuardedModule(model, builder, wait=True, say=lambda line: None), builder
+
+
 def test_a_call_during_a_weight_change_on_another_thread_never_runs_the_old_plan(monkeypatch):
     import threading
     import time
@@ -1221,8 +1227,7 @@ def test_outputs_are_handed_back_as_the_models_would_be():
     # gave a loss needing none; a loss adding a weight penalty trained the penalty alone)
     torch.manual_seed(0)
     model, x, y = TwoHeads().eval(), torch.randn(2, 8), torch.tensor([1, 3])
-    builder = call_fuzz.QuickBuilder(0)
-    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    fast, builder = _waiting(model)
     with torch.no_grad():
         first, again, _ = fast(x)
         assert not first.is_inference() and first is again  # one tensor, as the model returns it
@@ -1254,8 +1259,7 @@ def test_the_optimized_module_stands_in_for_the_model():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 4)).eval()
     x, y = torch.randn(4, 8), torch.tensor([0, 1, 2, 3])
-    builder = call_fuzz.QuickBuilder(0)
-    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    fast, builder = _waiting(model)
     with torch.no_grad():
         fast(x)
     assert fast.state_dict().keys() == model.state_dict().keys()
@@ -1291,13 +1295,36 @@ def test_the_optimized_module_stands_in_for_the_model():
     fast.close()
 
 
+def test_the_models_attributes_are_read_and_set_through_the_optimized_module():
+    # fast.temperature = 2.0 stayed on the wrapper and was answered with the model's 1.0, silently, and
+    # fast.temperature raised AttributeError: the optimized module now reads, sets and deletes the model's own
+    torch.manual_seed(0)
+    model, x = Tempered().eval(), torch.randn(2, 8)
+    fast, builder = _waiting(model)
+    with torch.no_grad():
+        fast(x)
+        assert fast.temperature == 1.0 and fast.use_b is True
+        fast.temperature = 2.0
+        assert model.temperature == 2.0 and "temperature" not in vars(fast)
+        assert close(fast(x), model(x)) and builder.built == 2
+        fast.offset = 3  # a new attribute is the model's too
+        del fast.offset
+        assert not hasattr(model, "offset")
+        fast.b = torch.nn.Identity()  # a submodule given another, as on the model
+        assert isinstance(model.b, torch.nn.Identity) and close(fast(x), model(x))
+        fast.wait = False  # the optimized module's own settings stay its own
+        assert model.__dict__.get("wait") is None and fast.wait is False
+        with pytest.raises(AttributeError, match="no attribute 'missing'"):
+            fast.missing  # noqa: B018 - the question is whether it raises
+    fast.close()
+
+
 def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_path):
     # copy.deepcopy(fast), or of a module holding it (an exponential moving average's copy), raised "cannot pickle
     # '_thread.lock' object"; torch.save(fast) raised pickle's error on a lambda inside
     torch.manual_seed(0)
     model, x = Tempered().eval(), torch.randn(2, 8)
-    builder = call_fuzz.QuickBuilder(0)
-    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    fast, builder = _waiting(model)
     with torch.no_grad():
         fast(x)
         parent = torch.nn.Sequential(fast)
@@ -1640,8 +1667,7 @@ class Odd(torch.nn.Module):
 def test_odd_attributes_cost_no_rebuild_and_no_error():
     torch.manual_seed(0)
     model, x = Odd().eval(), torch.randn(2, 8)
-    builder = call_fuzz.QuickBuilder(0)
-    fast = GuardedModule(model, builder, wait=True, say=lambda line: None)
+    fast, builder = _waiting(model)
     with torch.no_grad():
         for _ in range(3):
             assert close(fast(x), model(x))

@@ -109,6 +109,11 @@ class PlanBuilder:
         return self.build(model, inputs)
 
 
+# the optimized module's own public attributes; every other public one set on it is the model's
+_OWN_ATTRIBUTES = frozenset({"model", "training", "builder", "strict", "wait", "max_plans", "say", "dynamic", "watch",
+                             "plans"})
+
+
 class GuardedModule(torch.nn.Module):
     """``model``'s calls, each served by the plan made for its signature (see the module's docstring).
     ``plans`` are those already made (from ``opsched.optimize`` or a plan file); ``builder`` makes more.
@@ -159,12 +164,34 @@ class GuardedModule(torch.nn.Module):
             object.__setattr__(self, table, getattr(model, table))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # the wrapper's own attributes are set where they are; a module, parameter or buffer goes to the model's
-        # tables, as on the model (a plain value stays on the wrapper: set the model's own on fast.model)
-        if name in self.__dict__:
-            object.__setattr__(self, name, value)
+        # the wrapper's own attributes, and PyTorch's private ones of the wrapper (its hooks, a compiled call), are
+        # set on it; any other is the model's, set as on the model: a temperature set on the optimized module
+        # stayed on the wrapper and was answered with the model's old one, silently
+        if name in _OWN_ATTRIBUTES or name.startswith("_"):
+            if name in self.__dict__:
+                object.__setattr__(self, name, value)
+            else:
+                super().__setattr__(name, value)
         else:
-            super().__setattr__(name, value)
+            setattr(self.model, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # (only where the wrapper has no attribute of that name) the model's submodules, parameters and buffers,
+        # whose tables it shares, then the model's own attributes and methods (fast.temperature,
+        # fast.reset_classifier(10)), as on the model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("model")
+            if model is None or name.startswith("__"):  # (being made or copied)
+                raise
+            return getattr(model, name)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN_ATTRIBUTES or name.startswith("_"):
+            super().__delattr__(name)
+        else:
+            delattr(self.model, name)
 
     # torch.compile(fast) runs this as it is: the plans are compiled already, and dynamo would break its graph on
     # the locks and the watch, with a warning for each
