@@ -1319,6 +1319,28 @@ def test_the_models_attributes_are_read_and_set_through_the_optimized_module():
     fast.close()
 
 
+def test_an_attribute_set_where_there_was_none_is_followed():
+    # the watch looked at the attributes there were when it was made: the model's forward replaced on the instance
+    # afterwards (as patching libraries do), or a setting its forward reads with a default, went unseen, and the
+    # plans answered as before, silently; an attribute no forward reads (a private cache) rebuilds nothing
+    torch.manual_seed(0)
+    model, x = Tempered().eval(), torch.randn(2, 8)
+    lines = []
+    fast = GuardedModule(model, call_fuzz.QuickBuilder(0), wait=True, say=lines.append)
+    with torch.no_grad():
+        fast(x)
+        model._cache = "anything"
+        assert close(fast(x), model(x)) and not any("set" in line for line in lines), lines
+        plain = model.forward
+        model.forward = lambda y: plain(y) * 2
+        assert close(fast(x), model(x))
+        assert any(line.startswith("forward set (set to <function") for line in lines), lines
+        model.forward = lambda y: plain(y) * 3  # now watched as any attribute there is
+        assert fast.watch.changed().startswith("forward changed (set to <function")
+        assert close(fast(x), model(x))
+    fast.close()
+
+
 def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_path):
     # copy.deepcopy(fast), or of a module holding it (an exponential moving average's copy), raised "cannot pickle
     # '_thread.lock' object"; torch.save(fast) raised pickle's error on a lambda inside
@@ -1474,6 +1496,7 @@ LAYER_SETTINGS = {  # the change, and the line that says it (None: nothing the f
     "an activation's slope": (("act", "negative_slope", 0.5), "act.negative_slope changed"),
     "a pooling's rounding": (("pool", "ceil_mode", True), "pool.ceil_mode changed"),
     "an upsampling's scale": (("up", "scale_factor", 3.0), "up.scale_factor changed"),
+    "a layer's forward replaced": (("act", "forward", torch.tanh), "act.forward set (set to <built-in method tanh"),
     "a setting set again, equal": (("conv", "stride", (1, 1)), None),
     "a setting only the layer's __init__ reads": (("conv", "in_channels", 5), None),
 }

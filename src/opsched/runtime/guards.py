@@ -252,13 +252,18 @@ class WeightWatch:
         self.hook_tables = [getattr(module, hooks) for module in self.every_module for hooks in _HOOKS
                             if isinstance(getattr(module, hooks, None), dict)] + _global_hooks() \
             if self.watches_attributes else []
+        # the modules' attribute tables and their sizes: an attribute set that was not there when the slots were
+        # found (a layer's forward replaced, a setting a forward reads with a default) moves a size
+        self.module_tables = [module.__dict__ for module in self.every_module] if self.watches_attributes else []
+        self.walked_sizes = list(map(len, self.module_tables))
         self.tables = [table for table, *_ in self.slots]
         self.names = [name for _, name, *_ in self.slots]
         self.update()
 
     def update(self) -> None:
         """Take the weights as they are now as the ones plans are built from."""
-        if _MODULES_REGISTERED[0] != self.structure and self._restructured():
+        if _MODULES_REGISTERED[0] != self.structure and self._restructured() \
+                or list(map(len, self.module_tables)) != self.walked_sizes:
             self._walk()
             return
         self.steps = _STEPS_TAKEN[0]
@@ -301,7 +306,7 @@ class WeightWatch:
                 return "a hook was added to or removed from a module of the model (plans run the forward as captured)"
             self.handles = _HANDLES.next_id  # (hooks of other modules)
         if not self.watches_tensors:
-            return None
+            return self._attribute_added()
         if not all(map(operator.is_, map(dict.get, self.tables, self.names), self.found)):
             return _which([slot[2] for slot in self.slots], list(map(id, map(dict.get, self.tables, self.names))),
                           list(map(id, self.found)),
@@ -318,7 +323,7 @@ class WeightWatch:
                           ".data =)")
         if _STEPS_TAKEN[0] != self.steps:
             return self._stepped()
-        return None
+        return self._attribute_added()
 
     def ignore(self, paths: set[str], by_build: bool = False) -> None:
         """Stop watching the attributes at ``paths``: the models' forwards set them themselves (a counter, a size
@@ -419,6 +424,22 @@ class WeightWatch:
         return [(was, value, path) for path, was, value in zip(paths, snapshots, objects)
                 if not unchanged([was], [value])]
 
+    def _attribute_added(self) -> str | None:
+        """Which attribute a forward may read (:func:`_read_by_forward`) was set on a module since the watch found
+        its slots, where it was not, in words; or None, the slots then found again (an attribute no forward
+        reads: a private cache)."""
+        if list(map(len, self.module_tables)) == self.walked_sizes:
+            return None
+        known = set(self.attribute_paths)
+        for model in self.models:
+            for path, module in model.named_modules():
+                for key in _read_by_forward(module):
+                    where = f"{path}.{key}" if path else key
+                    if where not in known and where not in self.own_attributes:
+                        return f"{where} set (set to {_short(module.__dict__.get(key))}, was not there)"
+        self._walk()
+        return None
+
     def _restructured(self) -> bool:
         """Whether the models' modules are other than they were (a submodule given another module)."""
         now = [module for model in self.models for module in model.modules()]
@@ -499,7 +520,8 @@ def _read_by_forward(module: torch.nn.Module) -> list[str]:
 @functools.lru_cache(maxsize=1024)
 def _settings_read(kind: type) -> frozenset[str]:
     """The names the code of PyTorch's layer ``kind`` reads: its ``forward`` and the methods of its own that this
-    names, and theirs, down to ``torch.nn.Module`` (whose call machinery reads the hooks, not the settings).
+    names, and theirs, down to ``torch.nn.Module`` (whose call machinery reads the hooks, watched on their own, and
+    ``forward``: a layer's own, set over its class's, is read too).
 
     >>> sorted(_settings_read(torch.nn.LeakyReLU) & set(vars(torch.nn.LeakyReLU(0.2))))
     ['inplace', 'negative_slope']
@@ -508,7 +530,8 @@ def _settings_read(kind: type) -> frozenset[str]:
     """
     classes = [klass for klass in kind.__mro__ if klass.__module__.startswith("torch.nn.")
                and klass is not torch.nn.Module]
-    return frozenset(name for method in _methods_reached(classes) for name in _names_read(inspect.unwrap(method).__code__))
+    return frozenset({"forward"}.union(*(_names_read(inspect.unwrap(method).__code__)
+                                         for method in _methods_reached(classes))))
 
 
 def attributes_of(model: torch.nn.Module) -> dict[str, Any]:
