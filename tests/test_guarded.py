@@ -1341,6 +1341,100 @@ def test_an_attribute_set_where_there_was_none_is_followed():
     fast.close()
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+
+    def forward(self, x, scale=1.0):
+        return self.a(x) * scale
+
+
+def test_keywords_are_passed_by_the_forward_there_is_now():
+    # the forward's parameters were read once: after the forward was replaced by one with another default, a
+    # keyword call was passed by the old one's and answered with the new default, silently
+    torch.manual_seed(0)
+    model, x = Scaled().eval(), torch.randn(2, 8)
+    fast, _ = _waiting(model)
+    with torch.no_grad():
+        assert close(fast(x, scale=1.0), model(x, scale=1.0))
+        plain = model.forward
+        model.forward = lambda x, factor=1.0, scale=2.0: plain(x, scale * factor)
+        assert close(fast(x, scale=1.0), model(x, scale=1.0))
+        assert close(fast(x, factor=3.0), model(x, factor=3.0))
+    fast.close()
+
+
+def test_a_patched_layers_own_settings_are_watched():
+    # a layer of PyTorch's whose forward was replaced on the instance reads what the patch reads: its attributes
+    # are watched as a user module's (a scale the patch added, set again later, was answered with the old one)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8)).eval()
+    layer = model[0]
+    watch = WeightWatch(model)
+    layer.scale = 2.0
+    layer.forward = types.MethodType(lambda self, y: torch.nn.functional.linear(y, self.weight) * self.scale, layer)
+    assert watch.changed().startswith("0.")
+    watch.update()
+    assert watch.changed() is None
+    layer.scale = 3.0
+    assert watch.changed() == "0.scale changed (set to 3.0, was 2.0)"
+
+
+def test_what_the_watch_leaves_to_the_tensors_is_no_setting():
+    # an LSTM's lists of its weights are settings its forward reads, but a copy of the model (each build makes
+    # one) resets them on the model itself: they made every plan be built twice after a weight change; the
+    # weights are watched as tensors
+    model = torch.nn.Sequential(torch.nn.LSTM(4, 4)).eval()
+    watch = WeightWatch(model)
+    copy.deepcopy(model)
+    assert watch.changed() is None
+    assert not any(path.endswith(("_flat_weights", "_flat_weight_refs")) for path in watch.attribute_paths)
+
+
+class PrivatelyScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self._scale, self._cache = torch.nn.Linear(8, 8), 1.0, None
+
+    def forward(self, x):
+        return self.a(x) * self._scale
+
+
+def test_a_private_attribute_the_forward_reads_is_watched():
+    # private attributes were never watched: self._scale set to 2.0 was answered with 1.0, silently; one the
+    # class's code does not read (a cache) is not watched
+    model = PrivatelyScaled().eval()
+    watch = WeightWatch(model)
+    model._cache = "anything"
+    assert watch.changed() is None
+    model._scale = 2.0
+    assert watch.changed() == "_scale changed (set to 2.0, was 1.0)"
+
+
+def test_a_numpy_memory_map_written_in_place_is_seen(tmp_path):
+    table = np.memmap(tmp_path / "table", dtype=np.float32, mode="w+", shape=(4,))
+    kept = guards.snapshot([table])
+    table[1] = 5.0
+    assert not guards.unchanged([kept], [[table]])
+
+
+def test_names_set_through_the_optimized_module_stay_where_they_are_read():
+    # private names are the optimized module's own, read and set on it; modules set on a DataParallel replica of
+    # it go to the replica's tables (they replaced the model's own submodules)
+    model = Tempered().eval()
+    model._scale = 1.0
+    fast, _ = _waiting(model)
+    with pytest.raises(AttributeError):
+        fast._scale  # noqa: B018 - the question is whether it raises
+    fast._scale = 2.0
+    assert fast._scale == 2.0 and model._scale == 1.0
+    replica = fast._replicate_for_data_parallel()
+    own = model.b
+    replica.b = torch.nn.Identity()
+    assert model.b is own and isinstance(replica.b, torch.nn.Identity)
+    fast.close()
+
+
 def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_path):
     # copy.deepcopy(fast), or of a module holding it (an exponential moving average's copy), raised "cannot pickle
     # '_thread.lock' object"; torch.save(fast) raised pickle's error on a lambda inside

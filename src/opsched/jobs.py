@@ -80,8 +80,9 @@ def optimize(model: Any, example_inputs: Sequence[Any], *, method: str = "ios", 
     signature, made the same way for each new one (in the background, the model answering meanwhile; before
     answering with ``wait``; refused with ``strict``), rebuilt when the model's weights change; at most
     ``max_plans`` kept. ``batch_sizes`` makes the plans for those batch sizes now (the example inputs repeated
-    or cut along their first dimension). ``follow_weights=False``: the weights are not looked at on each call
-    (see :class:`~opsched.runtime.guarded.GuardedModule`; ``module.refresh()`` after changing them).
+    or cut along their first dimension). ``follow_weights=False``: the weights, and the settings of PyTorch's
+    layers, are not looked at on each call (see :class:`~opsched.runtime.guarded.GuardedModule`;
+    ``module.refresh()`` after changing them).
     ``dynamic_shapes`` (torch.export's form: ``({1: Dim("length", min=8, max=512)},)``) declares dimensions
     whose sizes vary: torch.export is asked whether the model keeps them free (a refusal raises
     :class:`~opsched.errors.CaptureError`), and each new size within the ranges gets its plan from the schedule

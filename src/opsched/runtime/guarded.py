@@ -119,12 +119,15 @@ class GuardedModule(torch.nn.Module):
     ``plans`` are those already made (from ``opsched.optimize`` or a plan file); ``builder`` makes more.
 
     ``follow_weights=False`` stops looking at the weights on every call (their identity, version counter and
-    storage: about 0.3 µs a tensor, see docs/calls.md): for weights that never change, or whose owner calls
+    storage: about 0.3 µs a tensor, see docs/calls.md), and at the settings of PyTorch's layers (a convolution's
+    padding, a norm's eps: about 30 ns each), which are made with the layer as its weights are: for weights that
+    never change, or whose owner calls
     :meth:`refresh` after changing them. A change not announced is then answered by each plan with the weights it
     was built from, all of them (plans are then built from copies of their own, never from the model's memory;
     see :mod:`opsched.models.sharing`), except a plan of ``opsched.optimize(graph=...)``, which reads the memory
     the graph given was captured from: after a change it has not been told of, it may answer with a mix of old and
-    new weights. Replaced modules and modules out of eval mode are still seen.
+    new weights. Replaced modules, modules out of eval mode, the attributes of other modules than PyTorch's
+    layers, the globals and the hooks are still seen.
 
     ``dynamic`` (:func:`opsched.runtime.dynamic.dynamic_dims`) names dimensions whose sizes vary: a call
     that differs from a plan's only in their sizes, within their ranges, gets its plan from that plan's
@@ -164,31 +167,37 @@ class GuardedModule(torch.nn.Module):
             object.__setattr__(self, table, getattr(model, table))
 
     def __setattr__(self, name: str, value: Any) -> None:
-        # the wrapper's own attributes, and PyTorch's private ones of the wrapper (its hooks, a compiled call), are
-        # set on it; any other is the model's, set as on the model: a temperature set on the optimized module
-        # stayed on the wrapper and was answered with the model's old one, silently
+        # the wrapper's own attributes, and private ones (PyTorch's of the wrapper: its hooks, a compiled call), are
+        # set on it; a module, parameter or buffer goes to the tables, which are the model's (a DataParallel
+        # replica's copies of them: set on the model, they replaced the model's own submodules); any other value is
+        # the model's, set as on the model: a temperature set on the optimized module stayed on the wrapper and was
+        # answered with the model's old one, silently
         if name in _OWN_ATTRIBUTES or name.startswith("_"):
             if name in self.__dict__:
                 object.__setattr__(self, name, value)
             else:
                 super().__setattr__(name, value)
+        elif isinstance(value, (torch.nn.Module, torch.nn.Parameter)) or name in self._modules \
+                or name in self._parameters or name in self._buffers:
+            super().__setattr__(name, value)
         else:
             setattr(self.model, name, value)
 
     def __getattr__(self, name: str) -> Any:
         # (only where the wrapper has no attribute of that name) the model's submodules, parameters and buffers,
-        # whose tables it shares, then the model's own attributes and methods (fast.temperature,
-        # fast.reset_classifier(10)), as on the model
+        # whose tables it shares, then the model's own public attributes and methods (fast.temperature,
+        # fast.reset_classifier(10)), as on the model; private names are the wrapper's, read as they are set
         try:
             return super().__getattr__(name)
         except AttributeError:
             model = self.__dict__.get("model")
-            if model is None or name.startswith("__"):  # (being made or copied)
+            if model is None or name.startswith("_"):  # (being made or copied)
                 raise
             return getattr(model, name)
 
     def __delattr__(self, name: str) -> None:
-        if name in _OWN_ATTRIBUTES or name.startswith("_"):
+        if name in _OWN_ATTRIBUTES or name.startswith("_") or name in self._modules or name in self._parameters \
+                or name in self._buffers:
             super().__delattr__(name)
         else:
             delattr(self.model, name)
@@ -279,12 +288,21 @@ class GuardedModule(torch.nn.Module):
             raise SignatureMismatch(f"{why}; the model itself answers such calls (strict=False)")
         return self._model_answers(inputs)
 
-    @functools.cached_property
+    @property
     def _forward_signature(self) -> inspect.Signature | None:
-        try:
-            return inspect.signature(self.model.forward)
-        except (TypeError, ValueError):  # (a forward inspect cannot read: keywords go to the model itself)
-            return None
+        """The parameters of the model's forward as it is now: read again where the forward was replaced (on the
+        instance), whose parameters and defaults may be others (keywords were passed by the first one's)."""
+        forward = self.model.forward
+        function = getattr(forward, "__func__", forward)
+        kept = self.__dict__.get("_signature_of")
+        if kept is None or kept[0] is not function:
+            try:
+                signature = inspect.signature(forward)
+            except (TypeError, ValueError):  # (a forward inspect cannot read: keywords go to the model itself)
+                signature = None
+            kept = (function, signature)
+            self._signature_of = kept
+        return kept[1]
 
     def _keywords_answered_by_model(self, inputs: tuple, keywords: dict[str, Any]) -> Any:
         """A call whose keywords cannot all be passed by position (a keyword-only parameter, ``**kwargs``): the

@@ -216,11 +216,12 @@ class WeightWatch:
     (``attributes=False``: none of these). About 0.2 µs a tensor in a loop, 0.3 µs right
     after a plan's call (docs/calls.md).
 
-    ``tensors=False`` watches the modules only (replaced, out of eval mode, their attributes and hooks), for
-    weights that their owner promises not to change or to announce with :meth:`update`: about 7 µs a call for
-    ResNet-18 (17 attributes of torchvision's modules and 196 settings of PyTorch's layers, about 28 ns each; its
-    138 hook tables counted only after a hook was registered somewhere), where its tensors' look takes about 17
-    more."""
+    ``tensors=False`` watches the modules only (replaced, out of eval mode, their attributes and hooks, but not
+    the settings of PyTorch's layers, which are made with the layer as its weights are), for weights that their
+    owner promises not to change or to announce with :meth:`update`: about 2 µs a call for ResNet-18 (17
+    attributes of torchvision's modules, the sizes of its 68 modules' attribute tables; its 138 hook tables counted
+    only after a hook was registered somewhere), where its tensors' look takes about 17 more and its 196 settings
+    about 6."""
 
     def __init__(self, *models: torch.nn.Module, tensors: bool = True, attributes: bool = True):
         self.models, self.watches_tensors, self.watches_attributes = models, tensors, attributes
@@ -244,7 +245,7 @@ class WeightWatch:
         self.every_module = [module for model in models for module in model.modules()]
         # the modules' own attributes a forward may read (stride, eps, a temperature, a flag), which a captured
         # program holds as they were, and the hooks that wrap their forwards
-        attributes = [(table, key, where) for table, key, where in _watched_slots(models)
+        attributes = [(table, key, where) for table, key, where in _watched_slots(models, self.watches_tensors)
                       if where not in self.own_attributes] if self.watches_attributes else []
         self.attribute_tables = [table for table, *_ in attributes]
         self.attribute_names = [key for _, key, _ in attributes]
@@ -426,18 +427,19 @@ class WeightWatch:
 
     def _attribute_added(self) -> str | None:
         """Which attribute a forward may read (:func:`_read_by_forward`) was set on a module since the watch found
-        its slots, where it was not, in words; or None, the slots then found again (an attribute no forward
-        reads: a private cache)."""
+        its slots, where it was not, in words; or None (an attribute no forward reads: a private cache)."""
         if list(map(len, self.module_tables)) == self.walked_sizes:
             return None
         known = set(self.attribute_paths)
         for model in self.models:
             for path, module in model.named_modules():
-                for key in _read_by_forward(module):
+                for key in _read_by_forward(module, self.watches_tensors):
                     where = f"{path}.{key}" if path else key
                     if where not in known and where not in self.own_attributes:
                         return f"{where} set (set to {_short(module.__dict__.get(key))}, was not there)"
-        self._walk()
+        # none a forward reads: the slots stay what they are (nothing is taken again, so that a change made on
+        # another thread meanwhile is still seen at the next call)
+        self.walked_sizes = list(map(len, self.module_tables))
         return None
 
     def _restructured(self) -> bool:
@@ -497,24 +499,43 @@ def _mode_free(module: torch.nn.Module) -> bool:
     return kind.__module__ in _MODE_FREE_MODULES and kind.__name__ not in _MODE_DEPENDENT
 
 
-def _attribute_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
+def _attribute_slots(models: Sequence[torch.nn.Module], settings: bool = True) -> list[tuple[dict, str, str]]:
     """Each module's own attributes a forward may read, as (its ``__dict__``, the name, the path): of PyTorch's own
     layers, the settings their code reads (:func:`_settings_read`: a convolution's stride and padding, a norm's eps,
-    a slope, a scale factor; not ``in_channels``, which only ``__init__`` reads); of every other module
-    (torchvision's, timm's, the user's), each attribute but the private ones (``_parameters``, hooks). Never
-    ``training``, which is watched on its own."""
+    a slope, a scale factor; not ``in_channels``, which PyTorch's code reads only in ``__init__``), unless
+    ``settings`` is false; of every other module (torchvision's, timm's, the user's), and of a PyTorch layer whose
+    ``forward`` was replaced on the instance, each public attribute, and the private ones its class's code reads
+    (``self._scale``; not ``nn.Module``'s own: ``_parameters``, the hooks). Never ``training``, which is watched
+    on its own."""
     return [(module.__dict__, key, f"{path}.{key}" if path else key)
             for model in models for path, module in model.named_modules()
-            for key in _read_by_forward(module)]
+            for key in _read_by_forward(module, settings)]
 
 
-def _read_by_forward(module: torch.nn.Module) -> list[str]:
+def _read_by_forward(module: torch.nn.Module, settings: bool = True) -> list[str]:
     """The names in ``module.__dict__`` its forward may read (see :func:`_attribute_slots`)."""
-    kind = type(module)
-    if kind.__module__.startswith("torch.nn."):
+    kind, table = type(module), module.__dict__
+    if kind.__module__.startswith("torch.nn.") and "forward" not in table:
+        if not settings:
+            return []
         read = _settings_read(kind)
-        return [key for key in module.__dict__ if key in read and key != "training"]
-    return [key for key in module.__dict__ if not key.startswith("_") and key != "training"]
+        # (a setting is a plain value or a function: RNN's lists of its weights, watched as tensors, are not)
+        return [key for key in table if key in read and key != "training"
+                and (_plain(table[key]) or callable(table[key]))]
+    read = _names_read_by_class(kind)
+    return [key for key in table if key != "training"
+            and (not key.startswith("_") or key in read and key not in _MODULE_INTERNALS)]
+
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # nn.Module's own: its tables and hooks
+
+
+@functools.lru_cache(maxsize=4096)  # (bounded: a class made per copy, as torch.fx's, is not kept for good)
+def _names_read_by_class(kind: type) -> frozenset[str]:
+    """The names the code of ``kind``'s ``forward`` reads, with its methods that this names and theirs (see
+    :func:`_methods_reached`), in its own classes (not PyTorch's or the standard library's)."""
+    classes = [klass for klass in kind.__mro__ if not _foreign(klass.__module__)]
+    return frozenset().union(*(_names_read(inspect.unwrap(method).__code__) for method in _methods_reached(classes)))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -573,10 +594,11 @@ def _set_again(paths: Sequence[str], now: Sequence[Any], before: Sequence[Any]) 
     return {path for path, value, was in zip(paths, now, before) if value is not was and not _equal_plain(value, was)}
 
 
-def _watched_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
+def _watched_slots(models: Sequence[torch.nn.Module], settings: bool = True) -> list[tuple[dict, str, str]]:
     """What a watch looks at besides the tensors and hooks: the modules' own attributes
-    (:func:`_attribute_slots`) and the globals their code reads (:func:`_global_slots`)."""
-    return _attribute_slots(models) + _global_slots(models)
+    (:func:`_attribute_slots`, PyTorch's layers' settings unless ``settings`` is false) and the globals their code
+    reads (:func:`_global_slots`)."""
+    return _attribute_slots(models, settings) + _global_slots(models)
 
 
 def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
@@ -873,9 +895,10 @@ class _ArrayAt(_Same):
 
 
 def _is_array(value: Any) -> bool:
-    """Whether ``value`` is a NumPy array (without importing NumPy where nothing did)."""
-    kind = type(value)
-    return kind.__name__ == "ndarray" and kind.__module__ == "numpy"
+    """Whether ``value`` is a NumPy array, of a subclass too (a memory map); without importing NumPy where nothing
+    did."""
+    numpy = sys.modules.get("numpy")
+    return numpy is not None and isinstance(value, numpy.ndarray)
 
 
 class _Fields(_Same):
