@@ -6,7 +6,8 @@ minutes), then called:
 
 - with new values, at batch 2, with a ``channels_last`` input, twice in grad mode (the outputs must require
   gradients as the model's do; the model itself answers a plan's first call in grad mode, to see which do);
-- after ``load_state_dict`` with changed weights, under bfloat16 autocast;
+- after ``load_state_dict`` with changed weights, after the first norm layer's ``eps`` set to 0.5 (a setting of
+  one of PyTorch's layers; models without one skip this call), under bfloat16 autocast;
 - after ``fast.train()`` (the model answers, with its dropout: both called from the same random state) and
   ``fast.eval()``;
 - after ``fast.double()``, with a float64 input.
@@ -121,6 +122,11 @@ def one(spec: str, image_size: int) -> dict:
                 changed[k] = v + 0.01 * torch.randn(v.shape, generator=g).to(v.dtype)
         model.load_state_dict(changed)
         call("after load_state_dict", (torch.randn_like(x),))
+        norm = next((m for m in model.modules() if type(m).__module__.startswith("torch.nn.")
+                     and isinstance(getattr(m, "eps", None), float)), None)
+        if norm is not None:
+            norm.eps = 0.5
+            call("after a norm's eps set", (torch.randn_like(x),))
         call("bfloat16 autocast", (torch.randn_like(x),), autocast=True)
         fast.train()
         call("after fast.train()", (torch.randn(2, *x.shape[1:]),), seed=3)
