@@ -519,15 +519,19 @@ def _read_by_forward(module: torch.nn.Module, settings: bool = True) -> list[str
         if not settings:
             return []
         read = _settings_read(kind)
-        # (a setting is a plain value or a function: RNN's lists of its weights, watched as tensors, are not)
-        return [key for key in table if key in read and key != "training"
-                and (_plain(table[key]) or callable(table[key]))]
+        return [key for key in table if key in read and key != "training" and _setting(table[key])]
     read = _names_read_by_class(kind)
     return [key for key in table if key != "training"
             and (not key.startswith("_") or key in read and key not in _MODULE_INTERNALS)]
 
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # nn.Module's own: its tables and hooks
+
+
+def _setting(value: Any) -> bool:
+    """Whether ``value``, held by one of PyTorch's layers, is a setting: a plain value (:func:`_plain`), a list of
+    them (an adaptive softmax's cutoffs) or a function; not an RNN's lists of its weights, watched as tensors."""
+    return _plain(value) or callable(value) or type(value) is list and all(map(_plain, value))
 
 
 @functools.lru_cache(maxsize=4096)  # (bounded: a class made per copy, as torch.fx's, is not kept for good)
