@@ -3,7 +3,7 @@ strided slices. Each against the operators it replaces, on random shapes, values
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -346,6 +346,7 @@ def _inference_norm_graph(channels: int, eps: float, seed: int) -> torch.fx.Grap
 @settings(max_examples=60, deadline=None)
 @given(channels=st.integers(1, 16), size=st.integers(1, 9), batch=st.integers(1, 3),
        eps=st.floats(1e-6, 1e-2), scale=st.floats(-3, 3), seed=st.integers(0, 2**16))
+@example(channels=1, size=1, batch=1, eps=0.009482199430299557, scale=0.0, seed=316)  # (failed the bound before)
 def test_the_inference_norm_exported_as_batch_norm_computes_the_same(channels, size, batch, eps, scale, seed):
     """The ONNX exporter has no symbolic for the inference norm: it is exported as aten.batch_norm, which must give
     the same bits, and float32's own error against a float64 reference."""
@@ -359,4 +360,10 @@ def test_the_inference_norm_exported_as_batch_norm_computes_the_same(channels, s
     assert torch.equal(got, gm(x))
     b = {n: getattr(gm, n).double() for n in ("weight", "bias", "mean", "var")}
     want = torch.nn.functional.batch_norm(x.double(), b["mean"], b["var"], b["weight"], b["bias"], False, 0.1, eps)
-    assert (got.double() - want).abs().max() <= 1e-6 * want.abs().max()
+    # float32's error is relative to the terms summed, not to the answer: a bias that nearly cancels the normalised
+    # input leaves an answer far smaller than either (0.066 from terms near 1: 1.3e-6 of the answer); the kernel
+    # computes x * (w / sqrt(var + eps)) + (b - mean * w / sqrt(var + eps)), so x and the mean are terms apart
+    per_channel = (1, channels, 1, 1)
+    terms = (x.double().abs() + b["mean"].abs().view(per_channel)) * b["weight"].abs().view(per_channel) \
+        / (b["var"].view(per_channel) + eps).sqrt() + b["bias"].abs().view(per_channel)
+    assert ((got.double() - want).abs() <= 8 * torch.finfo(torch.float32).eps * terms).all()
