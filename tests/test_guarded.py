@@ -1435,6 +1435,23 @@ def test_names_set_through_the_optimized_module_stay_where_they_are_read():
     fast.close()
 
 
+def test_loading_through_a_parent_runs_the_models_own_hooks_of_loading():
+    # a module holding the optimized module loaded the model's tensors but skipped the hooks registered on the
+    # model itself (a post hook that derives a table from the loaded weights left it as it was)
+    torch.manual_seed(0)
+    model = Tempered().eval()
+    seen = []
+    model.register_load_state_dict_pre_hook(lambda module, state, prefix, *rest: seen.append(("pre", prefix)))
+    model.register_load_state_dict_post_hook(lambda module, keys: seen.append(("post", type(module).__name__)))
+    fast, _ = _waiting(model)
+    parent = torch.nn.Sequential(fast, torch.nn.Linear(8, 2))
+    parent.load_state_dict({k: v * 0.5 for k, v in parent.state_dict().items()})
+    assert seen == [("pre", "0."), ("post", "GuardedModule")]
+    fast.load_state_dict(model.state_dict())  # directly: the model's own load, each hook once
+    assert seen[2:] == [("pre", ""), ("post", "Tempered")]
+    fast.close()
+
+
 def test_a_copy_of_the_optimized_module_is_an_optimized_module_of_a_copy(tmp_path):
     # copy.deepcopy(fast), or of a module holding it (an exponential moving average's copy), raised "cannot pickle
     # '_thread.lock' object"; torch.save(fast) raised pickle's error on a lambda inside

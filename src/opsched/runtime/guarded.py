@@ -163,7 +163,9 @@ class GuardedModule(torch.nn.Module):
         for plan in plans:
             self._keep(plan)
         # the model's own tables of submodules, parameters and buffers (see "The model's own module methods")
-        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
+        # and its hooks of loading, which a module holding this one runs here, where the model would be
+        for table in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set",
+                      "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"):
             object.__setattr__(self, table, getattr(model, table))
 
     def __setattr__(self, name: str, value: Any) -> None:
