@@ -36,6 +36,19 @@ def make_dag():
     return random_dag
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """A clock only the runners move (:class:`support.fake_clock.FakeClock`), read by opsched's timing: timing logic
+    tested without the machine's noise."""
+    from support.fake_clock import FakeClock
+
+    import opsched.timing
+
+    made = FakeClock()
+    monkeypatch.setattr(opsched.timing, "time", made)
+    return made
+
+
 @pytest.fixture(scope="session")
 def zoo_captured():
     """``get(spec, batch, image_size)``: a zoo model loaded and captured once for the whole session, as

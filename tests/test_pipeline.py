@@ -3,7 +3,6 @@ verified chosen; the peers as the design describes them."""
 
 import json
 import os
-import time
 
 import pytest
 import torch
@@ -12,22 +11,18 @@ from opsched.cli import main
 from opsched.evaluation import Candidate, evaluate
 
 
-def _sleeper(seconds: float, value):
-    def run():
-        time.sleep(seconds)
-        return value
-    return run
-
-
-def test_evaluate_drops_wrong_and_failing_candidates_and_chooses_the_fastest_verified():
+def test_evaluate_drops_wrong_and_failing_candidates_and_chooses_the_fastest_verified(clock):
+    # (the configurations' times on a clock only they move: with real sleeps, one pause of the machine's in three
+    # rounds could tie the fastest with eager)
     x = torch.ones(4)
 
     def boom():
         raise RuntimeError("The size of tensor a (28) must match the size of tensor b (56)\nmore lines")
 
-    ev = evaluate([Candidate("slow", _sleeper(0.004, x)), Candidate("fast", _sleeper(0.001, x)),
+    ev = evaluate([Candidate("slow", clock.runner(0.004, value=x)), Candidate("fast", clock.runner(0.001, value=x)),
                    Candidate("wrong", lambda: x + 1), Candidate("broken", boom),
-                   Candidate("eager", _sleeper(0.002, x), "peer", 1), Candidate("eager", _sleeper(0.003, x), "peer", 2)],
+                   Candidate("eager", clock.runner(0.002, value=x), "peer", 1),
+                   Candidate("eager", clock.runner(0.003, value=x), "peer", 2)],
                   reference=x, repeats=3)
     assert ev.chosen == "fast"
     assert set(ev.measured_ms) == {"slow", "fast", "eager"}
@@ -38,34 +33,30 @@ def test_evaluate_drops_wrong_and_failing_candidates_and_chooses_the_fastest_ver
     assert any("broken dropped" in w for w in ev.warnings)
 
 
-def test_evaluate_remeasures_a_timing_that_was_wildly_off():
+def test_evaluate_remeasures_a_timing_that_was_wildly_off(clock):
     x = torch.ones(2)
-    calls = {"n": 0}
-
-    def disturbed():  # the first timing round is hit by a burst of load on every sample
-        calls["n"] += 1
-        time.sleep(0.02 if 3 <= calls["n"] <= 7 else 0.001)
-        return x
-
-    ev = evaluate([Candidate("plan", disturbed, expected_ms=1.0), Candidate("eager", _sleeper(0.001, x), "peer")],
+    calls = [0]
+    # the first timing round is hit by a burst of load on every sample
+    disturbed = clock.runner(lambda: 0.02 if 3 <= calls[0] <= 7 else 0.001, calls, value=x)
+    ev = evaluate([Candidate("plan", disturbed, expected_ms=1.0), Candidate("eager", clock.runner(0.001, value=x), "peer")],
                   reference=x, repeats=5)
     assert ev.measured_ms["plan"] < 5.0 and not ev.warnings
 
 
-def test_evaluate_says_when_a_figure_cannot_be_trusted():
+def test_evaluate_says_when_a_figure_cannot_be_trusted(clock):
     x = torch.ones(2)
-    ev = evaluate([Candidate("plan", _sleeper(0.005, x), expected_ms=0.1)], reference=x, repeats=3)
+    ev = evaluate([Candidate("plan", clock.runner(0.005, value=x), expected_ms=0.1)], reference=x, repeats=3)
     assert ev.measured_ms["plan"] > 4.0
     assert any("its prediction" in w for w in ev.warnings)
 
 
-def test_a_candidates_prepare_and_settle_surround_each_call_untimed():
+def test_a_candidates_prepare_and_settle_surround_each_call_untimed(clock):
     events = []
 
     def step(name):
         def run():
             if name != "run":
-                time.sleep(0.005)
+                clock.now += 0.005
             events.append(name)
             return torch.ones(1)
         return run

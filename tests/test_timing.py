@@ -4,26 +4,20 @@ an evaluation's configurations (opsched.timing.race_leavers), against timing eve
 
 import itertools
 import random
-import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.fake_clock import FakeClock
 
 from opsched.noise import choose, same_program_spread
 from opsched.timing import interleaved_samples, medians_until_apart, race_leavers
 
 
-def _counted(seconds: float, calls: list[int], k: int):
-    def run():
-        calls[k] += 1
-        if seconds:
-            time.sleep(seconds)
-    return run
-
-
-def test_a_clear_winner_stops_the_rounds_early_and_a_tie_runs_them_all():
+def test_a_clear_winner_stops_the_rounds_early_and_a_tie_runs_them_all(clock):
+    # (on a clock only the runners move: with real sleeps, one pause of the machine's made the quick runner's
+    # rounds straddle the slow one's, and more rounds ran)
     calls = [0, 0]
-    fast, slow = medians_until_apart([_counted(0.0, calls, 0), _counted(0.003, calls, 1)], repeats=15)
+    fast, slow = medians_until_apart([clock.runner(0.0, calls, 0), clock.runner(0.003, calls, 1)], repeats=15)
     assert fast < slow
     # five rounds, each a timed call and its untimed lead-in, after one warm-up call
     assert calls == [11, 11]
@@ -32,42 +26,18 @@ def test_a_clear_winner_stops_the_rounds_early_and_a_tie_runs_them_all():
     # first five after a warm-up call, then two and two, each batch after a warm-up call of its own)
     calls = [0, 0]
     cycle = itertools.cycle([0.001, 0.003, 0.003])
-
-    def straddling():
-        calls[0] += 1
-        time.sleep(next(cycle))
-
-    medians_until_apart([straddling, _counted(0.002, calls, 1)], repeats=9)
+    medians_until_apart([clock.runner(lambda: next(cycle), calls, 0), clock.runner(0.002, calls, 1)], repeats=9)
     assert calls == [21, 21]
 
 
-def test_it_never_runs_more_rounds_than_asked():
+def test_it_never_runs_more_rounds_than_asked(clock):
     calls = [0, 0]
-    medians_until_apart([_counted(0.0, calls, 0), _counted(0.0, calls, 1)], repeats=3)
+    medians_until_apart([clock.runner(0.0, calls, 0), clock.runner(0.0, calls, 1)], repeats=3)
     assert calls == [7, 7]  # one warm-up, three rounds of two calls
 
 
-class FakeClock:
-    """A clock only the runners move, each by its cost: timings without the machine's noise."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self) -> float:
-        return self.now
-
-    def runner(self, seconds: float, calls: list[int], k: int):
-        def run():
-            calls[k] += 1
-            self.now += seconds
-        return run
-
-
-def test_a_race_stops_timing_a_plainly_slower_runner_but_never_the_control_pair(monkeypatch):
-    import opsched.timing
-
-    clock, calls, ticks = FakeClock(), [0, 0, 0, 0], []
-    monkeypatch.setattr(opsched.timing, "time", clock)
+def test_a_race_stops_timing_a_plainly_slower_runner_but_never_the_control_pair(clock):
+    calls, ticks = [0, 0, 0, 0], []
     runners = [clock.runner(s, calls, k) for k, s in enumerate([0.002, 0.0021, 0.004, 0.002])]
     fast, close, slow, again = interleaved_samples(runners, repeats=8, race_after=3, control=(0, 3),
                                                    after_each=lambda: ticks.append(1))
@@ -125,37 +95,37 @@ def test_a_race_keeps_the_choice_of_timing_every_round(speeds, spread, slowed_ro
     assert chosen[0] == everything[0], (everything, chosen)
 
 
-def test_a_lead_in_repeats_a_short_call_until_it_lasts_the_time_asked_at_most_fifty_calls():
+def test_a_lead_in_repeats_a_short_call_until_it_lasts_the_time_asked_at_most_fifty_calls(clock):
     for lead_in, per_sample in ((0.0, 1), (1.0, 50)):
         calls = [0]
-        interleaved_samples([_counted(0.0, calls, 0)], repeats=4, warmup=1, lead_in_seconds=lead_in)
+        interleaved_samples([clock.runner(0.0, calls, 0)], repeats=4, warmup=1, lead_in_seconds=lead_in)
         assert calls[0] == 1 + 4 * (per_sample + 1)  # the warm-up, then each round's lead-in and sample
 
 
 class _Wake:
     """Two configurations where the second runs slow in the wake of the first: ``slow`` seconds a call until
-    ``lasting`` seconds have passed since the first's last call, ``fast`` after."""
+    ``lasting`` seconds have passed on ``clock`` since the first's last call, ``fast`` after."""
 
-    def __init__(self, lasting: float, fast: float, slow: float, other: float):
-        self.lasting, self.fast, self.slow, self.other = lasting, fast, slow, other
+    def __init__(self, clock: FakeClock, lasting: float, fast: float, slow: float, other: float):
+        self.clock, self.lasting, self.fast, self.slow, self.other = clock, lasting, fast, slow, other
         self.other_ended = -1e9
 
     def other_run(self):
-        time.sleep(self.other)
-        self.other_ended = time.perf_counter()
+        self.clock.now += self.other
+        self.other_ended = self.clock.now
 
     def run(self):
-        time.sleep(self.slow if time.perf_counter() - self.other_ended < self.lasting else self.fast)
+        self.clock.now += self.slow if self.clock.now - self.other_ended < self.lasting else self.fast
 
 
-def test_an_evaluation_times_a_short_configuration_past_the_wake_of_the_one_before_it():
+def test_an_evaluation_times_a_short_configuration_past_the_wake_of_the_one_before_it(clock):
     # a wake of 10 ms: with one lead-in call (2 ms) the fast configuration was timed in it, slower than the other
     import torch
 
     from opsched.evaluation import LEAD_IN_SECONDS, Candidate, evaluate
 
     assert LEAD_IN_SECONDS >= 0.02
-    wake = _Wake(lasting=0.010, fast=0.0005, slow=0.002, other=0.001)
+    wake = _Wake(clock, lasting=0.010, fast=0.0005, slow=0.002, other=0.001)
     x = torch.ones(2)
 
     def answer(run):
