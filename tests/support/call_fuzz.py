@@ -108,11 +108,12 @@ def _tolerance(flat: Sequence[Any], model: torch.nn.Module, inputs: tuple) -> fl
     return max((TOLERANCE.get(d, 1e-4) for d in dtypes), default=1e-4)
 
 
-def differs(got: Any, want: Any, grads: bool = False) -> str:
+def differs(got: Any, want: Any, grads: bool = False, lowered: Sequence[bool] | None = None) -> str:
     """What differs between an answer ``got`` and the model's ``want``: their structure, an output's shape or
     dtype (with ``grads``, whether it requires gradients), or its values beyond its own dtype's tolerance (under
     autocast one output may be float32, an element-wise product, another bfloat16, a convolution, whose rounding
-    the first one's tolerance would call wrong); '' where nothing does."""
+    the first one's tolerance would call wrong), or bfloat16's where ``lowered`` says the output went through
+    bfloat16 (:func:`autocast_lowered`); '' where nothing does."""
     if pytree.tree_structure(got) != pytree.tree_structure(want):
         return f"structure {pytree.tree_structure(got)} where the model gives {pytree.tree_structure(want)}"
     pairs = [(k, g, w) for k, (g, w) in enumerate(zip(pytree.tree_leaves(got), pytree.tree_leaves(want)))
@@ -123,10 +124,20 @@ def differs(got: Any, want: Any, grads: bool = False) -> str:
         if grads and g.requires_grad != w.requires_grad:
             return f"output {k}: requires_grad {g.requires_grad} where the model's is {w.requires_grad}"
     for k, g, w in pairs:
-        verdict = compare_outputs(g.detach(), w.detach(), TOLERANCE.get(w.dtype, 1e-4))
+        tolerance = TOLERANCE[torch.bfloat16] if lowered and lowered[k] else TOLERANCE.get(w.dtype, 1e-4)
+        verdict = compare_outputs(g.detach(), w.detach(), tolerance)
         if not verdict.ok:
             return f"output {k}: {verdict.why}"
     return ""
+
+
+def autocast_lowered(want: Any, full: Any) -> list[bool]:
+    """For each output leaf of the model's answer under autocast (``want``), whether it went through bfloat16: it
+    differs from the model's answer without autocast (``full``) beyond float32's tolerance. A float32 output can
+    (the product of a bfloat16 convolution's output and a float32 value), and carries bfloat16's rounding: a plan
+    that folds a batch norm into that convolution rounds otherwise, by a bfloat16 step, as the model may."""
+    return [isinstance(w, torch.Tensor) and not compare_outputs(w.float(), f.float(), TOLERANCE[torch.float32]).ok
+            for w, f in zip(pytree.tree_leaves(want), pytree.tree_leaves(full))]
 
 
 @st.composite
@@ -182,7 +193,11 @@ class Sequence_:
                 want = self._reference(inputs)
                 got = self.fast(*inputs)
         self.calls += 1
-        why = differs(got, want)
+        lowered = None
+        if torch.is_autocast_enabled("cpu"):
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                lowered = autocast_lowered(want, self._reference(inputs))
+        why = differs(got, want, lowered=lowered)
         if why:
             self.wrong.append(f"{what}: {why}")
 

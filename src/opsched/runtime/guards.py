@@ -232,7 +232,6 @@ class WeightWatch:
     def _walk(self) -> None:
         """Find the models' modules, parameters and buffers (again, after a module was given another)."""
         models = self.models
-        self.structure = _MODULES_REGISTERED[0]
         self.slots = [(table, name, f"{path}.{name}" if path else name)
                       for model in models for path, module in model.named_modules()
                       for table in (module._parameters, module._buffers) for name in table]
@@ -243,6 +242,11 @@ class WeightWatch:
         self.module_paths = [path or type(module).__name__ for path, module in evaluating]
         self.modules = [module for _, module in evaluating]
         self.every_module = [module for model in models for module in model.modules()]
+        # the modules' tables of submodules, what they held, and each module's class: a submodule deleted, popped,
+        # set in the table directly (none of which PyTorch's registration hook sees) or given another class
+        self.child_tables = [module._modules for module in self.every_module]
+        self.children = list(itertools.chain.from_iterable(map(dict.values, self.child_tables)))
+        self.classes = list(map(type, self.every_module))
         # the modules' own attributes a forward may read (stride, eps, a temperature, a flag), which a captured
         # program holds as they were, and the hooks that wrap their forwards
         attributes = [(table, key, where) for table, key, where in _watched_slots(models, self.watches_tensors)
@@ -263,8 +267,7 @@ class WeightWatch:
 
     def update(self) -> None:
         """Take the weights as they are now as the ones plans are built from."""
-        if _MODULES_REGISTERED[0] != self.structure and self._restructured() \
-                or list(map(len, self.module_tables)) != self.walked_sizes:
+        if self._restructured() or list(map(len, self.module_tables)) != self.walked_sizes:
             self._walk()
             return
         self.steps = _STEPS_TAKEN[0]
@@ -288,8 +291,8 @@ class WeightWatch:
         """What changed since :meth:`update`, in words, or None."""
         if any(map(_TRAINING, self.modules)):
             return self.in_training()
-        if _MODULES_REGISTERED[0] != self.structure and self._restructured():
-            return "a module of the model was replaced or added"
+        if self._restructured():
+            return "a module of the model was replaced, added or removed, or given another class"
         if not all(map(operator.is_, map(dict.get, self.attribute_tables, self.attribute_names),
                        self.attribute_values)):
             set_again = self._attribute_set()
@@ -303,7 +306,7 @@ class WeightWatch:
         # a hook added anywhere moves the handles' count, one removed empties a table that held it: only then
         # are the models' hook tables counted (ResNet-18's 138 cost 2 µs, too much for every call)
         if (_HANDLES.next_id != self.handles or list(map(len, self.hooked)) != self.hooked_counts) and self.hook_tables:
-            if list(map(len, self.hook_tables)) != self.hook_counts:
+            if list(map(tuple, self.hook_tables)) != self.hook_keys:  # (by handle: one removed, another added)
                 return "a hook was added to or removed from a module of the model (plans run the forward as captured)"
             self.handles = _HANDLES.next_id  # (hooks of other modules)
         if not self.watches_tensors:
@@ -380,7 +383,7 @@ class WeightWatch:
         """Take the modules' attributes (and what they hold), the globals and the hooks as they are now."""
         self.attribute_values = self.attribute_values_now()
         self._take_in_place()
-        self.hook_counts = list(map(len, self.hook_tables))
+        self.hook_keys = list(map(tuple, self.hook_tables))
         self.hooked = [table for table in self.hook_tables if table]
         self.hooked_counts = list(map(len, self.hooked))
         self.handles = _HANDLES.next_id
@@ -443,12 +446,10 @@ class WeightWatch:
         return None
 
     def _restructured(self) -> bool:
-        """Whether the models' modules are other than they were (a submodule given another module)."""
-        now = [module for model in self.models for module in model.modules()]
-        if len(now) != len(self.every_module) or any(a is not b for a, b in zip(now, self.every_module)):
-            return True
-        self.structure = _MODULES_REGISTERED[0]
-        return False
+        """Whether the models' modules are other than they were: a submodule given another module, added, deleted
+        or popped, or a module given another class (``module.__class__ = ...``)."""
+        return list(itertools.chain.from_iterable(map(dict.values, self.child_tables))) != self.children \
+            or list(map(type, self.every_module)) != self.classes
 
     def _stepped(self) -> str | None:
         """Whether an optimizer stepped one of the tensors since :meth:`update` (the fused ones write without
@@ -606,8 +607,9 @@ def _watched_slots(models: Sequence[torch.nn.Module], settings: bool = True) -> 
 
 
 def _global_slots(models: Sequence[torch.nn.Module]) -> list[tuple[dict, str, str]]:
-    """The module-level globals holding data (not a module, class or function) that the models' own code reads,
-    as (the globals' dict, the name, ``global NAME (its module)``): read by the ``forward`` of every class of the
+    """The module-level globals holding data or a function (not a module or class) that the models' own code
+    reads, as (the globals' dict, the name, ``global NAME (its module)``), a function by identity (one replaced, a
+    patched attention function say, is a change): read by the ``forward`` of every class of the
     models' modules, by the methods it names (and theirs), and by the plain functions those read and the ones these
     read, two calls down (not in PyTorch's own code). A captured program
     holds what it read as it was (``SCALE = 1.0`` in the model's file, set to 2.0 later; torch.compile guards on
@@ -726,11 +728,13 @@ def _read_globals(function: types.FunctionType, found: dict, written: set, seen:
                 if not _foreign(value.__name__):
                     module = vars(value)
                     modules_read.append(module)
-            elif isinstance(value, types.FunctionType):
-                if depth > 1:
+            elif isinstance(value, type):
+                continue
+            else:  # data, or a function: replaced (a patched attention function), the code reads the new one
+                if isinstance(value, types.FunctionType) and depth > 1:
                     _read_globals(value, found, written, seen, depth - 1)
-            elif _data(value):
-                found.setdefault((id(table), name), (table, name))
+                if _data(value) or callable(value):
+                    found.setdefault((id(table), name), (table, name))
         written.update((id(table), name) for table in modules_read for name in stored)
 
 
@@ -1019,16 +1023,6 @@ _VERSION = operator.attrgetter("_version")
 _IGNORING = threading.Lock()  # one ignore() at a time: the builder's thread and a caller's may both leave some out
 _TRAINING = operator.attrgetter("training")
 
-# How many modules any module of the process was given (PyTorch's registration hook): a watch looks at its
-# models' modules again only when this moved.
-_MODULES_REGISTERED = [0]
-
-
-def _module_registered(module: torch.nn.Module, name: str, value: Any) -> None:
-    _MODULES_REGISTERED[0] += 1
-
-
-torch.nn.modules.module.register_module_module_registration_hook(_module_registered)
 
 # The optimizer steps of the process, each with the ids of the tensors it may have written (the last 64): the
 # fused optimizers (Adam(fused=True), ...) write without moving the tensors' version counters.
