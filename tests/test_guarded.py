@@ -4,6 +4,7 @@ another process; and the differential fuzzer over random call sequences (tests/s
 
 import collections
 import copy
+import dataclasses
 import functools
 import json
 import subprocess
@@ -1558,6 +1559,30 @@ class Settings:
         self.negate, self.extra = False, {"bias": 0.0}
 
 
+@dataclasses.dataclass(slots=True)
+class SlotsSettings:
+    negate: bool = False
+    extra: dict = dataclasses.field(default_factory=lambda: {"bias": 0.0})
+
+
+class Leaky(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.act = functools.partial(torch.nn.functional.leaky_relu, negative_slope=0.1)
+
+    def forward(self, x):
+        return self.act(self.a(x))
+
+
+def test_a_partials_keywords_changed_in_place_are_followed():
+    # a functools.partial was compared by identity: its keywords changed in place were answered with the old ones
+    torch.manual_seed(0)
+    model, x = Leaky().eval(), torch.randn(4, 8)
+    built, lines = _built_and_said(model, x, lambda fast: model.act.keywords.__setitem__("negative_slope", 0.5))
+    assert built == 2 and any(line.startswith("act.keywords['negative_slope'] changed in place") for line in lines)
+
+
 class Configured(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -1607,6 +1632,7 @@ IN_PLACE = {  # the change, and the line that says it
                                                              "config.extra['bias'] changed in place"),
     "an OrderedDict's item": (lambda model: model.config.extra.__setitem__("bias", 1.0), "config.extra"),
     "a SimpleNamespace's field": (lambda model: setattr(model.config, "negate", True), "config.negate"),
+    "a field of a dataclass with slots": (lambda model: setattr(model.config, "negate", True), "config.negate"),
 }
 
 
@@ -1713,6 +1739,8 @@ def test_what_the_forward_reads_changed_in_place_is_followed(change):
         model.config.extra = collections.OrderedDict(bias=0.0)
     elif change == "a SimpleNamespace's field":
         model.config = types.SimpleNamespace(negate=False, extra={"bias": 0.0})
+    elif change == "a field of a dataclass with slots":  # (no __dict__: it was compared by identity only)
+        model.config = SlotsSettings()
 
     def prime(fast, builder, lines):
         fast(x.clone().requires_grad_())  # the model answers, and appends to its history: its own doing

@@ -764,16 +764,42 @@ def _changes_in_place(value: Any) -> bool:
 
 
 def _plain_object(value: Any) -> bool:
-    """An object that holds its fields in ``__dict__`` (a configuration, such as Hugging Face's ``config``, or
-    ``argparse.Namespace``), of the user's or a library's class, neither a module nor a tensor nor PyTorch's or
-    the standard library's (a logger, a lock), but its two namespaces."""
+    """An object that holds its fields in ``__dict__`` or in ``__slots__`` (a configuration, such as Hugging Face's
+    ``config``, a dataclass with slots, ``argparse.Namespace``), of the user's or a library's class, neither a
+    module nor a tensor nor PyTorch's or the standard library's (a logger, a lock), but its two namespaces and
+    ``functools.partial`` (whose keywords a user may change in place)."""
     kind = type(value)
-    return (hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor, type,
-                                                                  types.ModuleType, types.FunctionType))
-            and (not _foreign(kind.__module__) or kind in _NAMESPACES))
+    if kind in _STANDARD_OBJECTS:
+        return True
+    return ((hasattr(value, "__dict__") or bool(_slot_names(kind)))
+            and not isinstance(value, (torch.nn.Module, torch.Tensor, type, types.ModuleType, types.FunctionType))
+            and not _foreign(kind.__module__))
 
 
 _NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
+_STANDARD_OBJECTS = (*_NAMESPACES, functools.partial)  # the standard library's objects watched as plain ones
+
+
+@functools.lru_cache(maxsize=1024)
+def _slot_names(kind: type) -> tuple[str, ...]:
+    """The names of ``kind``'s ``__slots__``, its classes' own included (a dataclass with ``slots=True``)."""
+    names = []
+    for klass in kind.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        names.extend([slots] if isinstance(slots, str) else slots)
+    return tuple(name for name in dict.fromkeys(names) if name not in ("__dict__", "__weakref__"))
+
+
+def _fields(value: Any) -> dict:
+    """A plain object's fields (:func:`_plain_object`): its ``__dict__``, its slots, and a partial's function,
+    arguments and keywords."""
+    if type(value) is functools.partial:
+        return {"func": value.func, "args": value.args, "keywords": value.keywords}
+    fields = dict(vars(value)) if hasattr(value, "__dict__") else {}
+    for name in _slot_names(type(value)):
+        if hasattr(value, name):
+            fields[name] = getattr(value, name)
+    return fields
 
 
 # how much of a value a snapshot copies: past this, objects are compared by identity only
@@ -833,7 +859,7 @@ def _copy(value: Any, depth: int, budget: list[int]) -> Any:
         fields = _copy(vars(value), depth - 1, budget) if hasattr(value, "__dict__") else None
         return _Items(value, items, fields)
     if _plain_object(value):
-        return _Fields(value, _copy(vars(value), depth - 1, budget))
+        return _Fields(value, _copy(_fields(value), depth - 1, budget))
     return _Same(value)
 
 
@@ -919,7 +945,7 @@ class _Fields(_Same):
         self.fields = fields
 
     def __eq__(self, other: object) -> bool:
-        return other is self.value and self.fields == vars(other)
+        return other is self.value and self.fields == _fields(other)
 
 
 class _Items(_Same):
@@ -952,7 +978,7 @@ def differs_where(was: Any, value: Any, path: str) -> str:
     """
     while True:
         if isinstance(was, _Fields) and was.value is value and type(was.fields) is dict:
-            was, value, attribute = was.fields, vars(value), True
+            was, value, attribute = was.fields, _fields(value), True
         else:
             attribute = False
         inner = _first_difference(was, value)
