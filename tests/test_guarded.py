@@ -1575,6 +1575,30 @@ class Leaky(torch.nn.Module):
         return self.act(self.a(x))
 
 
+class ReadsChildMode(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return y * 2 if self.conv.training else y
+
+
+def test_a_childs_mode_read_by_its_parent_is_followed():
+    # a convolution's mode was not looked at (its own forward never reads it): its parent's branch on it was
+    # answered as captured, silently, after model.conv.train()
+    torch.manual_seed(0)
+    model, x = ReadsChildMode().eval(), torch.randn(1, 3, 8, 8)
+    fast, _ = _waiting(model)
+    with torch.no_grad():
+        fast(x)
+        fast(x)
+        model.conv.train()
+        assert close(fast(x), model(x))
+    fast.close()
+
+
 def test_a_partials_keywords_changed_in_place_are_followed():
     # a functools.partial was compared by identity: its keywords changed in place were answered with the old ones
     torch.manual_seed(0)

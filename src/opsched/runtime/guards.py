@@ -237,8 +237,12 @@ class WeightWatch:
                       for table in (module._parameters, module._buffers) for name in table]
         # the modules in eval mode now whose forward may read their mode (a container such as a model batch may
         # not be in eval mode: its models are)
+        # (a module whose own forward never reads its mode is looked at all the same where the code of a module
+        # holding it reads `training`: `if self.conv.training`)
+        read_by_parent = {id(child) for model in models for parent in model.modules()
+                          if "training" in _names_read_by_class(type(parent)) for child in parent.children()}
         evaluating = [(path, module) for model in models for path, module in model.named_modules()
-                      if not module.training and not _mode_free(module)]
+                      if not module.training and (not _mode_free(module) or id(module) in read_by_parent)]
         self.module_paths = [path or type(module).__name__ for path, module in evaluating]
         self.modules = [module for _, module in evaluating]
         self.every_module = [module for model in models for module in model.modules()]
