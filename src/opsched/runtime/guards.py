@@ -539,15 +539,12 @@ def _setting(value: Any) -> bool:
     return _plain(value) or callable(value) or type(value) is list and all(map(_plain, value))
 
 
-@functools.lru_cache(maxsize=4096)  # (bounded: a class made per copy, as torch.fx's, is not kept for good)
 def _names_read_by_class(kind: type) -> frozenset[str]:
-    """The names the code of ``kind``'s ``forward`` reads, with its methods that this names and theirs (see
-    :func:`_methods_reached`), in its own classes (not PyTorch's or the standard library's)."""
-    classes = [klass for klass in kind.__mro__ if not _foreign(klass.__module__)]
-    return frozenset().union(*(_names_read(inspect.unwrap(method).__code__) for method in _methods_reached(classes)))
+    """The names the code of ``kind``'s ``forward`` reads, with its methods that this names and theirs, in its own
+    classes (not PyTorch's or the standard library's)."""
+    return _names_read_by_code_of(tuple(klass for klass in kind.__mro__ if not _foreign(klass.__module__)))
 
 
-@functools.lru_cache(maxsize=1024)
 def _settings_read(kind: type) -> frozenset[str]:
     """The names the code of PyTorch's layer ``kind`` reads: its ``forward`` and the methods of its own that this
     names, and theirs, down to ``torch.nn.Module`` (whose call machinery reads the hooks, watched on their own, and
@@ -558,10 +555,15 @@ def _settings_read(kind: type) -> frozenset[str]:
     >>> "in_channels" in _settings_read(torch.nn.Conv2d), "stride" in _settings_read(torch.nn.Conv2d)
     (False, True)
     """
-    classes = [klass for klass in kind.__mro__ if klass.__module__.startswith("torch.nn.")
-               and klass is not torch.nn.Module]
-    return frozenset({"forward"}.union(*(_names_read(inspect.unwrap(method).__code__)
-                                         for method in _methods_reached(classes))))
+    layers = tuple(klass for klass in kind.__mro__ if klass.__module__.startswith("torch.nn.")
+                   and klass is not torch.nn.Module)
+    return frozenset({"forward"}) | _names_read_by_code_of(layers)
+
+
+@functools.lru_cache(maxsize=4096)  # (bounded: a class made per copy, as torch.fx's, is not kept for good)
+def _names_read_by_code_of(classes: tuple[type, ...]) -> frozenset[str]:
+    """The names read by the ``forward`` of ``classes`` and the methods it reaches (:func:`_methods_reached`)."""
+    return frozenset().union(*(_names_read(inspect.unwrap(method).__code__) for method in _methods_reached(classes)))
 
 
 def attributes_of(model: torch.nn.Module) -> dict[str, Any]:
